@@ -1,0 +1,209 @@
+"""Command line: ``specdecode generate | models | calibrate-layerskip``.
+
+Parsing, loading and printing only; the loop lives in ``engine.py``. Every user error ends with one
+line ``specdecode: error: ...`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+import torch
+
+from specdecode.drafters import DRAFTERS, make_drafter
+from specdecode.drafters.draft_model import check_same_vocabulary
+from specdecode.drafters.layer_skip import parse_layers
+from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, find_skip_set, calibrate_and_store
+from specdecode.engine import Engine, SpeculativeConfig
+from specdecode.models.build import LoadedModel, load_model
+from specdecode.models.registry import DEFAULT_MODEL
+from specdecode.sampling import SamplingParams
+
+
+class UsageError(Exception):
+    """Bad input from the user; printed as one line, exit status 2."""
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _gamma(value: str) -> int | str:
+    if value == "agreement":
+        return value
+    try:
+        gamma = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'agreement', got {value!r}") from None
+    if gamma < 0:
+        raise argparse.ArgumentTypeError(f"gamma must be >= 0, got {gamma}")
+    return gamma
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name, .gguf path, HF folder or hub id (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="weights and activations; auto = bf16 where the CPU computes it natively, else fp32")
+    p.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads (default: torch's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _model_args(g)
+    g.add_argument("prompt", help="the prompt; '-' reads it from stdin")
+    g.add_argument("--draft-model", default=None, help="draft model for --drafter draft (same vocabulary as --model)")
+    g.add_argument("--drafter", choices=DRAFTERS, default=None,
+                   help="how to draft (default: draft when --draft-model is given, else ngram)")
+    g.add_argument("--gamma", type=_gamma, default=4, help="tokens drafted per step (0 = off) or 'agreement'")
+    g.add_argument("--gamma-max", type=_positive, default=8, help="upper bound for adaptive gamma")
+    g.add_argument("--skip-layers", default="auto",
+                   help="layers layerskip skips, e.g. '4,6,8-12'; 'auto' uses (or runs) the stored calibration")
+    g.add_argument("--ngram", default="1,3", help="min,max n-gram sizes for ngram lookup (default 1,3)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="same seed, same output")
+    g.add_argument("--max-new-tokens", type=_positive, default=128)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    m = sub.add_parser("models", help="list the named models and whether each is cached")
+    m.add_argument("--json", action="store_true")
+
+    c = sub.add_parser("calibrate-layerskip", help="search the layers to skip for self-speculation")
+    _model_args(c)
+    c.add_argument("--gamma", type=_positive, default=4, help="draft length the prediction assumes")
+    c.add_argument("--new-tokens", type=_positive, default=48, help="reference tokens per calibration prompt")
+    c.add_argument("--json", action="store_true")
+    return parser
+
+
+def _read_prompt(prompt: str) -> str:
+    if prompt != "-":
+        return prompt
+    try:
+        return sys.stdin.read()
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UsageError(f"cannot read the prompt from stdin: {exc}") from None
+
+
+def _engine_for(args: argparse.Namespace, target: LoadedModel) -> Engine:
+    drafter_kind = args.drafter or ("draft" if args.draft_model else "ngram")
+    draft_model = skip = None
+    if drafter_kind == "draft":
+        if not args.draft_model:
+            raise UsageError("--drafter draft needs --draft-model NAME|PATH")
+        _log(f"loading draft model {args.draft_model} ...")
+        draft = load_model(args.draft_model, args.dtype, progress=_log)
+        check_same_vocabulary(target.tokenizer.vocab(), draft.tokenizer.vocab(),
+                              target.model.config.vocab_size, draft.model.config.vocab_size)
+        draft_model = draft.model
+    elif args.draft_model:
+        raise UsageError(f"--draft-model is only used by --drafter draft, not {drafter_kind}")
+    if drafter_kind == "layerskip":
+        if args.skip_layers == "auto":
+            skip = find_skip_set(target, args.dtype) or calibrate_and_store(target, args.dtype, progress=_log).skip
+        else:
+            skip = parse_layers(args.skip_layers, target.model.config.num_layers)
+    sizes = tuple(int(x) for x in args.ngram.split(","))
+    if len(sizes) != 2:
+        raise UsageError(f"--ngram takes 'min,max', got {args.ngram!r}")
+    drafter = make_drafter(drafter_kind, target.model, draft_model, skip, ngram_sizes=sizes)
+    return Engine(target.model, target.tokenizer, drafter, SpeculativeConfig(args.gamma, args.gamma_max))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args.prompt)
+    if not prompt.strip():
+        raise UsageError("the prompt is empty")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    target = load_model(args.model, args.dtype, progress=_log)
+    engine = _engine_for(args, target)
+    if args.chat:
+        if not target.tokenizer.chat_template:
+            raise UsageError(f"model {args.model} has no chat template; drop --chat")
+        prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    if args.json:
+        result = engine.generate(prompt, sampling, args.max_new_tokens, args.stop)
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "stats": result.stats.to_dict()}))
+        return 0
+    stream = engine.stream(prompt, sampling, args.max_new_tokens, args.stop)
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    s = stream.result.stats
+    predicted = f"{s.predicted_speedup:.2f}x" if s.predicted_speedup is not None else "n/a"
+    _log(f"[{s.tokens_generated} tokens, {s.tokens_per_s:.1f} tok/s, {s.target_forwards} target forwards, "
+         f"tau {s.mean_accepted_length:.2f}, acceptance {s.acceptance_rate:.2f}, predicted speedup {predicted}, "
+         f"finish {stream.result.finish_reason}]")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from specdecode.models.fetch import cached_path
+    from specdecode.models.registry import list_models
+
+    rows = [{"name": m.name, "default": m.name == DEFAULT_MODEL, "cached": cached_path(m) is not None,
+             "path": str(cached_path(m) or ""), "description": m.description} for m in list_models()]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        mark = "cached " if r["cached"] else "not cached"
+        print(f"{r['name']:<{width}}  {mark:<10}  {r['description']}{'  (default)' if r['default'] else ''}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    target = load_model(args.model, args.dtype, progress=_log)
+    result = calibrate_and_store(target, args.dtype, gamma=args.gamma, new_tokens=args.new_tokens, progress=_log)
+    if args.json:
+        print(json.dumps({"model": target.source, "skip": list(result.skip), "agreement": result.agreement,
+                          "predicted_speedup": result.predicted_speedup, "gamma": result.gamma,
+                          "prompts": len(CALIBRATION_PROMPTS)}))
+    else:
+        print(f"skip layers {','.join(map(str, result.skip))}: agreement {result.agreement:.3f}, "
+              f"predicted speedup {result.predicted_speedup:.2f}x at gamma {result.gamma}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "models": cmd_models, "calibrate-layerskip": cmd_calibrate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        _log("specdecode: interrupted")
+        return 130
+    except (UsageError, ValueError, KeyError, OSError, RuntimeError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        _log(f"specdecode: error: {message}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

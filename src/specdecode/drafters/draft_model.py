@@ -1,0 +1,68 @@
+"""A separate small model drafts autoregressively over its own KV cache.
+
+The draft must share the target's vocabulary (same ids for the same tokens): a mismatched pair is
+refused at construction. The draft's cache is rolled back with the target's in ``commit``. This
+module does not load models (see ``models/loader.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.drafters.base import Draft, model_draft
+from specdecode.kv.cache import CacheConfig, KVCache
+from specdecode.models.transformer import Transformer
+from specdecode.sampling import SamplingParams
+
+
+class VocabularyMismatchError(ValueError):
+    """Draft and target tokenizers disagree, so draft token ids would mean other tokens to the target."""
+
+
+def check_same_vocabulary(target_tokens: list[str], draft_tokens: list[str], target_size: int,
+                          draft_size: int) -> None:
+    """Refuses a draft whose token ids name other tokens than the target's.
+
+    Args:
+        target_tokens: the target tokenizer's vocabulary, by id.
+        draft_tokens: the draft tokenizer's vocabulary, by id.
+        target_size: rows of the target's output head (may exceed the tokenizer, e.g. Qwen's padding).
+        draft_size: rows of the draft's output head.
+    """
+    if target_tokens != draft_tokens:
+        first = next((i for i, (a, b) in enumerate(zip(target_tokens, draft_tokens)) if a != b),
+                     min(len(target_tokens), len(draft_tokens)))
+        raise VocabularyMismatchError(
+            f"draft and target vocabularies differ (target has {len(target_tokens)} tokens, draft "
+            f"{len(draft_tokens)}; first difference at id {first}); a draft model must use the target's tokenizer")
+    if target_size != draft_size:
+        raise VocabularyMismatchError(
+            f"draft output head has {draft_size} rows but the target's has {target_size}; they must match")
+
+
+class DraftModelDrafter:
+    """Drafting with a separate (smaller) model.
+
+    Args:
+        model: the draft transformer.
+    """
+
+    name = "draft"
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.cache: KVCache | None = None
+
+    def reset(self, target_cache: KVCache) -> None:
+        # Same capacity as the target's: the draft never holds more tokens than the target verifies.
+        if self.cache is None or self.cache.max_len < target_cache.max_len:
+            self.cache = self.model.new_cache(CacheConfig(max_len=target_cache.max_len))
+        self.cache.reset(0)
+
+    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
+        # Feed whatever the draft has not seen: the whole prompt first time, then 1-2 tokens a step.
+        return model_draft(self.model, self.cache, seq[self.cache.lengths[0]:], k, sampling, generator)
+
+    def commit(self, seq: list[int]) -> None:
+        # Cached entries past len(seq) - 1 are rejected drafts (or the token still to be fed): drop them.
+        self.cache.trim(0, min(self.cache.lengths[0], len(seq) - 1))

@@ -1,0 +1,262 @@
+"""The decode loop: draft -> verify (one target forward) -> commit -> stats.
+
+Plain decoding is the same loop with gamma 0, so the speculative and the plain paths share every line
+that computes the target's numbers. The engine owns the target's KV cache; drafters only propose.
+It does not load models, parse command lines or batch several requests.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from specdecode.control import make_controller
+from specdecode.drafters.base import Draft, Drafter
+from specdecode.kv.cache import CacheConfig, KVCache
+from specdecode.models.transformer import Transformer
+from specdecode.sampling import SamplingParams, probs_from_logits
+from specdecode.stats import RequestStats
+from specdecode.verify import Verdict, verify_greedy, verify_stochastic
+
+GAMMA_POLICIES = ("agreement",)
+MAX_GAMMA = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How far to speculate.
+
+    Args:
+        gamma: tokens drafted per step (0 = speculation off), or the name of a controller in GAMMA_POLICIES.
+        gamma_max: upper bound for controllers.
+    """
+
+    gamma: int | str = 4
+    gamma_max: int = 8
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gamma, str):
+            if self.gamma not in GAMMA_POLICIES:
+                raise ValueError(f"SpeculativeConfig.gamma={self.gamma!r}: expected an integer 0..{MAX_GAMMA} "
+                                 f"or one of {GAMMA_POLICIES}")
+        elif not 0 <= self.gamma <= MAX_GAMMA:
+            raise ValueError(f"SpeculativeConfig.gamma must be in 0..{MAX_GAMMA}, got {self.gamma}")
+        if not 1 <= self.gamma_max <= MAX_GAMMA:
+            raise ValueError(f"SpeculativeConfig.gamma_max must be in 1..{MAX_GAMMA}, got {self.gamma_max}")
+
+    @property
+    def max_draft(self) -> int:
+        """The most tokens a single step may draft."""
+        return self.gamma if isinstance(self.gamma, int) else self.gamma_max
+
+
+@dataclass
+class GenerationResult:
+    """One finished request.
+
+    Args:
+        text: the generated text (stop string and end-of-sequence token excluded).
+        token_ids: generated token ids (an end-of-sequence token that ended generation included).
+        finish_reason: "eos", "stop" (a stop string) or "length" (max_new_tokens).
+        stats: counters and timings.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+class TextStream:
+    """Iterates over text pieces as they are generated; ``result`` is set once iteration ends."""
+
+    def __init__(self, engine: "Engine", token_steps: Iterator[list[int]], stop: tuple[str, ...] = ()) -> None:
+        self._engine = engine
+        self._steps = token_steps
+        self._stop = stop
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        emitted = 0
+        while True:
+            try:
+                next(self._steps)
+            except StopIteration as done:
+                self.result = done.value
+                if len(self.result.text) > emitted:
+                    yield self.result.text[emitted:]
+                return
+            text = self._engine.decode(self._engine.generated)
+            # Hold back an incomplete UTF-8 character (decoded as U+FFFD) until its last byte arrives.
+            safe = len(text.rstrip("\ufffd"))
+            if self._stop:
+                # Never show a stop string, nor a tail that may grow into one.
+                found = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+                safe = min([safe, len(text) - max(map(len, self._stop)) + 1, *found])
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+
+
+class Engine:
+    """Serves one request at a time with speculative decoding.
+
+    Args:
+        target: the model whose output distribution is reproduced exactly.
+        tokenizer: turns text into ids and back (needed for text prompts, stop strings and text output).
+        drafter: proposes tokens; None means plain decoding.
+        spec: gamma policy.
+    """
+
+    def __init__(self, target: Transformer, tokenizer=None, drafter: Drafter | None = None,
+                 spec: SpeculativeConfig = SpeculativeConfig()) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.spec = spec if drafter is not None else SpeculativeConfig(gamma=0)
+        self.cache: KVCache | None = None
+        self.generated: list[int] = []
+        self._decode_step_s: float | None = None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else ""
+
+    def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
+                 max_new_tokens: int = 128, stop: Iterable[str] = (),
+                 eos_token_ids: Iterable[int] | None = None) -> GenerationResult:
+        """Generates a continuation of ``prompt``; see :meth:`stream` for the arguments."""
+        steps = self._run(prompt, sampling, max_new_tokens, tuple(stop), eos_token_ids)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def stream(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
+               max_new_tokens: int = 128, stop: Iterable[str] = (),
+               eos_token_ids: Iterable[int] | None = None) -> TextStream:
+        """Like :meth:`generate`, but yields text as it is accepted.
+
+        Args:
+            prompt: text (tokenized without special tokens) or token ids.
+            sampling: temperature / top-k / top-p / seed.
+            max_new_tokens: generation budget (>= 1).
+            stop: strings that end generation; the text is cut before them.
+            eos_token_ids: ids that end generation; default: the tokenizer's end-of-sequence ids.
+        """
+        stop = tuple(stop)
+        return TextStream(self, self._run(prompt, sampling, max_new_tokens, stop, eos_token_ids), stop)
+
+    def _prepare(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs an engine with a tokenizer")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        vocab = self.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        # Room for the prompt, the budget, and one step's drafted lookahead beyond it.
+        need = len(ids) + max_new_tokens + self.spec.max_draft + 1
+        if self.cache is None or self.cache.max_len < need:
+            self.cache = self.target.new_cache(CacheConfig(max_len=-(-need // 256) * 256))
+        self.cache.reset(0)
+        return ids
+
+    @torch.inference_mode()
+    def _run(self, prompt, sampling: SamplingParams, max_new_tokens: int, stop: tuple[str, ...],
+             eos_token_ids) -> Iterator[list[int]]:
+        prompt_ids = self._prepare(prompt, max_new_tokens)
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need an engine with a tokenizer")
+        eos = frozenset(eos_token_ids if eos_token_ids is not None
+                        else (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()))
+        generator = sampling.generator()
+        controller = make_controller(self.spec.gamma, self.spec.gamma_max)
+        stats = RequestStats(prompt_tokens=len(prompt_ids))
+        seq = list(prompt_ids)
+        self.generated = generated = []
+        start = time.perf_counter()
+        if len(seq) > 1:
+            self.target(torch.tensor([seq[:-1]]), self.cache, logits="none")
+        if self.drafter is not None:
+            self.drafter.reset(self.cache)
+        stats.prefill_s = time.perf_counter() - start
+        finish = "length"
+        while len(generated) < max_new_tokens:
+            remaining = max_new_tokens - len(generated)
+            # Drafting past the budget is wasted work: the extra tokens would be cut anyway.
+            k = min(controller.next_gamma(), remaining - 1)
+            t0 = time.perf_counter()
+            draft = self.drafter.propose(seq, k, sampling, generator) if k > 0 else Draft([])
+            t1 = time.perf_counter()
+            verdict = self._verify(seq, draft, sampling, generator)
+            stats.draft_s += t1 - t0
+            stats.verify_s += time.perf_counter() - t1
+            new = verdict.tokens[:remaining]
+            cut = next((i for i, t in enumerate(new) if t in eos), None)
+            if cut is not None:
+                new, finish = new[:cut + 1], "eos"
+            seq += new
+            generated += new
+            if self.drafter is not None:
+                self.drafter.commit(seq)
+            controller.update(len(draft.tokens), verdict.accepted)
+            stats.record_step(len(draft.tokens), verdict.accepted, len(new))
+            if stop and self._hits_stop(generated, stop):
+                finish = "stop"
+            yield new
+            if finish != "length":
+                break
+        stats.wall_s = time.perf_counter() - start
+        stats.decode_step_s = self._step_cost()
+        text = self.decode([t for t in generated if t not in eos])
+        if finish == "stop":
+            text = text[:min(i for i in (text.find(s) for s in stop) if i >= 0)]
+        return GenerationResult(text, list(generated), finish, stats)
+
+    def _verify(self, seq: list[int], draft: Draft, sampling: SamplingParams,
+                generator: torch.Generator) -> Verdict:
+        """One target forward over [last token, d_1..d_k], acceptance, and cache rollback."""
+        held = self.cache.lengths[0]  # == len(seq) - 1: every token but the last is cached
+        logits = self.target(torch.tensor([seq[-1:] + draft.tokens]), self.cache)[0]  # [k + 1, V]
+        if sampling.greedy:
+            verdict = verify_greedy(logits, draft.tokens)
+        else:
+            p = probs_from_logits(logits, sampling)
+            verdict = verify_stochastic(p, draft.q, draft.tokens, generator)
+        # Keep the last token and the accepted drafts; the emitted target token is fed next step.
+        self.cache.trim(0, held + 1 + verdict.accepted)
+        return verdict
+
+    def _hits_stop(self, generated: list[int], stop: tuple[str, ...]) -> bool:
+        text = self.decode(generated)
+        return any(s in text for s in stop)
+
+    def _step_cost(self, repeats: int = 3) -> float:
+        """Seconds of one single-token target forward (median), measured once per engine and reused.
+
+        Measured after the request, at its final context length, then rolled back: it never affects the
+        request's own timings or output.
+        """
+        if self._decode_step_s is None:
+            held = self.cache.lengths[0]
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self.target(torch.tensor([[0]]), self.cache, logits="last")
+                times.append(time.perf_counter() - t0)
+                self.cache.trim(0, held)
+            self._decode_step_s = statistics.median(times)
+        return self._decode_step_s

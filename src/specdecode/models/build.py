@@ -1,0 +1,76 @@
+"""From a model source (registry name, .gguf path, HF folder, hub id) to a ready model and tokenizer.
+
+Glue only: parsing and dequantizing live in ``loader.py``, the network in ``fetch.py``, the maths in
+``transformer.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import torch
+
+from specdecode.models.loader import load_checkpoint
+from specdecode.models.tokenizer import Tokenizer
+from specdecode.models.transformer import Transformer
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """Maps "auto" / "bfloat16" / "float32" / "float16" to a torch dtype.
+
+    Args:
+        name: the requested dtype; "auto" picks bf16 where the hardware computes it fast, else fp32.
+        device: "cpu" or "cuda".
+    """
+    if name == "auto":
+        fast = torch.cuda.is_bf16_supported() if device.startswith("cuda") else cpu_has_fast_bf16()
+        return torch.bfloat16 if fast else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with its tokenizer.
+
+    Args:
+        model: the decoder.
+        tokenizer: its tokenizer (with chat template when the checkpoint has one).
+        source: where it came from, for messages and cache keys.
+    """
+
+    model: Transformer
+    tokenizer: Tokenizer
+    source: str
+
+
+def load_model(source: str, dtype: str = "auto", device: str = "cpu",
+               progress: Callable[[str], None] | None = None) -> LoadedModel:
+    """Loads a model by registry name, ``.gguf`` path, HF folder or hub id.
+
+    Args:
+        source: what to load.
+        dtype: "auto", "bfloat16", "float32" or "float16".
+        device: torch device string.
+        progress: called with one-line status messages (fetching, loading).
+    """
+    torch_dtype = resolve_dtype(dtype, device)
+    ckpt = load_checkpoint(source, progress=progress)
+    model = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=torch_dtype).to(device)
+    return LoadedModel(model, ckpt.tokenizer, ckpt.source)

@@ -1,0 +1,121 @@
+"""Architecture description of a Llama/Qwen2/Mistral-family decoder.
+
+One dataclass that every loader (GGUF, HF folder, hub id) fills in and the decoder in
+`transformer.py` reads. It does not hold weights or tokenizer data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer.
+
+    Args:
+        arch: family name, one of SUPPORTED_ARCHITECTURES.
+        vocab_size: rows of the embedding and of the output head.
+        hidden_size: model width.
+        intermediate_size: SwiGLU inner width.
+        num_layers: decoder blocks.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (GQA when fewer than num_heads).
+        head_dim: width of one head.
+        rope_theta: RoPE base frequency.
+        rope_scaling: HF-style scaling dict (``rope_type`` linear / llama3 / dynamic) or None.
+        rms_norm_eps: epsilon of every RMSNorm.
+        tie_word_embeddings: output head shares the embedding matrix.
+        attention_bias: q/k/v projections carry a bias (Qwen2).
+        max_position_embeddings: longest context the model was trained for.
+        sliding_window: Mistral's attention window, or None for full attention.
+    """
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 4096
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"ModelConfig.arch={self.arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from a HF ``config.json`` dictionary."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"config.json model_type={model_type!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
+            )
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
+            # transformers >= 5 writes the scaling into rope_parameters (next to rope_theta), not rope_scaling.
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        return cls(
+            arch=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The inverse of :meth:`from_hf`, for writing a ``config.json`` (used by tests and parity checks)."""
+        return {
+            "model_type": self.arch,
+            "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                               "qwen2": "Qwen2ForCausalLM"}[self.arch]],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "hidden_act": "silu",
+        }

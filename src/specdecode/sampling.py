@@ -1,0 +1,77 @@
+"""Logits to probabilities: temperature, top-k and top-p, applied identically to target and draft.
+
+Losslessness needs p (target) and q (draft) to be processed by the SAME function, so this is the only
+place where that processing lives. It does not decide acceptance (see ``verify.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen.
+
+    Args:
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_k: keep the k most likely tokens; 0 keeps all.
+        top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all.
+        seed: seed of the request's random generator; None draws one from the global generator.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self) -> torch.Generator:
+        """A fresh generator for one request, seeded so that the same seed gives the same output."""
+        g = torch.Generator()
+        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(2**62, (1,)).item()))
+        return g
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turns logits ``[..., V]`` into the distribution tokens are drawn from.
+
+    Args:
+        logits: unnormalised scores, any leading shape.
+        params: temperature / top-k / top-p; greedy gives a one-hot on the argmax.
+
+    Returns:
+        float32 probabilities of the same shape, each row summing to 1.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draws one token per row of ``probs [N, V]``; returns ``[N]`` token ids."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,106 @@
+"""Per-request counters and the figures derived from them.
+
+It only counts and derives; it does not time anything itself (the engine passes durations in) and it
+does not choose gamma (see ``control.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def expected_tokens_per_step(acceptance: float, gamma: float) -> float:
+    """Expected tokens per target forward with i.i.d. acceptance ``a`` and ``gamma`` drafted: (1 - a^(k+1)) / (1 - a)."""
+    if acceptance >= 1.0:
+        return gamma + 1.0
+    return (1.0 - acceptance ** (gamma + 1.0)) / (1.0 - acceptance)
+
+
+def predicted_speedup(acceptance: float, gamma: float, draft_cost: float, verify_cost: float) -> float:
+    """Speedup over plain decoding: E / (k * c + v(k)).
+
+    Args:
+        acceptance: per-token acceptance rate a.
+        gamma: tokens drafted per step k.
+        draft_cost: c, one draft step relative to one plain target step.
+        verify_cost: v(k), one verification forward relative to one plain target step.
+    """
+    return expected_tokens_per_step(acceptance, gamma) / (gamma * draft_cost + verify_cost)
+
+
+@dataclass
+class RequestStats:
+    """What happened while serving one request.
+
+    ``target_forwards`` counts decode-phase forwards of the target (one per step: each verifies a draft,
+    or decodes one token when nothing was drafted); the prompt's prefill is counted in ``prefill_s``.
+    """
+
+    prompt_tokens: int = 0
+    tokens_generated: int = 0
+    target_forwards: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    wall_s: float = 0.0
+    # One single-token target forward, measured by the engine; needed for the predicted speedup.
+    decode_step_s: float | None = None
+
+    def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
+        """Counts one draft-verify step."""
+        self.target_forwards += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.tokens_generated += emitted
+        while len(self.drafted_by_position) < drafted:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += i < accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens emitted per target forward, the correction/bonus token included."""
+        return self.tokens_generated / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def mean_gamma(self) -> float:
+        return self.drafted_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Of the steps that drafted a token at position i, the share that accepted it."""
+        return [a / d for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_generated / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def predicted_speedup(self) -> float | None:
+        """The DESIGN.md formula fed with this request's measured acceptance and costs (None without a step time)."""
+        if not self.decode_step_s or not self.target_forwards:
+            return None
+        if not self.drafted_tokens:
+            return 1.0
+        draft_cost = self.draft_s / self.drafted_tokens / self.decode_step_s
+        verify_cost = self.verify_s / self.target_forwards / self.decode_step_s
+        return predicted_speedup(self.acceptance_rate, self.mean_gamma, draft_cost, verify_cost)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON view: raw counters plus derived figures."""
+        out = {k: v for k, v in self.__dict__.items()}
+        for name in ("acceptance_rate", "mean_accepted_length", "mean_gamma", "acceptance_by_position",
+                     "tokens_per_s", "predicted_speedup"):
+            out[name] = getattr(self, name)
+        return out

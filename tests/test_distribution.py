@@ -1,0 +1,154 @@
+"""Speculative sampling reproduces the target's distribution exactly, for every drafter.
+
+Method: a tiny random target with a 16-token vocabulary; the exact joint distribution of the first
+three generated tokens is computed from the target alone (16 * 16 * 16 = 4096 outcomes). The engine
+then generates three tokens N times with different seeds, with gamma large enough that several draft
+positions are verified in one step, and a chi-square goodness-of-fit test compares counts with the
+exact joint (outcomes with small expected counts are pooled so every bin expects >= 5).
+
+False-failure rate: each case uses significance level ALPHA = 1e-3, so a correct engine fails a given
+case with probability 0.1% for a random set of seeds; over the 15 cases at most ~1.5%. Seeds are fixed,
+so a run is reproducible. The test's power is shown by the negative control: the seed document's lossy
+rule ("accept if p >= q, else resample from p / (1 - q)") is rejected by the same test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import engine as engine_module
+from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+from specdecode.engine import Engine, SpeculativeConfig
+from specdecode.kv.cache import CacheConfig
+from specdecode.sampling import SamplingParams, probs_from_logits, sample
+from specdecode.verify import Verdict
+from specdecode.models.transformer import Transformer
+from tiny_models import random_hf_tensors, tiny_config
+
+ALPHA = 1e-3
+SAMPLES = 2000
+NEW_TOKENS = 3
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so that n-gram lookup proposes (3, 1, 2 ...)
+VOCAB = 16
+
+SETTINGS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.5),
+    SamplingParams(temperature=1.0, top_k=6),
+    SamplingParams(temperature=1.0, top_k=8, top_p=0.9),
+    SamplingParams(temperature=0.5, top_p=0.9),
+]
+
+
+def _model(seed: int, layers: int = 3) -> Transformer:
+    config = tiny_config("llama", vocab_size=VOCAB, num_layers=layers)
+    tensors = random_hf_tensors(config, seed)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 0.2  # moderate entropy at T=1: 2.1-2.6 nats
+    return Transformer.from_hf_tensors(config, tensors)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls: a second thread only adds synchronisation, and contention makes it far worse.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return _model(3)
+
+
+def _next_probs(model: Transformer, seqs: list[list[int]], sampling: SamplingParams) -> torch.Tensor:
+    out = []
+    for seq in seqs:
+        cache = model.new_cache(CacheConfig(max_len=len(seq)))
+        out.append(probs_from_logits(model(torch.tensor([seq]), cache, logits="last")[0, -1], sampling))
+    return torch.stack(out)  # [len(seqs), V]
+
+
+def exact_joint(model: Transformer, sampling: SamplingParams) -> torch.Tensor:
+    """P(t1, t2, t3 | PROMPT) under the target alone, shape [V, V, V]."""
+    p1 = _next_probs(model, [PROMPT], sampling)[0]  # [V]
+    p2 = _next_probs(model, [PROMPT + [a] for a in range(VOCAB)], sampling)  # [V, V]
+    p3 = _next_probs(model, [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)], sampling)
+    return p1[:, None, None] * p2[:, :, None] * p3.view(VOCAB, VOCAB, VOCAB)
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of counts to probs, pooling the least likely outcomes until each bin expects >= 5."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    n = counts.sum()
+    order = probs.argsort()
+    expected = probs[order] * n
+    observed = counts[order]
+    # Pool every outcome expecting < 5 into one bin (topped up by the next outcome if still < 5).
+    tail = int((expected < 5).sum())
+    if tail and expected[:tail].sum() < 5:
+        tail += 1
+    exp_bins = torch.cat([expected[:tail].sum()[None], expected[tail:]])
+    obs_bins = torch.cat([observed[:tail].sum()[None], observed[tail:]])
+    keep = exp_bins > 0
+    stat = ((obs_bins[keep] - exp_bins[keep]) ** 2 / exp_bins[keep]).sum()
+    df = int(keep.sum()) - 1
+    if df == 0:  # a single possible outcome: the fit is perfect or impossible
+        return float(stat == 0)
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+def sample_counts(engine: Engine, sampling: SamplingParams, samples: int = SAMPLES) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    for seed in range(samples):
+        params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
+        ids = engine.generate(PROMPT, params, max_new_tokens=NEW_TOKENS, eos_token_ids=()).token_ids
+        counts[tuple(ids)] += 1
+    return counts
+
+
+def _drafter(kind: str, target: Transformer):
+    if kind == "ngram":
+        return NgramDrafter(min_ngram=1, max_ngram=2)
+    if kind == "draft":
+        return DraftModelDrafter(_model(11, layers=1))
+    return LayerSkipDrafter(target, skip=[1])
+
+
+@pytest.mark.parametrize("sampling", SETTINGS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+@pytest.mark.parametrize("kind", ["ngram", "draft", "layerskip"])
+def test_speculative_sampling_matches_target_distribution(target, kind, sampling):
+    engine = Engine(target, drafter=_drafter(kind, target), spec=SpeculativeConfig(gamma=3))
+    counts = sample_counts(engine, sampling)
+    p_value = chi_square_p_value(counts, exact_joint(target, sampling))
+    assert p_value > ALPHA, f"{kind} at {sampling}: chi-square p = {p_value:.2e}"
+
+
+def test_drafts_are_actually_verified(target):
+    """Guards the test above: every drafter proposes and gets tokens accepted in this setting."""
+    for kind in ("ngram", "draft", "layerskip"):
+        engine = Engine(target, drafter=_drafter(kind, target), spec=SpeculativeConfig(gamma=3))
+        drafted = accepted = 0
+        for seed in range(50):
+            stats = engine.generate(PROMPT, SamplingParams(1.0, seed=seed), NEW_TOKENS, eos_token_ids=()).stats
+            drafted += stats.drafted_tokens
+            accepted += stats.accepted_tokens
+        assert drafted >= 50 and 0 < accepted < drafted, (kind, drafted, accepted)
+
+
+def _lossy_seed_rule(p, q, draft, generator):
+    """The seed document's pseudocode (NOT lossless): accept if p >= q, else sample from p / (1 - q)."""
+    for i, token in enumerate(draft):
+        if p[i, token] < q[i, token]:
+            corrected = p[i] / (1 - q[i]).clamp_min(1e-6)
+            return Verdict(i, draft[:i] + [int(sample((corrected / corrected.sum())[None], generator))])
+    return Verdict(len(draft), draft + [int(sample(p[len(draft):len(draft) + 1], generator))])
+
+
+def test_negative_control_detects_the_lossy_seed_rule(target, monkeypatch):
+    monkeypatch.setattr(engine_module, "verify_stochastic", _lossy_seed_rule)
+    sampling = SamplingParams(temperature=1.0)
+    engine = Engine(target, drafter=_drafter("draft", target), spec=SpeculativeConfig(gamma=3))
+    p_value = chi_square_p_value(sample_counts(engine, sampling), exact_joint(target, sampling))
+    assert p_value < ALPHA, f"the lossy rule went undetected (p = {p_value:.3f})"
