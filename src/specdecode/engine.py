@@ -90,7 +90,7 @@ class TextStream:
                 if len(self.result.text) > emitted:
                     yield self.result.text[emitted:]
                 return
-            text = self._engine.decode(self._engine.generated)
+            text = self._engine.generated_text()
             # Hold back an incomplete UTF-8 character (decoded as U+FFFD) until its last byte arrives.
             safe = len(text.rstrip("\ufffd"))
             if self._stop:
@@ -120,10 +120,15 @@ class Engine:
         self.spec = spec if drafter is not None else SpeculativeConfig(gamma=0)
         self.cache: KVCache | None = None
         self.generated: list[int] = []
+        self._eos: frozenset[int] = frozenset()
         self._decode_step_s: float | None = None
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else ""
+
+    def generated_text(self) -> str:
+        """Text of the current request's tokens so far, end-of-sequence tokens left out."""
+        return self.decode([t for t in self.generated if t not in self._eos])
 
     def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 128, stop: Iterable[str] = (),
@@ -180,8 +185,8 @@ class Engine:
         prompt_ids = self._prepare(prompt, max_new_tokens)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine with a tokenizer")
-        eos = frozenset(eos_token_ids if eos_token_ids is not None
-                        else (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()))
+        self._eos = eos = frozenset(eos_token_ids if eos_token_ids is not None
+                                    else (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()))
         generator = sampling.generator()
         controller = make_controller(self.spec.gamma, self.spec.gamma_max)
         stats = RequestStats(prompt_tokens=len(prompt_ids))
@@ -214,14 +219,14 @@ class Engine:
                 self.drafter.commit(seq)
             controller.update(len(draft.tokens), verdict.accepted)
             stats.record_step(len(draft.tokens), verdict.accepted, len(new))
-            if stop and self._hits_stop(generated, stop):
+            if stop and any(s in self.generated_text() for s in stop):
                 finish = "stop"
             yield new
             if finish != "length":
                 break
         stats.wall_s = time.perf_counter() - start
         stats.decode_step_s = self._step_cost()
-        text = self.decode([t for t in generated if t not in eos])
+        text = self.generated_text()
         if finish == "stop":
             text = text[:min(i for i in (text.find(s) for s in stop) if i >= 0)]
         return GenerationResult(text, list(generated), finish, stats)
@@ -230,7 +235,12 @@ class Engine:
                 generator: torch.Generator) -> Verdict:
         """One target forward over [last token, d_1..d_k], acceptance, and cache rollback."""
         held = self.cache.lengths[0]  # == len(seq) - 1: every token but the last is cached
-        logits = self.target(torch.tensor([seq[-1:] + draft.tokens]), self.cache)[0]  # [k + 1, V]
+        k = len(draft.tokens)
+        # At least two rows per forward: a one-row matmul takes a GEMV kernel that rounds differently from
+        # the multi-row GEMM of a verification, and greedy speculation must reproduce plain decoding
+        # bitwise. The filler row (a copy of the last token) is ignored and rolled back.
+        rows = seq[-1:] + (draft.tokens or seq[-1:])
+        logits = self.target(torch.tensor([rows]), self.cache, invariant_rows=True)[0, :k + 1]  # [k + 1, V]
         if sampling.greedy:
             verdict = verify_greedy(logits, draft.tokens)
         else:
@@ -240,12 +250,8 @@ class Engine:
         self.cache.trim(0, held + 1 + verdict.accepted)
         return verdict
 
-    def _hits_stop(self, generated: list[int], stop: tuple[str, ...]) -> bool:
-        text = self.decode(generated)
-        return any(s in text for s in stop)
-
     def _step_cost(self, repeats: int = 3) -> float:
-        """Seconds of one single-token target forward (median), measured once per engine and reused.
+        """Seconds of one plain decode step (median), measured once per engine and reused.
 
         Measured after the request, at its final context length, then rolled back: it never affects the
         request's own timings or output.
@@ -255,7 +261,7 @@ class Engine:
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                self.target(torch.tensor([[0]]), self.cache, logits="last")
+                self._verify([0], Draft([]), SamplingParams(), None)
                 times.append(time.perf_counter() - t0)
                 self.cache.trim(0, held)
             self._decode_step_s = statistics.median(times)

@@ -69,7 +69,7 @@ class Block(nn.Module):
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, layer: int, cache: KVCache, slots: Sequence[int], starts: Sequence[int],
-                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, invariant_rows: bool) -> torch.Tensor:
         b, t, _ = x.shape
         h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
         qkv = self.wqkv(h)
@@ -80,8 +80,16 @@ class Block(nn.Module):
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.update(layer, slots, starts, k, v)  # [B, Hkv, L, D]
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                              enable_gqa=self.heads != self.kv_heads)
+        gqa = self.heads != self.kv_heads
+        if invariant_rows and t > 1:
+            # One call per new token over exactly the keys it sees: the same kernel, shapes and summation
+            # order as one-token decoding, so a verified token's numbers do not depend on the draft length.
+            end = starts[0] + 1
+            attn = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], keys[:, :, :end + i],
+                                                             values[:, :, :end + i], enable_gqa=gqa)
+                              for i in range(t)], dim=2)  # [1, H, T, D]
+        else:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         x = x + self.wo(attn.transpose(1, 2).reshape(b, t, -1))
         h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
         gate, up = self.w_gate_up(h).chunk(2, dim=-1)
@@ -128,7 +136,8 @@ class Transformer(nn.Module):
         return self._rope_cache[1], self._rope_cache[2]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, slots: Sequence[int] = (0,),
-                layers: Sequence[int] | None = None, logits: Logits = "all") -> torch.Tensor | None:
+                layers: Sequence[int] | None = None, logits: Logits = "all",
+                invariant_rows: bool = False) -> torch.Tensor | None:
         """Runs new tokens through the model, appending their keys/values to the cache.
 
         Args:
@@ -137,11 +146,18 @@ class Transformer(nn.Module):
             slots: cache slot of each row.
             layers: indices of the layers to run (self-speculation); None runs all of them.
             logits: "all" positions ``[B, T, V]``, "last" position ``[B, 1, V]``, or "none" (prefill).
+            invariant_rows: compute attention one new token at a time (single sequence only), so that
+                each row's result is bitwise what a one-token forward would give. With a fused attention
+                kernel the summation order depends on how many queries share a call; the linear layers
+                are row-invariant in bf16 on x86 CPUs for small models (see tests), so this makes greedy
+                verification reproduce one-token decoding exactly. Costs T-1 extra attention calls.
 
         Returns:
             Logits in float32, or None when ``logits="none"``.
         """
         b, t = tokens.shape
+        if invariant_rows and b != 1:
+            raise ValueError("invariant_rows supports a single sequence (B=1)")
         starts = [cache.lengths[s] for s in slots]
         cos_table, sin_table = self._rope(max(starts) + t)
         if b == 1:
@@ -153,7 +169,7 @@ class Transformer(nn.Module):
         mask = self._mask(starts, t)
         x = self.embed(tokens)  # [B, T, hidden]
         for i in range(self.config.num_layers) if layers is None else layers:
-            x = self.layers[i](x, i, cache, slots, starts, cos, sin, mask)
+            x = self.layers[i](x, i, cache, slots, starts, cos, sin, mask, invariant_rows)
         cache.advance(slots, t)
         if logits == "none":
             return None

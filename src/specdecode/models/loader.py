@@ -1,0 +1,549 @@
+"""Load checkpoint weights, config and tokenizer from a registry name, a GGUF file, a HF folder or a hub id.
+
+Every source ends as the same thing: a `ModelConfig`, float32 CPU tensors under Hugging Face names, and
+a `Tokenizer`. GGUF tensors are dequantized here and llama.cpp's rotary permutation of Llama Q/K is
+undone. This module does not build or run the model (see `transformer.py`), does not convert dtypes
+beyond float32 and does not write anything except through `fetch.py` and the tokenizer cache.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from specdecode.models import registry
+from specdecode.models.config import ModelConfig
+from specdecode.models.fetch import fetch
+from specdecode.models.tokenizer import Tokenizer
+
+Progress = Callable[[str], None]
+
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
+class LoadError(RuntimeError):
+    """A model source exists but cannot be loaded; the message names the source and the reason."""
+
+
+class GGUFError(LoadError):
+    """A file that is not a readable GGUF file (wrong magic, truncated, inconsistent)."""
+
+
+@dataclass
+class Checkpoint:
+    """Everything the decoder needs, independent of where it came from.
+
+    Args:
+        config: the architecture.
+        tensors: float32 CPU tensors with HF names (``model.layers.0.self_attn.q_proj.weight`` ...);
+            no ``lm_head.weight`` when embeddings are tied.
+        tokenizer: the tokenizer, with chat template when the checkpoint has one.
+        source: the file or folder the weights were read from.
+    """
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF reading
+
+_GGUF_MAGIC = b"GGUF"
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor's bytes lie in a GGUF file.
+
+    Args:
+        name: llama.cpp tensor name (``blk.0.attn_q.weight``).
+        shape: numpy/torch order, outermost first (GGUF stores it innermost first).
+        qtype: storage type (F32, Q4_K ...).
+        offset: absolute byte offset in the file.
+        nbytes: stored size in bytes.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """The parsed header of a GGUF file: metadata and the tensor directory, no tensor data.
+
+    Args:
+        path: the file.
+        metadata: every key/value pair (strings, numbers, lists).
+        tensors: tensor directory by llama.cpp name, in file order.
+    """
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+
+
+class _Cursor:
+    """Sequential little-endian reads over a buffer, each bounds-checked so garbage fails fast."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf, self.path, self.pos = buf, path, 0
+
+    def fail(self, what: str) -> GGUFError:
+        return GGUFError(f"{self.path}: not a valid GGUF file ({what} at byte {self.pos})")
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise self.fail(f"{what} runs past the end of the {len(self.buf)}-byte file; truncated?")
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        size = struct.calcsize(fmt)
+        self.need(size, what)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q", what)
+        self.need(n, what)
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise self.fail(f"{what} is not UTF-8") from exc
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype], what)
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype != _ARRAY:
+            raise self.fail(f"{what} has unknown value type {vtype}")
+        etype = self.scalar("<I", what)
+        count = self.scalar("<Q", what)
+        if etype in _SCALARS:
+            # Numeric arrays (token types, scores) are read in one go rather than element by element.
+            fmt = _SCALARS[etype]
+            size = struct.calcsize(fmt)
+            self.need(count * size, what)
+            values = np.frombuffer(self.buf[self.pos:self.pos + count * size], dtype=np.dtype(fmt)).tolist()
+            self.pos += count * size
+            return values
+        self.need(count * 8, what)  # every string or nested array is at least 8 bytes
+        return [self.value(etype, what) for _ in range(count)]
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """Parses a GGUF file's header: metadata and tensor directory.
+
+    Faster than ``gguf.GGUFReader`` on large vocabularies (which spends seconds building numpy views
+    per token string); tensor data is not read.
+
+    Args:
+        path: the ``.gguf`` file.
+
+    Raises:
+        GGUFError: the file is empty, not GGUF, big-endian, of an unsupported version, or truncated.
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as exc:  # mmap refuses empty files
+            raise GGUFError(f"{path}: not a valid GGUF file ({exc})") from exc
+    with buf:
+        cur = _Cursor(buf, path)
+        cur.need(4, "magic")
+        if buf[:4] != _GGUF_MAGIC:
+            raise GGUFError(f"{path}: not a GGUF file (starts with {bytes(buf[:4])!r}, expected b'GGUF')")
+        cur.pos = 4
+        version = cur.scalar("<I", "version")
+        if version not in (2, 3):
+            hint = " (a big-endian file?)" if version >= 1 << 16 else ""
+            raise GGUFError(f"{path}: unsupported GGUF version {version}{hint}; expected 2 or 3")
+        n_tensors = cur.scalar("<Q", "tensor count")
+        n_kv = cur.scalar("<Q", "metadata count")
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string("metadata key")
+            metadata[key] = cur.value(cur.scalar("<I", key), key)
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string("tensor name")
+            n_dims = cur.scalar("<I", name)
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise cur.fail(f"tensor {name} has {n_dims} dimensions")
+            dims = [cur.scalar("<Q", name) for _ in range(n_dims)]
+            raw_type = cur.scalar("<I", name)
+            try:
+                qtype = GGMLQuantizationType(raw_type)
+            except ValueError:
+                raise cur.fail(f"tensor {name} has unknown type {raw_type}") from None
+            infos.append((name, dims, qtype, cur.scalar("<Q", name)))
+        alignment = int(metadata.get("general.alignment", 32))
+        data_start = -(-cur.pos // alignment) * alignment
+        file_size = len(buf)
+
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, dims, qtype, rel in infos:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if dims[0] % block:
+            raise GGUFError(f"{path}: tensor {name} has row length {dims[0]}, "
+                            f"not a multiple of {qtype.name}'s block {block}")
+        nbytes = int(np.prod(dims, dtype=np.int64)) // block * type_size
+        offset = data_start + rel
+        if offset + nbytes > file_size:
+            raise GGUFError(f"{path}: truncated: tensor {name} needs bytes {offset}..{offset + nbytes} "
+                            f"but the file has {file_size}")
+        tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), qtype, offset, nbytes)
+    return GGUFFile(path, metadata, tensors)
+
+
+def read_gguf_tensor(f: BinaryIO, info: GGUFTensorInfo) -> np.ndarray:
+    """Reads and dequantizes one tensor to a float32 numpy array of ``info.shape``.
+
+    Args:
+        f: the GGUF file opened in binary mode.
+        info: the tensor's entry from :func:`read_gguf`.
+    """
+    raw = np.empty(info.nbytes, dtype=np.uint8)
+    f.seek(info.offset)
+    if f.readinto(raw) != info.nbytes:
+        raise GGUFError(f"{f.name}: truncated while reading tensor {info.name}")
+    block, type_size = GGML_QUANT_SIZES[info.qtype]
+    row_bytes = info.shape[-1] // block * type_size
+    try:
+        values = dequantize(raw.reshape(*info.shape[:-1], row_bytes), info.qtype)
+    except NotImplementedError as exc:
+        raise LoadError(f"{f.name}: tensor {info.name} uses {info.qtype.name}, which gguf cannot dequantize") from exc
+    return values.astype(np.float32, copy=False).reshape(info.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF -> HF names and config
+
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a llama.cpp tensor name, or None when it has no HF counterpart here."""
+    if gguf_name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[gguf_name]
+    m = _GGUF_BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _GGUF_BLOCK:
+        return f"model.layers.{m.group(1)}.{_GGUF_BLOCK[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _f32(value: float) -> float:
+    # GGUF stores float32; its shortest repr is the config's original value (1e-05, not 9.99999974e-06).
+    return float(str(np.float32(value)))
+
+
+def gguf_config(gguf: GGUFFile) -> ModelConfig:
+    """Builds a ModelConfig from the ``{arch}.*`` metadata and the tensor directory of a GGUF file.
+
+    Args:
+        gguf: a parsed GGUF header.
+
+    Raises:
+        LoadError: unsupported architecture, missing keys, or a feature the decoder lacks.
+    """
+    meta, path = gguf.metadata, gguf.path
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise LoadError(f"{path}: GGUF architecture {arch!r} is not supported; expected one of {GGUF_ARCHITECTURES}")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise LoadError(f"{path}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    if "rope_freqs.weight" in gguf.tensors:
+        raise LoadError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported")
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    rotary = int(key("rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise LoadError(f"{path}: partial rotary embeddings ({rotary} of {head_dim} dims) are not supported")
+    rope_scaling = None
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type != "none":
+        rope_scaling = {"rope_type": scaling_type, "factor": _f32(key("rope.scaling.factor"))}
+        if f"{arch}.rope.scaling.original_context_length" in meta:
+            rope_scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
+    embd = gguf.tensors.get("token_embd.weight")
+    if embd is None:
+        raise LoadError(f"{path}: GGUF file has no token_embd.weight tensor")
+    return ModelConfig(
+        arch=arch,
+        vocab_size=embd.shape[0],
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=_f32(key("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in gguf.tensors,
+        max_position_embeddings=int(key("context_length")),
+    )
+
+
+def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's converter permutation of a Llama Q or K projection (weight or bias).
+
+    llama.cpp stores each head's rotary pairs interleaved (``reshape(n_head, 2, d//n_head//2, ...)
+    .swapaxes(1, 2)``); HF keeps the two halves apart. This is that permutation's inverse.
+
+    Args:
+        w: ``[n_heads * head_dim, ...]`` tensor as stored in the GGUF file.
+        n_heads: query heads for Q, key/value heads for K.
+    """
+    rest = w.shape[1:]
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def load_gguf(path: str | os.PathLike[str], progress: Progress | None = None) -> Checkpoint:
+    """Loads a GGUF file: config from metadata, dequantized float32 tensors with HF names, tokenizer.
+
+    Args:
+        path: the ``.gguf`` file.
+        progress: called with one-line status messages.
+
+    Raises:
+        GGUFError: the file is not a readable GGUF file.
+        LoadError: the model uses something this decoder does not support.
+    """
+    say = progress or (lambda _msg: None)
+    gguf = read_gguf(path)
+    config = gguf_config(gguf)
+    mapped = {name: hf_name(name) for name in gguf.tensors}
+    unknown = [name for name, hf in mapped.items() if hf is None]
+    if unknown:
+        raise LoadError(f"{gguf.path}: tensors with no Llama/Qwen2 counterpart: {unknown[:8]}")
+    names = {name: hf for name, hf in mapped.items() if hf is not None}
+    say(f"dequantizing {len(gguf.tensors)} tensors from {gguf.path.name}")
+    start = time.perf_counter()
+    tensors: dict[str, torch.Tensor] = {}
+    with open(gguf.path, "rb") as f:
+        for info in gguf.tensors.values():
+            name = names[info.name]
+            tensor = torch.from_numpy(read_gguf_tensor(f, info))
+            if config.arch == "llama" and ".self_attn.q_proj." in name:
+                tensor = unpermute_rotary(tensor, config.num_heads)
+            elif config.arch == "llama" and ".self_attn.k_proj." in name:
+                tensor = unpermute_rotary(tensor, config.num_kv_heads)
+            tensors[name] = tensor
+    say(f"dequantized in {time.perf_counter() - start:.1f} s")
+    check_tensors(config, tensors, str(gguf.path))
+    tokenizer = Tokenizer.from_gguf(gguf.path, metadata=gguf.metadata)
+    return Checkpoint(config, tensors, tokenizer, str(gguf.path))
+
+
+# ----------------------------------------------------------------------------------------------
+# HF folders and hub ids
+
+def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``config`` must provide, with its shape, under HF names.
+
+    Args:
+        config: the architecture.
+    """
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "self_attn.q_proj.weight": (q, c.hidden_size),
+            p + "self_attn.k_proj.weight": (kv, c.hidden_size),
+            p + "self_attn.v_proj.weight": (kv, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, q),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        })
+        if c.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Raises LoadError unless ``tensors`` holds exactly the expected names with the expected shapes.
+
+    Args:
+        config: the architecture the tensors must fit.
+        tensors: HF-named tensors.
+        source: named in the error message.
+    """
+    expected = expected_tensor_shapes(config)
+    missing = [n for n in expected if n not in tensors]
+    extra = [n for n in tensors if n not in expected]
+    wrong = [f"{n} {tuple(tensors[n].shape)} != {expected[n]}" for n in expected
+             if n in tensors and tuple(tensors[n].shape) != expected[n]]
+    problems = [f"{label}: {items[:5]}{' ...' if len(items) > 5 else ''}"
+                for label, items in (("missing", missing), ("unexpected", extra), ("wrong shape", wrong)) if items]
+    if problems:
+        raise LoadError(f"{source}: tensors do not match the {config.arch} config; " + "; ".join(problems))
+
+
+def load_hf_dir(path: str | os.PathLike[str], progress: Progress | None = None) -> Checkpoint:
+    """Loads a HF model folder: ``config.json``, ``*.safetensors`` (sharded or not), tokenizer files.
+
+    Args:
+        path: the folder.
+        progress: called with one-line status messages.
+
+    Raises:
+        LoadError: missing or unsupported files, or tensors that do not fit the config.
+    """
+    from safetensors import safe_open
+
+    folder = Path(path)
+    say = progress or (lambda _msg: None)
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise LoadError(f"{folder}: quantized HF checkpoints ({cfg['quantization_config'].get('quant_method')}) "
+                        "are not supported; use an unquantized folder or a GGUF file")
+    try:
+        config = ModelConfig.from_hf(cfg)
+    except (KeyError, ValueError) as exc:
+        raise LoadError(f"{folder}/config.json: {exc}") from exc
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{folder}: no *.safetensors weights (pytorch_model.bin is not supported)")
+    say(f"reading {len(files)} safetensors file(s) from {folder}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as sf:
+            for name in sf.keys():
+                # Older exports carry a precomputed rotary table; the decoder computes its own.
+                if not name.endswith("rotary_emb.inv_freq"):
+                    tensors[name] = sf.get_tensor(name).to(torch.float32)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    check_tensors(config, tensors, str(folder))
+    return Checkpoint(config, tensors, Tokenizer.from_hf_dir(folder), str(folder))
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+              "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"]
+
+
+def _registry_hint() -> str:
+    return "registered models: " + ", ".join(m.name for m in registry.list_models())
+
+
+def _hub_snapshot(repo_id: str, say: Progress) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise LoadError(f"{repo_id!r} is not a local path or a registered name, and loading it from the "
+                        f"Hugging Face hub needs huggingface_hub (pip install 'specdecode[hub]'); "
+                        f"{_registry_hint()}") from None
+    say(f"downloading {repo_id} from the Hugging Face hub")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except Exception as exc:  # the hub client raises many unrelated types (HTTP, offline, auth, not found)
+        raise LoadError(f"could not download {repo_id!r} from the Hugging Face hub "
+                        f"({type(exc).__name__}: {exc}); offline? {_registry_hint()}") from exc
+
+
+def _looks_like_path(source: str) -> bool:
+    return (source.startswith(("/", ".", "~")) or "\\" in source or source.count("/") > 1
+            or source.endswith((".gguf", ".safetensors", ".json")))
+
+
+def load_checkpoint(source: str, progress: Progress | None = None) -> Checkpoint:
+    """Loads a checkpoint from a registry name, a ``.gguf`` file, a HF folder or a hub id.
+
+    Resolution order: registry name (fetched once, then cached); existing file (GGUF); existing
+    folder (HF layout); something path-like that does not exist (error); ``org/name`` hub id.
+
+    Args:
+        source: what to load, e.g. ``smollm2-135m-instruct``, ``model.gguf``, ``./my-model``, ``Qwen/Qwen2.5-0.5B``.
+        progress: called with one-line status messages (download, dequantize).
+
+    Raises:
+        FileNotFoundError: a path-like source that does not exist.
+        registry.UnknownModelError: a bare name that is not registered.
+        LoadError: the source exists but cannot be loaded (GGUFError for unreadable GGUF files).
+        specdecode.models.fetch.FetchError: a registered model could not be downloaded.
+    """
+    say = progress or (lambda _msg: None)
+    try:
+        model = registry.get(source)
+    except registry.UnknownModelError:
+        model = None
+    if model is not None:
+        return load_gguf(fetch(model, progress=say), progress=say)
+    path = Path(source).expanduser()
+    if path.is_file():
+        return load_gguf(path, progress=say)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise LoadError(f"{path}: folder has no config.json, so it is not a HF model folder")
+        return load_hf_dir(path, progress=say)
+    if _looks_like_path(source):
+        raise FileNotFoundError(f"model file or folder not found: {source}")
+    if _HUB_ID.fullmatch(source):
+        snapshot = _hub_snapshot(source, say)
+        if not (snapshot / "config.json").is_file():
+            raise LoadError(f"hub repo {source!r} has no config.json "
+                            "(GGUF-only repos: download the .gguf and pass its path)")
+        return load_hf_dir(snapshot, progress=say)
+    raise registry.UnknownModelError(
+        f"{source!r} is not a registered model, an existing path or an org/name hub id; {_registry_hint()}"
+    )

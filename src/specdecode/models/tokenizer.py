@@ -1,0 +1,340 @@
+"""Text <-> token ids, stop tokens and chat templates for a model, from a GGUF file or a HF folder.
+
+Wraps a `tokenizers.Tokenizer` (the Rust tokenizer transformers uses) and renders HF-style Jinja chat
+templates in a sandbox. A GGUF file carries vocabulary and merges but no ``tokenizer.json``; the
+byte-level BPE tokenizer it describes is rebuilt here and cached. This module does not do incremental
+(streaming) detokenization and supports only byte-level BPE GGUF vocabularies (``tokenizer.ggml.model``
+``gpt2``: Llama 3, Qwen2, SmolLM, GPT-2 style), not sentencepiece ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from specdecode.models.fetch import cache_dir
+
+# Bumped whenever the GGUF conversion changes, so stale cached tokenizers are rebuilt.
+_CONVERTER_VERSION = 1
+
+# Chat end-of-turn markers that also end generation when the vocabulary has them as special tokens.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_REGEX = {"qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+                "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT}
+
+_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+
+
+class ChatTemplateError(ValueError):
+    """A chat template rejected its input (via ``raise_exception``) or the tokenizer has no template."""
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer llama.cpp's ``tokenizer.ggml.pre`` name stands for."""
+    if pre == "smollm":
+        # SmolLM's own tokenizer.json: every digit is its own word, then GPT-2 splitting.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre in _SPLIT_REGEX:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLIT_REGEX[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre not in ("gpt2", "default"):
+        warnings.warn(f"GGUF tokenizer.ggml.pre={pre!r} is unknown here; using GPT-2 splitting, "
+                      "which may tokenize differently from the original model", stacklevel=3)
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _template_tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                     separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # transformers' tojson: unlike jinja2's own, it does not HTML-escape.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _template_tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, or a dict with ``content``."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    """A model's tokenizer: encode/decode, BOS/EOS ids, the set of stop tokens and the chat template.
+
+    Args:
+        backend: the underlying ``tokenizers.Tokenizer`` (it decides whether ``add_special_tokens``
+            prepends BOS, through its post-processor).
+        bos_token_id: beginning-of-sequence id, or None.
+        eos_token_id: the model's end-of-sequence id, or None.
+        eos_token_ids: every id that ends generation; ``eos_token_id`` and end-of-turn special tokens
+            in END_OF_TURN_TOKENS are added to it.
+        chat_template: HF Jinja chat template, or None.
+    """
+
+    def __init__(self, backend: _Backend, bos_token_id: int | None, eos_token_id: int | None,
+                 eos_token_ids: Iterable[int] = (), chat_template: str | None = None) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        stops = set(eos_token_ids) | {backend.token_to_id(t) for t in END_OF_TURN_TOKENS if t in special}
+        if eos_token_id is not None:
+            stops.add(eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(stops)
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this tokenizer can produce, added tokens included (may be below the model's vocab_size)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def vocab(self) -> list[str]:
+        """Every token's text, indexed by id (what a draft and its target must agree on)."""
+        by_id = {i: t for t, i in self.backend.get_vocab(with_added_tokens=True).items()}
+        return [by_id.get(i, "") for i in range(max(by_id) + 1)]
+
+    @property
+    def bos_token(self) -> str | None:
+        """The BOS token's text, or None."""
+        return None if self.bos_token_id is None else self.backend.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        """The EOS token's text, or None."""
+        return None if self.eos_token_id is None else self.backend.id_to_token(self.eos_token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special-token markup such as ``<|im_start|>`` is always kept whole.
+
+        Args:
+            text: the text.
+            add_special_tokens: let the tokenizer add BOS (or whatever its post-processor adds).
+        """
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``.
+
+        Args:
+            ids: token ids.
+            skip_special_tokens: drop special tokens such as ``<|im_end|>`` from the text.
+        """
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Renders a conversation with the model's chat template, as transformers does.
+
+        Args:
+            messages: ``[{"role": "user", "content": "..."}, ...]``.
+            add_generation_prompt: end with the header that starts the assistant's turn.
+            **kwargs: extra template variables (``tools``, ``documents`` ...).
+
+        Raises:
+            ChatTemplateError: no template, or the template called ``raise_exception``.
+        """
+        if self.chat_template is None:
+            raise ChatTemplateError("this tokenizer has no chat template; pass plain text instead")
+        variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
+        return _compile_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+    # ------------------------------------------------------------------------------------------
+    # Persistence: a folder with tokenizer.json + tokenizer_config.json, readable by from_hf_dir.
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes ``tokenizer.json`` and ``tokenizer_config.json`` into folder ``path`` (created if needed).
+
+        Args:
+            path: destination folder; :meth:`from_hf_dir` reads it back.
+        """
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(folder / "tokenizer.json"))
+        config = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template,
+                  "specdecode_eos_token_ids": sorted(self.eos_token_ids)}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Loads ``tokenizer.json`` plus ``tokenizer_config.json`` (special tokens, chat template).
+
+        ``chat_template.jinja`` overrides the config's template; ``generation_config.json``'s
+        ``eos_token_id`` joins the stop tokens.
+
+        Args:
+            path: a HF model folder, or one written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: the folder has no tokenizer.json.
+        """
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{folder}: no tokenizer.json "
+                                    "(slow, sentencepiece-only tokenizers are not supported)")
+        backend = _Backend.from_file(str(folder / "tokenizer.json"))
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        stops = list(config.get("specdecode_eos_token_ids", ()))
+        generation_file = folder / "generation_config.json"
+        if generation_file.is_file():
+            eos = json.loads(generation_file.read_text()).get("eos_token_id")
+            stops += eos if isinstance(eos, list) else [] if eos is None else [eos]
+
+        def token_id(key: str) -> int | None:
+            content = _token_content(config.get(key))
+            return None if content is None else backend.token_to_id(content)
+
+        return cls(backend, token_id("bos_token"), token_id("eos_token"), stops, template)
+
+    # ------------------------------------------------------------------------------------------
+    # GGUF
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None,
+                  cache: bool = True) -> Tokenizer:
+        """Builds the byte-level BPE tokenizer a GGUF file describes, via a cache of converted tokenizers.
+
+        Args:
+            path: the ``.gguf`` file.
+            metadata: its already-parsed metadata (saves re-reading the header), or None.
+            cache: read/write the converted tokenizer under ``cache_dir()/tokenizers``, keyed by the
+                file's absolute path, size and modification time.
+        """
+        path = Path(path)
+        cached = _cache_folder(path) if cache else None
+        if cached is not None and cached.is_dir():
+            return cls.from_hf_dir(cached)
+        if metadata is None:
+            # Imported here: loader imports this module, and only a cache miss needs the GGUF reader.
+            from specdecode.models.loader import read_gguf
+
+            metadata = read_gguf(path).metadata
+        tokenizer = cls.from_gguf_metadata(metadata, source=str(path))
+        if cached is not None:
+            _save_atomically(tokenizer, cached)
+        return tokenizer
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "GGUF file") -> Tokenizer:
+        """Builds the tokenizer from GGUF ``tokenizer.*`` metadata.
+
+        Control tokens become special added tokens (kept whole, skipped by ``decode``); user-defined
+        tokens become plain added tokens (kept whole, not skipped), as transformers does.
+
+        Args:
+            meta: GGUF metadata with ``tokenizer.ggml.tokens``, ``merges``, ``token_type``, ``pre``,
+                ``bos_token_id``, ``eos_token_id``, optionally ``eot_token_id`` and ``tokenizer.chat_template``.
+            source: named in error messages.
+
+        Raises:
+            ValueError: not a byte-level BPE vocabulary, or tokens/merges missing.
+        """
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"{source}: tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') is supported")
+        if "tokenizer.ggml.tokens" not in meta or "tokenizer.ggml.merges" not in meta:
+            raise ValueError(f"{source}: GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        alphabet = _byte_alphabet()
+        spelled = set(alphabet.values())
+        # Real byte-level tokens are spelled in the byte alphabet; others (added tokens with spaces) are respelled.
+        vocab = {tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode("utf-8")): i
+                 for i, tok in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        backend = _Backend(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                                      end_of_word_suffix="", fuse_unk=False))
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre in ("qwen2", "deepseek-r1-qwen"):
+            backend.normalizer = normalizers.NFC()  # as Qwen2's own tokenizer.json
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+        backend.decoder = decoders.ByteLevel()
+
+        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        typed = list(zip(tokens, types, strict=True))
+        # A control token spelled outside the byte alphabet is a llama.cpp mislabel; adding it would grow the vocab.
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed
+                                    if k == _TOKEN_TYPE_CONTROL and set(t) <= spelled])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed
+                            if k == _TOKEN_TYPE_USER_DEFINED and t in vocab])
+
+        bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+            bos_text = tokens[bos]
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos_text} $A", pair=f"{bos_text} $A {bos_text} $B", special_tokens=[(bos_text, bos)])
+        stops = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+        return cls(backend, bos, eos, stops, meta.get("tokenizer.chat_template"))
+
+
+def _cache_folder(gguf_path: Path) -> Path:
+    """Cache location of the converted tokenizer of a GGUF file; changes when the file does."""
+    resolved = gguf_path.resolve()
+    stat = resolved.stat()
+    key = hashlib.sha256(f"{resolved}:{stat.st_size}:{stat.st_mtime_ns}:{_CONVERTER_VERSION}".encode()).hexdigest()
+    return cache_dir() / "tokenizers" / f"{resolved.stem}-{key[:16]}"
+
+
+def _save_atomically(tokenizer: Tokenizer, folder: Path) -> None:
+    """Writes the cache folder under a temporary name and renames it, so readers never see half of it."""
+    tmp: Path | None = None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        tokenizer.save(tmp)
+        os.rename(tmp, folder)
+    except OSError:
+        pass  # another process won the race, or the cache is read-only: the cache is only an optimization
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

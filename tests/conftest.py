@@ -1,0 +1,33 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real SmolLM2 GGUF, fetched once into the shared cache (``$SPECDECODE_CACHE`` or ~/.cache/specdecode)."""
+    from specdecode.models.fetch import fetch
+
+    return fetch("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """SmolLM2 loaded once per test session in the default dtype (bf16 on CPUs that compute it natively)."""
+    from specdecode.models.build import load_model
+
+    return load_model(str(smollm2_path))
+
+
+def pytest_collection_modifyitems(config, items):
+    # Slow tests (the Qwen pair, minutes each) run only when asked for with `-m slow`.
+    if "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with `make test-slow` (pytest -m slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,171 @@
+"""Drafting with a separate model: vocabulary check and cache rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.drafters import make_drafter
+from specdecode.drafters.draft_model import DraftModelDrafter, VocabularyMismatchError, check_same_vocabulary
+from specdecode.kv.cache import CacheConfig
+from specdecode.models.transformer import Transformer
+from specdecode.sampling import SamplingParams, probs_from_logits
+from tiny_models import random_hf_tensors, tiny_config
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.9, top_k=40)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread; two threads spin against each other on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(seed: int, layers: int) -> Transformer:
+    # Weights at scale 0.2 give varied (non-repeating) greedy continuations.
+    config = tiny_config("llama", num_layers=layers)
+    return Transformer.from_hf_tensors(config, random_hf_tensors(config, seed, scale=0.2))
+
+
+@pytest.fixture(scope="module")
+def draft_model() -> Transformer:
+    return _model(1, layers=2)
+
+
+def _drafter(model: Transformer, max_len: int = 64) -> DraftModelDrafter:
+    drafter = DraftModelDrafter(model)
+    drafter.reset(KVCacheStub(max_len))
+    return drafter
+
+
+class KVCacheStub:
+    """What reset() reads of the target's cache."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+
+
+# --------------------------------------------------------------------------- vocabulary check
+
+
+def test_same_vocabulary_passes():
+    check_same_vocabulary(["a", "b", "c"], ["a", "b", "c"], 3, 3)
+
+
+def test_vocabulary_mismatch_names_first_differing_id():
+    with pytest.raises(VocabularyMismatchError, match=r"target has 4 tokens, draft 4; first difference at id 2"):
+        check_same_vocabulary(["a", "b", "c", "d"], ["a", "b", "x", "y"], 4, 4)
+
+
+def test_vocabulary_of_different_length_names_end_of_common_prefix():
+    with pytest.raises(VocabularyMismatchError, match=r"target has 3 tokens, draft 5; first difference at id 3"):
+        check_same_vocabulary(["a", "b", "c"], ["a", "b", "c", "d", "e"], 5, 5)
+
+
+def test_head_size_mismatch():
+    with pytest.raises(VocabularyMismatchError, match=r"draft output head has 64 rows but the target's has 65"):
+        check_same_vocabulary(["a", "b"], ["a", "b"], 65, 64)
+    assert issubclass(VocabularyMismatchError, ValueError)
+
+
+def test_make_drafter_draft_needs_model(draft_model):
+    with pytest.raises(ValueError, match="needs a draft model"):
+        make_drafter("draft", target=draft_model)
+    d = make_drafter("draft", target=draft_model, draft_model=draft_model)
+    assert isinstance(d, DraftModelDrafter) and d.model is draft_model
+
+
+# --------------------------------------------------------------------------- cache consistency
+
+
+def _reference_next_logits(model: Transformer, seq: list[int]) -> torch.Tensor:
+    cache = model.new_cache(CacheConfig(max_len=len(seq)))
+    return model(torch.tensor([seq]), cache, logits="last")[0, -1]
+
+
+def test_reset_sizes_cache_like_the_target(draft_model):
+    drafter = DraftModelDrafter(draft_model)
+    drafter.reset(KVCacheStub(40))
+    assert drafter.cache.max_len == 40 and drafter.cache.lengths == [0]
+    first = drafter.cache
+    drafter.cache.advance([0], 5)
+    drafter.reset(KVCacheStub(20))  # smaller: reused, emptied
+    assert drafter.cache is first and drafter.cache.lengths == [0]
+    drafter.reset(KVCacheStub(80))  # larger: regrown
+    assert drafter.cache.max_len == 80
+
+
+def test_greedy_draft_is_the_draft_models_own_greedy_continuation(draft_model):
+    seq = [3, 1, 4, 1, 5, 9, 2, 6]
+    drafter = _drafter(draft_model)
+    draft = drafter.propose(seq, 5, GREEDY, torch.Generator())
+    assert draft.q is None and len(draft.tokens) == 5
+    want, s = [], list(seq)
+    for _ in range(5):
+        want.append(int(_reference_next_logits(draft_model, s).argmax()))
+        s.append(want[-1])
+    assert draft.tokens == want
+    assert drafter.cache.lengths[0] == len(seq) + 5 - 1  # the last drafted token is never fed
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_commit_rolls_back_and_later_drafts_match_a_fresh_drafter(draft_model, sampling):
+    """Simulates engine steps with various acceptance counts; after each commit the cache holds
+    min(previous, len(seq) - 1) tokens, and the next draft equals that of a fresh drafter (same tokens,
+    same q) fed the same sequence."""
+    drafter = _drafter(draft_model)
+    seq = [10, 20, 30, 40, 50]
+    g = torch.Generator().manual_seed(0)
+    k = 4
+    # (accepted draft tokens, correction/bonus token) per step: reject all, partial, accept all, ...
+    plan = [(0, 90), (2, 91), (4, 92), (1, 93), (3, 94), (0, 95)]
+    for step, (accepted, extra) in enumerate(plan):
+        draft = drafter.propose(seq, k, sampling, g)
+        before = drafter.cache.lengths[0]
+        assert before == len(seq) + k - 1
+        seq = seq + draft.tokens[:accepted] + [extra]
+        drafter.commit(seq)
+        assert drafter.cache.lengths[0] == min(before, len(seq) - 1)
+
+        fresh = _drafter(draft_model)
+        seed = 100 + step
+        mine = drafter.propose(seq, k, sampling, torch.Generator().manual_seed(seed))
+        ref = fresh.propose(seq, k, sampling, torch.Generator().manual_seed(seed))
+        assert mine.tokens == ref.tokens
+        if sampling.greedy:
+            assert mine.q is None and ref.q is None
+        else:
+            assert mine.q.shape == (k, draft_model.config.vocab_size)
+            torch.testing.assert_close(mine.q, ref.q, atol=1e-4, rtol=0)
+        # Undo the probe's draft so the next planned step drafts from a committed state again.
+        drafter.commit(seq)
+        assert drafter.cache.lengths[0] == len(seq) - 1
+
+
+def test_commit_after_a_step_without_drafting_keeps_the_cache(draft_model):
+    """When the engine drafts nothing (k = 0) the drafter's cache is short; commit must not grow or break it."""
+    drafter = _drafter(draft_model)
+    seq = [7, 8, 9]
+    drafter.propose(seq, 2, GREEDY, torch.Generator())
+    drafter.commit(seq + [1])  # accepted 0, correction 1: cache back to 3
+    assert drafter.cache.lengths[0] == 3
+    seq = seq + [1, 2, 3]  # two more engine steps with no draft
+    drafter.commit(seq)
+    assert drafter.cache.lengths[0] == 3
+    ref = _drafter(draft_model).propose(seq, 3, GREEDY, torch.Generator())
+    assert drafter.propose(seq, 3, GREEDY, torch.Generator()).tokens == ref.tokens
+
+
+def test_sampled_q_is_the_processed_draft_distribution(draft_model):
+    seq = [11, 12, 13]
+    drafter = _drafter(draft_model)
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+    draft = drafter.propose(seq, 1, params, torch.Generator().manual_seed(3))
+    logits = _reference_next_logits(draft_model, seq)
+    torch.testing.assert_close(draft.q[0], probs_from_logits(logits, params), atol=1e-4, rtol=0)
+    assert draft.q[0, draft.tokens[0]] > 0
+    assert (draft.q[0] > 0).sum() <= 5

@@ -1,0 +1,73 @@
+"""Prompt-lookup drafting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.drafters import make_drafter
+from specdecode.drafters.ngram import NgramDrafter, lookup
+from specdecode.sampling import SamplingParams
+
+
+def test_finds_the_latest_match():
+    #      0  1  2  3  4  5  6  7  8
+    seq = [5, 1, 2, 5, 3, 4, 5, 8, 5]
+    assert lookup(seq, 3, 1, 1) == [8, 5]  # latest earlier 5 is at index 6
+    assert lookup(seq[:-2], 2, 1, 1) == [3, 4]  # tail 5 at index 6; latest earlier at index 3
+
+
+def test_prefers_longer_ngrams():
+    #      0  1  2  3  4  5  6  7  8  9
+    seq = [1, 2, 3, 9, 5, 3, 7, 1, 2, 3]
+    assert lookup(seq, 4, 1, 3) == [9, 5, 3, 7]  # [1, 2, 3] matches at 0
+    assert lookup(seq, 4, 1, 1) == [7, 1, 2, 3]  # only [3]: its latest earlier match is at 5
+    assert lookup(seq, 4, 1, 2) == [9, 5, 3, 7]  # [2, 3] matches at 1
+
+
+def test_no_match_gives_empty():
+    assert lookup([1, 2, 3, 4], 4, 1, 3) == []
+    assert lookup([7], 4, 1, 3) == []
+    assert lookup([], 4, 1, 3) == []
+
+
+def test_caps_at_k_and_at_the_end_of_the_sequence():
+    seq = [1, 2, 3, 4, 5, 6, 1]
+    assert lookup(seq, 3, 1, 2) == [2, 3, 4]
+    assert lookup(seq, 100, 1, 2) == [2, 3, 4, 5, 6, 1]
+    assert lookup(seq, 0, 1, 2) == []
+    assert lookup([4, 4], 5, 1, 3) == [4]  # a match right before the tail proposes what follows it
+
+
+def test_respects_min_and_max_sizes():
+    #      0  1  2  3  4  5  6
+    seq = [8, 1, 2, 6, 0, 9, 2]
+    assert lookup(seq, 2, 1, 3) == [6, 0]  # only a 1-gram ([2]) matches
+    assert lookup(seq, 2, 2, 3) == []  # 1-grams are below min_ngram
+    long = [1, 2, 3, 4, 0, 3, 4, 1, 2, 3, 4]
+    assert lookup(long, 2, 1, 4) == [0, 3]  # the 4-gram at 0
+    assert lookup(long, 2, 1, 2) == [1, 2]  # [3, 4]: latest earlier match at 5
+
+
+def test_drafter_proposes_lookup_with_one_hot_q_whatever_the_temperature():
+    seq = [1, 2, 3, 9, 5, 3, 7, 1, 2, 3]
+    drafter = NgramDrafter(max_ngram=3, min_ngram=2)
+    g = torch.Generator().manual_seed(0)
+    for params in (SamplingParams(), SamplingParams(temperature=1.5, top_k=3)):
+        draft = drafter.propose(seq, 3, params, g)
+        assert draft.tokens == [9, 5, 3] and draft.q is None
+    assert drafter.name == "ngram"
+
+
+@pytest.mark.parametrize("min_ngram, max_ngram", [(0, 3), (3, 2), (-1, -1)])
+def test_size_validation(min_ngram, max_ngram):
+    with pytest.raises(ValueError, match=f"1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}"):
+        NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+
+
+def test_make_drafter_passes_sizes():
+    d = make_drafter("ngram", target=None, ngram_sizes=(2, 4))
+    assert isinstance(d, NgramDrafter) and (d.min_ngram, d.max_ngram) == (2, 4)
+    assert make_drafter("none", target=None) is None
+    with pytest.raises(ValueError, match="unknown drafter 'bogus'"):
+        make_drafter("bogus", target=None)

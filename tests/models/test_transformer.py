@@ -1,0 +1,292 @@
+"""The decoder: parity with transformers, incremental decoding, layer subsets, RoPE scaling, config checks.
+
+Parity tolerance: fp32 logits agree with transformers' to 1e-4 absolute (observed ~5e-6 on these
+tiny models, whose logits reach ~20 in magnitude).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from specdecode.kv.cache import CacheConfig
+from specdecode.models.config import ModelConfig
+from specdecode.models.transformer import Transformer, rope_inv_freq
+from tiny_models import random_hf_tensors, tiny_config, tiny_model
+
+PARITY_ATOL = 1e-4
+STEP_ATOL = 1e-4  # our own paths (full vs incremental) differ only by summation order (and thread count)
+
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+HF_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+LINEAR = {"rope_type": "linear", "factor": 4.0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread; two threads spin against each other on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _transformers():
+    """transformers is the parity reference (a dev dependency); only the tests that compare with it need it."""
+    return pytest.importorskip("transformers")
+
+
+def _ids(n: int, seed: int = 1, vocab: int = 97) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_model(config: ModelConfig, tensors: dict[str, torch.Tensor]):
+    transformers = _transformers()
+    hf_config = getattr(transformers, HF_CONFIGS[config.arch])(**config.to_hf())
+    hf_config._attn_implementation = "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(transformers, HF_CLASSES[config.arch])(hf_config).eval()
+    state = dict(tensors)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert not [m for m in missing if "rotary" not in m], missing
+    if config.tie_word_embeddings:
+        assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
+    return model
+
+
+def _ours_full(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    cache = model.new_cache(CacheConfig(max_len=ids.shape[1]))
+    return model(ids, cache)
+
+
+def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(ids).logits.float()
+
+
+# --------------------------------------------------------------------------- parity with transformers
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}),
+    ("llama", {"num_kv_heads": 4}),  # plain multi-head attention
+    ("llama", {"tie_word_embeddings": False}),
+    ("qwen2", {}),
+    ("mistral", {}),
+])
+def test_logits_match_transformers(arch, overrides):
+    config = tiny_config(arch, **overrides)
+    tensors = random_hf_tensors(config, seed=3)
+    ours = Transformer.from_hf_tensors(config, tensors)
+    hf = _hf_model(config, tensors)
+    ids = _ids(40)
+    got, want = _ours_full(ours, ids), _hf_logits(hf, ids)
+    assert got.dtype == torch.float32 and got.shape == (1, 40, config.vocab_size)
+    torch.testing.assert_close(got, want, atol=PARITY_ATOL, rtol=0)
+    assert want.abs().max() > 1.0  # logits are not trivially tiny
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3], ids=["linear", "llama3"])
+def test_rope_scaling_matches_transformers(arch, scaling):
+    # A low theta and a short original context put every frequency band (kept, smoothed, scaled)
+    # inside the 16-wide head, and 80 positions reach past the original context.
+    config = tiny_config(arch, rope_theta=500.0, rope_scaling=dict(scaling))
+    tensors = random_hf_tensors(config, seed=5)
+    ours = Transformer.from_hf_tensors(config, tensors)
+    hf = _hf_model(config, tensors)
+    ids = _ids(80, seed=2)
+    want = _hf_logits(hf, ids)
+    torch.testing.assert_close(_ours_full(ours, ids), want, atol=PARITY_ATOL, rtol=0)
+    # The scaling matters at this size: ignoring it would fail the comparison above.
+    unscaled = Transformer.from_hf_tensors(tiny_config(arch, rope_theta=500.0), tensors)
+    assert (_ours_full(unscaled, ids) - want).abs().max() > 100 * PARITY_ATOL
+
+
+def test_llama3_inv_freq_bands():
+    config = tiny_config(rope_theta=500.0, rope_scaling=dict(LLAMA3))
+    plain = rope_inv_freq(tiny_config(rope_theta=500.0))
+    scaled = rope_inv_freq(config)
+    wavelen = 2 * torch.pi / plain
+    high = wavelen < 32 / 4.0  # short wavelengths: unchanged
+    low = wavelen > 32 / 1.0  # long wavelengths: divided by factor
+    mid = ~high & ~low
+    assert high.any() and low.any() and mid.any()
+    torch.testing.assert_close(scaled[high], plain[high])
+    torch.testing.assert_close(scaled[low], plain[low] / 8.0)
+    assert ((scaled[mid] < plain[mid]) & (scaled[mid] > plain[mid] / 8.0)).all()
+
+
+def test_unsupported_rope_scaling_is_refused():
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        rope_inv_freq(tiny_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+
+
+# --------------------------------------------------------------------------- incremental decoding
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request) -> Transformer:
+    return tiny_model(request.param)
+
+
+def test_prefill_then_one_token_at_a_time_equals_full_forward(model):
+    ids = _ids(24, seed=7)
+    full = _ours_full(model, ids)
+    cache = model.new_cache(CacheConfig(max_len=24))
+    steps = [model(ids[:, :10], cache)]
+    for i in range(10, 24):
+        steps.append(model(ids[:, i:i + 1], cache))
+        assert cache.lengths[0] == i + 1
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=STEP_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunks", [(1, 5, 2, 9, 7), (12, 12), (3, 3, 3, 3, 3, 3, 3, 3)])
+def test_chunked_forwards_equal_full_forward(model, chunks):
+    ids = _ids(sum(chunks), seed=8)
+    full = _ours_full(model, ids)
+    cache = model.new_cache(CacheConfig(max_len=ids.shape[1]))
+    out, pos = [], 0
+    for n in chunks:
+        out.append(model(ids[:, pos:pos + n], cache))
+        pos += n
+    torch.testing.assert_close(torch.cat(out, dim=1), full, atol=STEP_ATOL, rtol=0)
+
+
+def test_logits_last_and_none(model):
+    ids = _ids(12, seed=9)
+    full = _ours_full(model, ids)
+    cache = model.new_cache(CacheConfig(max_len=12))
+    last = model(ids, cache, logits="last")
+    assert last.shape == (1, 1, model.config.vocab_size)
+    torch.testing.assert_close(last, full[:, -1:], atol=STEP_ATOL, rtol=0)
+
+    cache = model.new_cache(CacheConfig(max_len=12))
+    assert model(ids[:, :8], cache, logits="none") is None
+    assert cache.lengths == [8]  # "none" still writes the cache
+    torch.testing.assert_close(model(ids[:, 8:], cache), full[:, 8:], atol=STEP_ATOL, rtol=0)
+
+
+def test_positions_matter(model):
+    """The same tokens at other positions give other logits (RoPE is applied at the cached offset)."""
+    ids = _ids(6, seed=10)
+    cache = model.new_cache(CacheConfig(max_len=16))
+    model(_ids(5, seed=11), cache, logits="none")
+    shifted = model(ids, cache)
+    assert (shifted - _ours_full(model, ids)).abs().max() > 1e-2
+
+
+# --------------------------------------------------------------------------- layer subsets
+
+
+def test_layer_subset_equals_model_built_from_those_layers():
+    config = tiny_config("qwen2")
+    tensors = random_hf_tensors(config, seed=4)
+    full = Transformer.from_hf_tensors(config, tensors)
+    keep = [0, 2]
+    sub_tensors = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
+    for j, i in enumerate(keep):
+        prefix = f"model.layers.{i}."
+        sub_tensors.update({f"model.layers.{j}." + k[len(prefix):]: v for k, v in tensors.items()
+                            if k.startswith(prefix)})
+    small = Transformer.from_hf_tensors(tiny_config("qwen2", num_layers=len(keep)), sub_tensors)
+
+    ids = _ids(15, seed=12)
+    cache = full.new_cache(CacheConfig(max_len=15))
+    got = torch.cat([full(ids[:, :9], cache, layers=keep), full(ids[:, 9:], cache, layers=keep)], dim=1)
+    torch.testing.assert_close(got, _ours_full(small, ids), atol=STEP_ATOL, rtol=0)
+    assert (got - _ours_full(full, ids)).abs().max() > 1e-2
+    # Skipped layers' cache entries were not written; run layers' were.
+    assert not cache.k[1].any() and not cache.k[3].any()
+    assert cache.k[0][0, :, :15].any() and cache.k[2][0, :, :15].any()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_missing_tensor_is_named():
+    config = tiny_config("qwen2")
+    tensors = random_hf_tensors(config)
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"lacks 1 tensors.*model\.layers\.2\.mlp\.up_proj\.weight"):
+        Transformer.from_hf_tensors(config, tensors)
+
+
+def test_untied_model_needs_lm_head():
+    config = tiny_config("llama", tie_word_embeddings=False)
+    tensors = random_hf_tensors(tiny_config("llama", tie_word_embeddings=True))
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        Transformer.from_hf_tensors(config, tensors)
+
+
+def test_from_hf_tensors_dtype_and_no_grad():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    assert not any(p.requires_grad for p in model.parameters())
+    assert not model.training
+    cache = model.new_cache(CacheConfig(max_len=4))
+    assert cache.k[0].dtype == torch.bfloat16
+    assert model(torch.tensor([[1, 2]]), cache).dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- ModelConfig
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"arch": "gpt2"}, r"ModelConfig\.arch='gpt2' is not supported"),
+    ({"vocab_size": 0}, r"ModelConfig\.vocab_size must be >= 1, got 0"),
+    ({"hidden_size": -1}, r"ModelConfig\.hidden_size must be >= 1, got -1"),
+    ({"num_layers": 0}, r"ModelConfig\.num_layers must be >= 1, got 0"),
+    ({"num_kv_heads": 0}, r"ModelConfig\.num_kv_heads must be >= 1, got 0"),
+    ({"head_dim": 0}, r"ModelConfig\.head_dim must be >= 1, got 0"),
+    ({"num_heads": 4, "num_kv_heads": 3}, r"num_heads=4 must be a multiple of num_kv_heads=3"),
+])
+def test_model_config_validation(overrides, message):
+    fields = dict(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16)
+    fields.update(overrides)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**fields)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_config_round_trips_through_hf_dict(arch):
+    config = tiny_config(arch, rope_scaling=dict(LINEAR), sliding_window=64 if arch == "mistral" else None)
+    back = ModelConfig.from_hf(config.to_hf())
+    assert back == config
+    assert back.rope_scaling == config.rope_scaling  # not part of ==, so checked on its own
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("scaling", [None, LINEAR, LLAMA3], ids=["default", "linear", "llama3"])
+def test_config_from_transformers_saved_dict(arch, scaling):
+    """transformers 5 writes RoPE settings as ``rope_parameters`` (no ``rope_scaling``); nothing may be lost."""
+    config = tiny_config(arch, rope_theta=500.0, rope_scaling=dict(scaling) if scaling else None)
+    saved = getattr(_transformers(), HF_CONFIGS[arch])(**config.to_hf()).to_dict()
+    back = ModelConfig.from_hf(saved)
+    assert back == config
+    assert torch.equal(rope_inv_freq(back), rope_inv_freq(config))
+
+
+def test_config_from_hf_refuses_other_families():
+    with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
+        ModelConfig.from_hf({"model_type": "gpt2"})
+
+
+def test_config_from_hf_defaults():
+    c = ModelConfig.from_hf({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                             "num_hidden_layers": 1, "num_attention_heads": 2, "sliding_window": 32})
+    assert (c.num_kv_heads, c.head_dim, c.attention_bias, c.sliding_window) == (2, 4, True, None)
+    m = ModelConfig.from_hf({"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+                             "sliding_window": 32})
+    assert (m.num_kv_heads, m.attention_bias, m.sliding_window) == (1, False, 32)

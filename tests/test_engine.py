@@ -1,0 +1,376 @@
+"""The decode loop on tiny random models: greedy losslessness for every drafter, budgets, stopping,
+streaming, seeding and argument checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+from specdecode.engine import Engine, GenerationResult, SpeculativeConfig
+from specdecode.models.transformer import Transformer
+from specdecode.sampling import SamplingParams
+from tiny_models import random_hf_tensors, tiny_config
+
+NEW_TOKENS = 24
+GAMMAS = [1, 2, 4, 7, "agreement"]
+PROMPTS = [
+    [1, 2, 3, 4, 5],
+    [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9],  # repetitive: n-gram lookup proposes from the first token on
+    [50, 51, 50, 51, 52, 50, 51, 50, 51, 52, 50, 51],
+    [90, 3, 17, 44, 2, 60],
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread; two threads spin against each other on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(seed: int = 0, keep_layers: list[int] | None = None, num_layers: int = 4) -> Transformer:
+    """Weights at scale 0.2: greedy continuations vary (at tiny_model's default scale they repeat one token)."""
+    config = tiny_config("llama", num_layers=num_layers)
+    tensors = random_hf_tensors(config, seed, scale=0.2)
+    if keep_layers is None:
+        return Transformer.from_hf_tensors(config, tensors)
+    # The target truncated to some of its layers: a different model that often agrees with it.
+    kept = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
+    for j, i in enumerate(keep_layers):
+        prefix = f"model.layers.{i}."
+        kept.update({f"model.layers.{j}." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+    return Transformer.from_hf_tensors(tiny_config("llama", num_layers=len(keep_layers)), kept)
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return _model(0)
+
+
+@pytest.fixture(scope="module")
+def models(target) -> dict[str, Transformer]:
+    return {"truncated": _model(0, keep_layers=[0, 1]), "other": _model(1, num_layers=2), "same": _model(0)}
+
+
+def _drafter(kind: str, target: Transformer, models: dict[str, Transformer]):
+    if kind == "ngram":
+        return NgramDrafter(max_ngram=3, min_ngram=1)
+    if kind.startswith("draft-"):
+        return DraftModelDrafter(models[kind.split("-", 1)[1]])
+    if kind == "layerskip":
+        return LayerSkipDrafter(target, [1])
+    raise AssertionError(kind)
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> dict[tuple[int, ...], list[int]]:
+    out = {}
+    for p in PROMPTS:
+        result = Engine(target).generate(p, max_new_tokens=NEW_TOKENS)
+        assert result.finish_reason == "length" and len(result.token_ids) == NEW_TOKENS
+        assert result.stats.drafted_tokens == 0 and result.stats.target_forwards == NEW_TOKENS
+        out[tuple(p)] = result.token_ids
+    # The reference is not degenerate: the outputs vary within and across prompts.
+    assert all(len(set(ids)) >= 4 for ids in out.values())
+    assert len({tuple(ids) for ids in out.values()}) == len(PROMPTS)
+    return out
+
+
+def _check_stats(result: GenerationResult, prompt: list[int], gamma_bound: int) -> None:
+    s = result.stats
+    assert s.prompt_tokens == len(prompt)
+    assert s.tokens_generated == len(result.token_ids)
+    assert 0 <= s.accepted_tokens <= s.drafted_tokens
+    assert s.target_forwards <= s.tokens_generated <= s.target_forwards * (gamma_bound + 1)
+    # Every step emits its accepted drafts plus one target token.
+    assert s.tokens_generated == s.accepted_tokens + s.target_forwards
+    assert len(s.drafted_by_position) <= gamma_bound
+    assert sum(s.drafted_by_position) == s.drafted_tokens and sum(s.accepted_by_position) == s.accepted_tokens
+    assert all(a <= d for a, d in zip(s.accepted_by_position, s.drafted_by_position))
+    assert s.decode_step_s is not None and s.decode_step_s > 0 and s.wall_s > 0
+
+
+# --------------------------------------------------------------------------- greedy losslessness
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft-truncated", "draft-other", "layerskip"])
+def test_greedy_speculation_is_token_identical_to_plain_decoding(target, models, plain, kind):
+    accepted = rejected = 0
+    for gamma in GAMMAS:
+        spec = SpeculativeConfig(gamma=gamma, gamma_max=6)
+        engine = Engine(target, drafter=_drafter(kind, target, models), spec=spec)
+        bound = spec.max_draft
+        for prompt in PROMPTS[1:]:  # PROMPTS[0] is covered by the budget and eos tests
+            result = engine.generate(prompt, max_new_tokens=NEW_TOKENS)
+            assert result.token_ids == plain[tuple(prompt)], (kind, gamma, prompt)
+            assert result.finish_reason == "length"
+            _check_stats(result, prompt, bound)
+            accepted += result.stats.accepted_tokens
+            rejected += result.stats.drafted_tokens - result.stats.accepted_tokens
+    # Both branches of verification were exercised (an unrelated random draft model agrees with the
+    # target about as often as chance, 1 in 97, so only its rejections are certain).
+    assert rejected > 0
+    if kind != "draft-other":
+        assert accepted > 0
+
+
+def test_ngram_gets_accepted_on_a_repetitive_prompt(target):
+    # The target loops on this prompt's continuation, so prompt lookup must pay off somewhere.
+    engine = Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=4))
+    total = sum(engine.generate(p, max_new_tokens=NEW_TOKENS).stats.accepted_tokens for p in PROMPTS[1:3])
+    assert total > 0
+
+
+def test_a_perfect_drafter_is_fully_accepted_with_bonus_tokens(target, models, plain):
+    prompt = PROMPTS[0]
+    gamma = 4
+    result = Engine(target, drafter=DraftModelDrafter(models["same"]),
+                    spec=SpeculativeConfig(gamma=gamma)).generate(prompt, max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == plain[tuple(prompt)]
+    s = result.stats
+    assert s.accepted_tokens == s.drafted_tokens
+    # Steps of gamma + 1 tokens, the last one shortened to the budget.
+    assert s.target_forwards == math.ceil(NEW_TOKENS / (gamma + 1))
+    assert s.acceptance_by_position == [1.0] * gamma
+
+
+def test_agreement_controller_raises_gamma_for_a_perfect_drafter(target, models):
+    result = Engine(target, drafter=DraftModelDrafter(models["same"]),
+                    spec=SpeculativeConfig(gamma="agreement", gamma_max=8)).generate(PROMPTS[0], max_new_tokens=40)
+    # Starts at 4 (acceptance 0.75) and climbs to 8 as every draft is accepted.
+    assert len(result.stats.drafted_by_position) == 8
+    assert result.stats.accepted_tokens == result.stats.drafted_tokens
+
+
+# --------------------------------------------------------------------------- budget
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 8, 9, 13])
+def test_max_new_tokens_is_respected_exactly(target, models, plain, max_new_tokens):
+    prompt = PROMPTS[0]
+    want = plain[tuple(prompt)][:max_new_tokens]
+    gamma = 7
+    # A perfect drafter would overshoot the budget if the engine drafted a full gamma on the last step.
+    result = Engine(target, drafter=DraftModelDrafter(models["same"]),
+                    spec=SpeculativeConfig(gamma=gamma)).generate(prompt, max_new_tokens=max_new_tokens)
+    assert result.token_ids == want and result.finish_reason == "length"
+    assert result.stats.target_forwards == math.ceil(max_new_tokens / (gamma + 1))
+    assert result.stats.drafted_tokens == max_new_tokens - result.stats.target_forwards  # never drafts past it
+    for kind in ("ngram", "layerskip"):
+        r = Engine(target, drafter=_drafter(kind, target, models), spec=SpeculativeConfig(gamma=gamma)).generate(
+            prompt, max_new_tokens=max_new_tokens)
+        assert r.token_ids == want
+    assert Engine(target).generate(prompt, max_new_tokens=max_new_tokens).token_ids == want
+
+
+def test_sampled_generation_respects_budget_and_stats(target, models):
+    for kind in ("ngram", "draft-other", "draft-truncated", "layerskip"):
+        spec = SpeculativeConfig(gamma=5)
+        engine = Engine(target, drafter=_drafter(kind, target, models), spec=spec)
+        for n in (1, 6, 17):
+            result = engine.generate(PROMPTS[1], SamplingParams(temperature=1.0, top_k=20, seed=n),
+                                     max_new_tokens=n)
+            assert len(result.token_ids) == n and result.finish_reason == "length"
+            assert all(0 <= t < target.config.vocab_size for t in result.token_ids)
+            _check_stats(result, PROMPTS[1], spec.max_draft)
+
+
+# --------------------------------------------------------------------------- end of sequence
+
+
+def _eos_case(plain_ids: list[int], min_index: int = 3) -> tuple[int, int]:
+    """A token of the plain output whose first occurrence is at index >= min_index."""
+    for i, t in enumerate(plain_ids):
+        if i >= min_index and t not in plain_ids[:i]:
+            return t, i
+    raise AssertionError("no usable eos token in the reference output")
+
+
+@pytest.mark.parametrize("kind", [None, "draft-same", "ngram", "layerskip"])
+def test_eos_stops_generation_and_is_the_last_token(target, models, plain, kind):
+    for prompt in PROMPTS[:2]:
+        ref = plain[tuple(prompt)]
+        eos, index = _eos_case(ref)
+        drafter = _drafter(kind, target, models) if kind else None
+        result = Engine(target, drafter=drafter, spec=SpeculativeConfig(gamma=4)).generate(
+            prompt, max_new_tokens=NEW_TOKENS, eos_token_ids=[eos, 96 if eos != 96 else 95])
+        assert result.token_ids == ref[:index + 1]
+        assert result.token_ids[-1] == eos and result.finish_reason == "eos"
+        assert result.stats.tokens_generated == index + 1
+
+
+def test_eos_defaults_to_the_tokenizers_and_is_left_out_of_the_text(target, plain):
+    ref = plain[tuple(PROMPTS[0])]
+    eos, index = _eos_case(ref)
+    tok = CharTokenizer(eos_token_ids=[eos])
+    result = Engine(target, tok).generate(tok.decode(PROMPTS[0]), max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == ref[:index + 1] and result.finish_reason == "eos"
+    assert result.text == tok.decode(ref[:index])
+    # An explicit empty list turns end-of-sequence off.
+    result = Engine(target, tok).generate(PROMPTS[0], max_new_tokens=NEW_TOKENS, eos_token_ids=[])
+    assert result.token_ids == ref and result.finish_reason == "length"
+
+
+# --------------------------------------------------------------------------- text, stop strings, streaming
+
+
+class CharTokenizer:
+    """One character per token id (id i <-> chr(0x100 + i)), enough to test text handling."""
+
+    BASE = 0x100
+
+    def __init__(self, eos_token_ids=()) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - self.BASE for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(self.BASE + int(i)) for i in ids)
+
+
+def _stop_case(text: str, length: int, min_index: int = 4) -> tuple[str, int]:
+    for i in range(min_index, len(text) - length):
+        s = text[i:i + length]
+        if text.find(s) == i:
+            return s, i
+    raise AssertionError("no usable stop string in the reference output")
+
+
+@pytest.mark.parametrize("kind", [None, "draft-same", "ngram"])
+@pytest.mark.parametrize("stop_len", [1, 3])
+def test_stop_string_cuts_text_and_stream_never_shows_it(target, models, plain, kind, stop_len):
+    tok = CharTokenizer()
+    prompt = PROMPTS[3]
+    full = tok.decode(plain[tuple(prompt)])
+    stop, index = _stop_case(full, stop_len)
+    make = lambda: Engine(target, tok, drafter=_drafter(kind, target, models) if kind else None,  # noqa: E731
+                          spec=SpeculativeConfig(gamma=4))
+
+    result = make().generate(tok.decode(prompt), max_new_tokens=NEW_TOKENS, stop=[stop, "\u4e00\u4e01"])
+    assert result.finish_reason == "stop"
+    assert result.text == full[:index]
+    assert stop not in result.text
+    # Tokens are the ones generated up to (and including) the step that completed the stop string.
+    assert tok.decode(result.token_ids).startswith(full[:index] + stop)
+    assert result.token_ids == plain[tuple(prompt)][:len(result.token_ids)]
+
+    stream = make().stream(tok.decode(prompt), max_new_tokens=NEW_TOKENS, stop=[stop])
+    shown = ""
+    for piece in stream:
+        assert piece
+        shown += piece
+        assert stop not in shown
+        assert full.startswith(shown)
+    assert shown == stream.result.text == full[:index]
+    assert stream.result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kind", [None, "draft-same", "layerskip"])
+def test_stream_pieces_join_to_the_result_text(target, models, plain, kind):
+    tok = CharTokenizer()
+    prompt = PROMPTS[2]
+    engine = Engine(target, tok, drafter=_drafter(kind, target, models) if kind else None,
+                    spec=SpeculativeConfig(gamma=3))
+    stream = engine.stream(prompt, max_new_tokens=NEW_TOKENS)
+    assert stream.result is None
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text == tok.decode(plain[tuple(prompt)])
+    assert len(pieces) == stream.result.stats.target_forwards  # one piece per step: really incremental
+    assert stream.result.token_ids == plain[tuple(prompt)]
+
+
+def test_stream_with_eos_matches_result_text(target, plain):
+    ref = plain[tuple(PROMPTS[0])]
+    eos, index = _eos_case(ref)
+    tok = CharTokenizer(eos_token_ids=[eos])
+    stream = Engine(target, tok).stream(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+    shown = "".join(stream)
+    assert stream.result.finish_reason == "eos"
+    assert shown == stream.result.text == tok.decode(ref[:index])
+
+
+def test_text_output_without_tokenizer_is_empty(target):
+    result = Engine(target).generate([1, 2, 3], max_new_tokens=3)
+    assert result.text == "" and len(result.token_ids) == 3
+
+
+# --------------------------------------------------------------------------- seeds
+
+
+@pytest.mark.parametrize("kind", [None, "ngram", "draft-other", "layerskip"])
+def test_same_seed_same_tokens_different_seeds_differ(target, models, kind):
+    engine = Engine(target, drafter=_drafter(kind, target, models) if kind else None,
+                    spec=SpeculativeConfig(gamma=3))
+    prompt = PROMPTS[1]
+
+    def run(seed: int) -> list[int]:
+        return engine.generate(prompt, SamplingParams(temperature=1.0, seed=seed), max_new_tokens=16).token_ids
+
+    first = run(1234)
+    assert run(1234) == first
+    others = {tuple(run(seed)) for seed in (1, 2, 3)}
+    assert len(others | {tuple(first)}) > 1
+
+
+# --------------------------------------------------------------------------- engine reuse
+
+
+@pytest.mark.parametrize("kind", ["draft-truncated", "layerskip", "ngram"])
+def test_engine_reuse_across_requests_and_cache_growth(target, models, plain, kind):
+    engine = Engine(target, drafter=_drafter(kind, target, models), spec=SpeculativeConfig(gamma=4))
+    assert engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(PROMPTS[0])]
+    small = engine.cache.max_len
+    long_prompt = (PROMPTS[3] * 50)[:270]  # needs a bigger cache than the first request
+    long_plain = Engine(target).generate(long_prompt, max_new_tokens=8).token_ids
+    assert engine.generate(long_prompt, max_new_tokens=8).token_ids == long_plain
+    assert engine.cache.max_len > small
+    assert engine.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(PROMPTS[1])]
+
+
+# --------------------------------------------------------------------------- argument errors
+
+
+def test_prompt_and_budget_errors(target):
+    engine = Engine(target)
+    with pytest.raises(ValueError, match=r"the prompt is empty \(no tokens\)"):
+        engine.generate([], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be >= 1, got 0"):
+        engine.generate([1, 2], max_new_tokens=0)
+    for bad in ([1, 97], [-1, 3]):
+        with pytest.raises(ValueError, match=r"prompt token ids must be in 0\.\.96"):
+            engine.generate(bad, max_new_tokens=4)
+    with pytest.raises(ValueError, match="a text prompt needs an engine with a tokenizer"):
+        engine.generate("hello", max_new_tokens=4)
+    with pytest.raises(ValueError, match="stop strings need an engine with a tokenizer"):
+        engine.generate([1, 2], max_new_tokens=4, stop=["x"])
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        Engine(target, CharTokenizer()).generate("", max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be >= 1, got -3"):
+        list(engine.stream([1], max_new_tokens=-3))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gamma=-1), r"SpeculativeConfig\.gamma must be in 0\.\.64, got -1"),
+    (dict(gamma=65), r"SpeculativeConfig\.gamma must be in 0\.\.64, got 65"),
+    (dict(gamma="bogus"), r"SpeculativeConfig\.gamma='bogus': expected an integer 0\.\.64 or one of \('agreement',\)"),
+    (dict(gamma_max=0), r"SpeculativeConfig\.gamma_max must be in 1\.\.64, got 0"),
+    (dict(gamma="agreement", gamma_max=65), r"SpeculativeConfig\.gamma_max must be in 1\.\.64, got 65"),
+])
+def test_speculative_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(**kwargs)
+
+
+def test_speculative_config_max_draft():
+    assert SpeculativeConfig(gamma=3).max_draft == 3
+    assert SpeculativeConfig(gamma="agreement", gamma_max=6).max_draft == 6
+    # Without a drafter the engine decodes plainly whatever the spec says.
+    engine = Engine(_model(2, num_layers=1), spec=SpeculativeConfig(gamma=5))
+    assert engine.spec.gamma == 0
+    assert engine.generate([3, 4], max_new_tokens=5).stats.drafted_tokens == 0
