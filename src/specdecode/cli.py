@@ -1,4 +1,4 @@
-"""Command line: ``specdecode generate | models | calibrate-layerskip``.
+"""Command line: ``specdecode generate | bench | models | calibrate-layerskip``.
 
 Parsing, loading and printing only; the loop lives in ``engine.py``. Every user error ends with one
 line ``specdecode: error: ...`` on stderr and exit status 2.
@@ -13,8 +13,9 @@ from typing import Sequence
 
 import torch
 
+from specdecode.bench.command import add_arguments as add_bench_arguments
 from specdecode.drafters import DRAFTERS, make_drafter
-from specdecode.drafters.draft_model import check_same_vocabulary
+from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.drafters.layer_skip import parse_layers
 from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, find_skip_set, calibrate_and_store
 from specdecode.engine import Engine, SpeculativeConfig
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
+    b = sub.add_parser("bench", help="benchmark every method and its peers side by side on prompt suites")
+    _model_args(b)
+    add_bench_arguments(b)
+
     m = sub.add_parser("models", help="list the named models and whether each is cached")
     m.add_argument("--json", action="store_true")
 
@@ -112,8 +117,7 @@ def _engine_for(args: argparse.Namespace, target: LoadedModel) -> Engine:
             raise UsageError("--drafter draft needs --draft-model NAME|PATH")
         _log(f"loading draft model {args.draft_model} ...")
         draft = load_model(args.draft_model, args.dtype, progress=_log)
-        check_same_vocabulary(target.tokenizer.vocab(), draft.tokenizer.vocab(),
-                              target.model.config.vocab_size, draft.model.config.vocab_size)
+        check_draft_pair(target, draft)
         draft_model = draft.model
     elif args.draft_model:
         raise UsageError(f"--draft-model is only used by --drafter draft, not {drafter_kind}")
@@ -187,7 +191,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "models": cmd_models, "calibrate-layerskip": cmd_calibrate}
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specdecode.bench.command import run_command
+
+    return run_command(args)
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "models": cmd_models, "calibrate-layerskip": cmd_calibrate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

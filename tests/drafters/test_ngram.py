@@ -13,7 +13,7 @@ from specdecode.sampling import SamplingParams
 def test_finds_the_latest_match():
     #      0  1  2  3  4  5  6  7  8
     seq = [5, 1, 2, 5, 3, 4, 5, 8, 5]
-    assert lookup(seq, 3, 1, 1) == [8, 5]  # latest earlier 5 is at index 6
+    assert lookup(seq, 2, 1, 1) == [8, 5]  # latest earlier 5 is at index 6
     assert lookup(seq[:-2], 2, 1, 1) == [3, 4]  # tail 5 at index 6; latest earlier at index 3
 
 
@@ -31,12 +31,17 @@ def test_no_match_gives_empty():
     assert lookup([], 4, 1, 3) == []
 
 
-def test_caps_at_k_and_at_the_end_of_the_sequence():
+def test_caps_at_k():
     seq = [1, 2, 3, 4, 5, 6, 1]
     assert lookup(seq, 3, 1, 2) == [2, 3, 4]
-    assert lookup(seq, 100, 1, 2) == [2, 3, 4, 5, 6, 1]
     assert lookup(seq, 0, 1, 2) == []
-    assert lookup([4, 4], 5, 1, 3) == [4]  # a match right before the tail proposes what follows it
+
+
+def test_a_continuation_reaching_the_end_repeats_the_period():
+    # The latest earlier 5 is two tokens back, so the text is read as repeating "8, 5".
+    assert lookup([5, 1, 2, 5, 3, 4, 5, 8, 5], 5, 1, 1) == [8, 5, 8, 5, 8]
+    assert lookup([1, 2, 3, 4, 5, 6, 1], 9, 1, 2) == [2, 3, 4, 5, 6, 1, 2, 3, 4]
+    assert lookup([4, 4], 5, 1, 3) == [4, 4, 4, 4, 4]
 
 
 def test_respects_min_and_max_sizes():

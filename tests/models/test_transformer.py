@@ -290,3 +290,27 @@ def test_config_from_hf_defaults():
                              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
                              "sliding_window": 32})
     assert (m.num_kv_heads, m.attention_bias, m.sliding_window) == (1, False, 32)
+
+
+def test_mistral_sliding_window_matches_transformers():
+    """Past the window, each query sees only the last `sliding_window` keys, as in MistralForCausalLM."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = tiny_config("mistral", sliding_window=6, tie_word_embeddings=False, attention_bias=False)
+    tensors = random_hf_tensors(config, seed=5, scale=0.2)
+    ours = Transformer.from_hf_tensors(config, tensors)
+    hf_cfg = {k: v for k, v in config.to_hf().items() if k not in ("model_type", "architectures")}
+    hf = MistralForCausalLM(MistralConfig(**hf_cfg, attn_implementation="eager")).eval()
+    hf.load_state_dict(tensors, strict=False)
+    ids = torch.randint(0, config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        reference = hf(ids).logits[0]
+        full = ours(ids, ours.new_cache(CacheConfig(max_len=32)))[0]
+        cache = ours.new_cache(CacheConfig(max_len=32))
+        head = ours(ids[:, :9], cache)[0]
+        steps = [ours(ids[:, i:i + 1], cache)[0] for i in range(9, 16)]
+        tail = ours(ids[:, 16:], cache, invariant_rows=True)[0]
+    torch.testing.assert_close(full, reference, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([head, *steps, tail]), reference, atol=1e-4, rtol=0)
+    unwindowed = Transformer.from_hf_tensors(tiny_config("mistral", tie_word_embeddings=False), tensors)
+    assert not torch.allclose(unwindowed(ids, unwindowed.new_cache(CacheConfig(max_len=32)))[0], reference, atol=1e-3)

@@ -40,6 +40,12 @@ def check_same_vocabulary(target_tokens: list[str], draft_tokens: list[str], tar
             f"draft output head has {draft_size} rows but the target's has {target_size}; they must match")
 
 
+def check_draft_pair(target, draft) -> None:
+    """:func:`check_same_vocabulary` for two loaded models (anything with ``.model`` and ``.tokenizer``)."""
+    check_same_vocabulary(target.tokenizer.vocab(), draft.tokenizer.vocab(),
+                          target.model.config.vocab_size, draft.model.config.vocab_size)
+
+
 class DraftModelDrafter:
     """Drafting with a separate (smaller) model.
 

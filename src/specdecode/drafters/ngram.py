@@ -45,6 +45,9 @@ class NgramDrafter:
 def lookup(seq: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
     """Tokens that followed the most recent earlier match of the longest matching tail of ``seq``.
 
+    When the continuation runs into the end of ``seq`` (the text repeats with a short period), it is
+    extended by copying with overlap, as LZ77 does: the repetition is assumed to go on.
+
     Args:
         seq: the token sequence so far.
         k: at most this many tokens are returned.
@@ -56,5 +59,8 @@ def lookup(seq: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
         # Scan right to left: the latest occurrence tends to continue the way the text goes now.
         for start in range(len(seq) - n - 1, -1, -1):
             if seq[start:start + n] == tail:
-                return seq[start + n:start + n + k]
+                out: list[int] = []
+                for i in range(start + n, start + n + k):
+                    out.append(seq[i] if i < len(seq) else out[i - len(seq)])
+                return out
     return []

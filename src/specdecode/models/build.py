@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from specdecode.models.loader import load_checkpoint
+from specdecode.models.loader import Checkpoint, load_checkpoint
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.transformer import Transformer
 
@@ -71,6 +71,10 @@ def load_model(source: str, dtype: str = "auto", device: str = "cpu",
         progress: called with one-line status messages (fetching, loading).
     """
     torch_dtype = resolve_dtype(dtype, device)
-    ckpt = load_checkpoint(source, progress=progress)
-    model = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=torch_dtype).to(device)
+    return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, device)
+
+
+def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
+    """Builds our decoder from loaded weights (the checkpoint's tensors stay usable, e.g. for a peer)."""
+    model = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=dtype).to(device)
     return LoadedModel(model, ckpt.tokenizer, ckpt.source)

@@ -26,7 +26,7 @@ class ModelConfig:
         num_kv_heads: key/value heads (GQA when fewer than num_heads).
         head_dim: width of one head.
         rope_theta: RoPE base frequency.
-        rope_scaling: HF-style scaling dict (``rope_type`` linear / llama3 / dynamic) or None.
+        rope_scaling: HF-style scaling dict (``rope_type`` linear or llama3) or None.
         rms_norm_eps: epsilon of every RMSNorm.
         tie_word_embeddings: output head shares the embedding matrix.
         attention_bias: q/k/v projections carry a bias (Qwen2).

@@ -61,12 +61,17 @@ class Block(nn.Module):
         c = config
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.eps = c.rms_norm_eps
+        self.window = c.sliding_window
         self.attn_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.wqkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.attention_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.mlp_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def _first(self, end: int) -> int:
+        """First key position a query at position ``end - 1`` may see (Mistral's sliding window)."""
+        return 0 if self.window is None else max(0, end - self.window)
 
     def forward(self, x: torch.Tensor, layer: int, cache: KVCache, slots: Sequence[int], starts: Sequence[int],
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, invariant_rows: bool) -> torch.Tensor:
@@ -84,10 +89,13 @@ class Block(nn.Module):
         if invariant_rows and t > 1:
             # One call per new token over exactly the keys it sees: the same kernel, shapes and summation
             # order as one-token decoding, so a verified token's numbers do not depend on the draft length.
-            end = starts[0] + 1
-            attn = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], keys[:, :, :end + i],
-                                                             values[:, :, :end + i], enable_gqa=gqa)
-                              for i in range(t)], dim=2)  # [1, H, T, D]
+            ends = [starts[0] + 1 + i for i in range(t)]
+            attn = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], keys[:, :, self._first(e):e],
+                                                             values[:, :, self._first(e):e], enable_gqa=gqa)
+                              for i, e in enumerate(ends)], dim=2)  # [1, H, T, D]
+        elif mask is None and self.window is not None:  # one token per row: the window is a slice
+            first = self._first(keys.shape[2])
+            attn = F.scaled_dot_product_attention(q, keys[:, :, first:], values[:, :, first:], enable_gqa=gqa)
         else:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         x = x + self.wo(attn.transpose(1, 2).reshape(b, t, -1))
@@ -186,7 +194,10 @@ class Transformer(nn.Module):
         end = max(starts) + t
         query_pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)  # [B, T]
         key_pos = torch.arange(end, device=self.device)
-        return (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, T, L]
+        visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, T, L]
+        if self.config.sliding_window is not None:
+            visible &= key_pos[None, None, :] > query_pos[:, :, None] - self.config.sliding_window
+        return visible[:, None]  # [B, 1, T, L]
 
     @classmethod
     def from_hf_tensors(cls, config: ModelConfig, tensors: Mapping[str, torch.Tensor],

@@ -1,0 +1,139 @@
+"""The ``specdecode bench`` command: its arguments and the glue from parsed arguments to output files.
+
+Kept out of ``cli.py`` so that the CLI stays a thin dispatcher; it only parses, calls the runner and the
+report, and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
+
+
+def _families(value: str) -> tuple[str, ...]:
+    items = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+    unknown = [v for v in items if v not in FAMILIES]
+    if unknown or not items:
+        raise argparse.ArgumentTypeError(f"unknown method families {unknown or [value]}; "
+                                         f"expected a comma list of {','.join(FAMILIES)}")
+    return items
+
+
+def _gammas(value: str) -> tuple[int | str, ...]:
+    out: list[int | str] = []
+    for v in (v.strip() for v in value.split(",")):
+        if not v:
+            continue
+        if v == "agreement":
+            out.append(v)
+            continue
+        try:
+            g = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected integers 1..64 (or 'agreement'), got {v!r}") from None
+        if not 1 <= g <= 64:
+            raise argparse.ArgumentTypeError(f"gamma must be in 1..64, got {g}")
+        out.append(g)
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one gamma")
+    if "agreement" not in out:
+        out.append("agreement")  # the adaptive controller always runs next to the fixed gammas
+    return tuple(dict.fromkeys(out))
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _ngram(value: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'min,max', got {value!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= min <= max, got {value!r}")
+    return lo, hi
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench options (``--model``, ``--dtype`` and ``--threads`` come from the CLI's shared set)."""
+    p.add_argument("--draft-model", default=None,
+                   help="draft model for the 'draft' and 'hf-assisted' methods (same vocabulary as --model)")
+    p.add_argument("--methods", type=_families, default=None,
+                   help=f"comma list of method families: {','.join(FAMILIES)} (default: all that apply; "
+                        "draft and hf-assisted only with --draft-model; 'none' always runs as the reference)")
+    p.add_argument("--gammas", type=_gammas, default=_gammas("1,2,4,8"),
+                   help="draft lengths of every drafting method (default 1,2,4,8); 'agreement' always runs too")
+    p.add_argument("--gamma-max", type=_positive, default=8, help="upper bound of the agreement controller")
+    p.add_argument("--max-new-tokens", type=_positive, default=128, help="token budget of every method (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default; outputs checked token-identical to 'none'); > 0 samples, seeded per prompt")
+    p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses seed + i")
+    p.add_argument("--repeats", type=_positive, default=1, help="timed runs per method and prompt (median)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help="your own prompts: JSONL lines {id, category, prompt|messages} (default: packaged suites)")
+    p.add_argument("--categories", default=None, help="comma list of categories to run (default: all)")
+    p.add_argument("--limit", type=_positive, default=None, help="at most N prompts per category")
+    p.add_argument("--skip-layers", default="auto",
+                   help="layers layerskip skips, e.g. '4,6,8-12'; 'auto' uses (or runs) the stored calibration")
+    p.add_argument("--ngram", type=_ngram, default=(1, 3),
+                   help="min,max n-gram sizes of the ngram drafter; max is also hf-lookup's (default 1,3)")
+    p.add_argument("--no-chat", dest="chat", action="store_false",
+                   help="feed plain 'prompt' entries as raw text (default: wrapped as one user message in the "
+                        "model's chat template, when it has one)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON ('-' = stdout, no table)")
+    p.add_argument("--report", default=None, metavar="DIR", help="write report.md, results.json and PNG plots into DIR")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Runs the benchmark; exit status 0, or 1 when a lossless method changed a greedy output or one of ours failed."""
+    from specdecode.bench.prompts import default_prompts, load_prompts, select
+    from specdecode.bench.report import build_document, format_table, matplotlib_available, write_report
+    from specdecode.bench.runner import BenchConfig, environment, run_bench
+
+    if args.report and not matplotlib_available():
+        raise ValueError("--report needs matplotlib, which is not installed: pip install 'specdecode[bench]'")
+    prompts = load_prompts(args.prompts) if args.prompts else default_prompts()
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    prompts = select(prompts, categories, args.limit)
+    families = args.methods
+    if families is None:
+        families = tuple(f for f in FAMILIES if args.draft_model or f not in DRAFT_MODEL_FAMILIES)
+    config = BenchConfig(model=args.model, draft_model=args.draft_model, families=families, gammas=args.gammas,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
+                         dtype=args.dtype, seed=args.seed, skip_layers=args.skip_layers, ngram_sizes=args.ngram,
+                         gamma_max=args.gamma_max, chat=args.chat)
+    result = run_bench(config, prompts, progress=args.progress)
+    echo: dict[str, Any] = {
+        "model": args.model, "draft_model": args.draft_model, "methods": list(families),
+        "gammas": list(args.gammas), "gamma_max": args.gamma_max, "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "dtype": args.dtype,
+        "prompts_file": args.prompts, "categories": categories, "limit": args.limit, "skip_layers": args.skip_layers,
+        "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None)}
+    doc = build_document(result, echo, environment())
+    text = json.dumps(doc, indent=1)
+    if args.json == "-":
+        print(text)
+    else:
+        print(format_table(doc))
+        if args.json:
+            Path(args.json).write_text(text)
+            print(f"wrote {args.json}", file=sys.stderr)
+    if args.report:
+        files = write_report(doc, args.report)
+        print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
+    ours_failed = [f for f in doc["failed"] if f["name"].split(":")[0] in ("none", "ngram", "draft", "layerskip")]
+    mismatch = doc["identical_outputs"] is not None and doc["identical_outputs"] != doc["identity_comparisons"]
+    return 1 if mismatch or ours_failed else 0

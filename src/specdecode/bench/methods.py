@@ -1,0 +1,272 @@
+"""The things a benchmark compares: our engine with each drafter and gamma, and peer implementations.
+
+A :class:`Method` is a name plus a callable ``run(prompt_ids, seed) -> Output``; everything it needs
+(models, budget, sampling) is bound when it is built. Peers run on the same weights as our engine:
+the transformers models are built from the very checkpoint tensors our decoder is built from (no hub
+access), llama.cpp reads the same GGUF file. This module times one call each; it does not loop over
+prompts, aggregate or print (see ``runner.py`` and ``report.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from specdecode.drafters import make_drafter
+from specdecode.engine import Engine, SpeculativeConfig
+from specdecode.models.build import LoadedModel
+from specdecode.models.config import ModelConfig
+from specdecode.sampling import SamplingParams
+
+OUR_FAMILIES = ("none", "ngram", "draft", "layerskip")
+PEER_FAMILIES = ("hf", "hf-assisted", "hf-lookup", "llamacpp", "llamacpp-lookup")
+FAMILIES = OUR_FAMILIES + PEER_FAMILIES
+# Families that draft, and so run once per requested gamma.
+GAMMA_FAMILIES = ("ngram", "draft", "layerskip")
+# Families that need a separate draft model (--draft-model).
+DRAFT_MODEL_FAMILIES = ("draft", "hf-assisted")
+
+_HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "mistral": ("MistralConfig", "MistralForCausalLM")}
+
+
+@dataclass
+class Output:
+    """One timed generation.
+
+    Args:
+        token_ids: generated ids (an end-of-sequence token that ended generation included).
+        seconds: wall time of the whole call (prefill included).
+        stats: ``RequestStats.to_dict()`` for our engine, None for peers.
+        finish: "eos" or "length" (or our engine's finish reason).
+    """
+
+    token_ids: list[int]
+    seconds: float
+    stats: dict[str, Any] | None = None
+    finish: str = ""
+
+
+@dataclass
+class Method:
+    """One column of the benchmark.
+
+    Args:
+        name: e.g. ``none``, ``ngram:g4``, ``ngram:agreement``, ``hf-lookup``.
+        family: one of FAMILIES.
+        run: ``(prompt_ids, seed) -> Output``.
+        gamma: the draft length (int), ``"agreement"``, or None for methods that do not draft.
+        params: settings worth recording in the JSON (draft sizes, peer options).
+    """
+
+    name: str
+    family: str
+    run: Callable[[list[int], int], Output]
+    gamma: int | str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """"ours" or "peer"."""
+        return "ours" if self.family in OUR_FAMILIES else "peer"
+
+
+def method_name(family: str, gamma: int | str | None) -> str:
+    if gamma is None:
+        return family
+    return f"{family}:{gamma}" if isinstance(gamma, str) else f"{family}:g{gamma}"
+
+
+def _cut_at_eos(ids: list[int], eos: frozenset[int]) -> list[int]:
+    cut = next((i for i, t in enumerate(ids) if t in eos), None)
+    return ids if cut is None else ids[:cut + 1]
+
+
+# ----------------------------------------------------------------------------------------------
+# our engine
+
+def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sampling: SamplingParams,
+                  max_new_tokens: int, draft_model: LoadedModel | None = None,
+                  skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
+                  gamma_max: int = 8) -> Method:
+    """Our engine with one drafter (or none) and one gamma policy.
+
+    Each method gets its own Engine (own KV cache, own drafter state); the target weights are shared.
+    Timed from outside ``Engine.generate``: nothing benchmark-specific runs inside the decode loop.
+    """
+    drafter = make_drafter(family, target.model, draft_model.model if draft_model else None, skip_layers,
+                           ngram_sizes=ngram_sizes)
+    spec = SpeculativeConfig(gamma if gamma is not None else 0, gamma_max)
+    engine = Engine(target.model, target.tokenizer, drafter, spec)
+
+    def run(prompt_ids: list[int], seed: int) -> Output:
+        params = replace(sampling, seed=seed)
+        start = time.perf_counter()
+        result = engine.generate(prompt_ids, params, max_new_tokens)
+        seconds = time.perf_counter() - start
+        return Output(result.token_ids, seconds, result.stats.to_dict(), result.finish_reason)
+
+    params: dict[str, Any] = {}
+    if family == "ngram":
+        params["ngram_sizes"] = list(ngram_sizes)
+    if family == "layerskip":
+        params["skip_layers"] = list(skip_layers or ())
+    if family == "draft" and draft_model is not None:
+        params["draft_model"] = draft_model.source
+    if gamma == "agreement":
+        params["gamma_max"] = gamma_max
+    return Method(method_name(family, gamma), family, run, gamma, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers peers
+
+def build_hf_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
+    """A transformers ``*ForCausalLM`` holding the same weights as our decoder, in the same dtype.
+
+    Args:
+        config: the checkpoint's architecture (``ModelConfig.to_hf()`` becomes the HF config).
+        tensors: HF-named float32 tensors from ``models.loader.load_checkpoint``.
+        dtype: parameter dtype (the one our decoder runs in).
+
+    Raises:
+        RuntimeError: transformers is missing, or the tensors do not fit its model.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise RuntimeError("transformers is not installed (pip install 'specdecode[dev]')") from None
+    config_name, class_name = _HF_CLASSES[config.arch]
+    hf_config = getattr(transformers, config_name)(**config.to_hf())
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            no_init_weights = contextlib.nullcontext
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in the target dtype: no float32 copy first
+    try:
+        with warnings.catch_warnings(), no_init_weights():
+            warnings.simplefilter("ignore")
+            model = getattr(transformers, class_name)(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    state = {k: v.to(dtype) for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if "rotary" not in m and not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"transformers {class_name} does not fit the checkpoint: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+        if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+            model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def hf_method(family: str, hf_model, eos_token_ids: frozenset[int], sampling: SamplingParams,
+              max_new_tokens: int, assistant=None, lookup_tokens: int | None = None,
+              lookup_ngram: int | None = None) -> Method:
+    """transformers ``generate``: plain, assisted (``assistant_model``) or prompt lookup.
+
+    Same budget and the same stop tokens as our engine; temperature > 0 samples from the full
+    distribution (top-k and top-p off, as ours), seeded per prompt with ``torch.manual_seed``.
+    """
+    from transformers import GenerationConfig
+
+    eos = sorted(eos_token_ids)
+    options: dict[str, Any] = dict(max_new_tokens=max_new_tokens, use_cache=True, num_beams=1,
+                                   eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
+    if sampling.greedy:
+        options["do_sample"] = False
+    else:
+        options.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0,
+                       top_p=sampling.top_p)
+    params: dict[str, Any] = {}
+    if lookup_tokens is not None:
+        options.update(prompt_lookup_num_tokens=lookup_tokens, max_matching_ngram_size=lookup_ngram or 2)
+        params.update(prompt_lookup_num_tokens=lookup_tokens, max_matching_ngram_size=lookup_ngram or 2)
+    if assistant is not None:
+        gc = assistant.generation_config
+        params.update(num_assistant_tokens=gc.num_assistant_tokens or 20,
+                      num_assistant_tokens_schedule=gc.num_assistant_tokens_schedule or "constant")
+    config = GenerationConfig(**options)
+    extra = {"assistant_model": assistant} if assistant is not None else {}
+    eos_set = frozenset(eos)
+
+    def run(prompt_ids: list[int], seed: int) -> Output:
+        if not sampling.greedy:
+            torch.manual_seed(seed)
+        start = time.perf_counter()
+        ids = torch.tensor([prompt_ids])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                    **extra)
+        seconds = time.perf_counter() - start
+        tokens = _cut_at_eos(out[0, len(prompt_ids):].tolist(), eos_set)
+        finish = "eos" if tokens and tokens[-1] in eos_set else "length"
+        return Output(tokens, seconds, None, finish)
+
+    return Method(family, family, run, lookup_tokens if family == "hf-lookup" else None, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# llama.cpp peers
+
+def llamacpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def llamacpp_method(family: str, gguf_path: str | Path, eos_token_ids: frozenset[int], sampling: SamplingParams,
+                    max_new_tokens: int, n_ctx: int, lookup_tokens: int | None = None) -> Method:
+    """llama-cpp-python on the same GGUF file: plain, or with its prompt-lookup draft (``LlamaPromptLookupDecoding``).
+
+    Note that llama.cpp computes with the GGUF's quantized weights, while our engine and transformers
+    use them dequantized: its greedy output may differ from ours.
+    """
+    import llama_cpp
+
+    threads = torch.get_num_threads()
+    kwargs: dict[str, Any] = dict(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                  verbose=False, seed=0)
+    params: dict[str, Any] = {"n_threads": threads}
+    if lookup_tokens is not None:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
+        params["num_pred_tokens"] = lookup_tokens
+    llm = llama_cpp.Llama(**kwargs)
+    eos = frozenset(eos_token_ids) | {llm.token_eos()}
+    temp = 0.0 if sampling.greedy else sampling.temperature
+
+    def run(prompt_ids: list[int], seed: int) -> Output:
+        if not sampling.greedy:
+            llm.set_seed(seed)
+        start = time.perf_counter()
+        tokens: list[int] = []
+        finish = "length"
+        for tok in llm.generate(list(prompt_ids), top_k=sampling.top_k or 0, top_p=sampling.top_p, min_p=0.0,
+                                temp=temp, repeat_penalty=1.0, reset=True):
+            tokens.append(int(tok))
+            if tok in eos:
+                finish = "eos"
+                break
+            if len(tokens) >= max_new_tokens:
+                break
+        seconds = time.perf_counter() - start
+        return Output(tokens, seconds, None, finish)
+
+    return Method(family, family, run, lookup_tokens if family == "llamacpp-lookup" else None, params)

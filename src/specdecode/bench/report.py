@@ -1,0 +1,467 @@
+"""Aggregation and output of a benchmark run: figures, the JSON document, the stdout table, Markdown and PNGs.
+
+Aggregation rules (per method, per category and overall):
+- tokens/s of a prompt = median over its repeats of generated tokens / wall seconds; a group's
+  tokens/s = median over its prompts (min and max are reported too).
+- speedup vs a baseline = per prompt, the method's tokens/s / the baseline's tokens/s; then median,
+  min and max over the prompts.
+- tau, acceptance rate, acceptance by draft position and mean gamma pool the engine's counters over
+  every call of the group (ratios of sums); predicted speedup = median over calls of RequestStats'
+  prediction (compare with the measured speedup vs ``none``).
+- identity (greedy only): each call of our speculative methods is compared with ``none``'s output on
+  the same prompt and repeat.
+Every float in the JSON is rounded to ROUND decimals, and the Markdown report prints those very values.
+This module runs no model.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+SCHEMA_VERSION = 1
+ROUND = 4
+BASELINES = ("hf", "none")
+_OUR_FAMILIES = ("none", "ngram", "draft", "layerskip")
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(float(x), ROUND)
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def prompt_tokens_per_s(samples: Iterable[Any]) -> dict[str, dict[str, float]]:
+    """method -> prompt id -> median over repeats of tokens/s."""
+    runs: dict[str, dict[str, list[float]]] = {}
+    for s in samples:
+        tps = s.tokens / s.seconds if s.seconds > 0 else 0.0
+        runs.setdefault(s.method, {}).setdefault(s.prompt_id, []).append(tps)
+    return {m: {p: statistics.median(v) for p, v in by_prompt.items()} for m, by_prompt in runs.items()}
+
+
+def _identity(samples: Sequence[Any], reference: dict[tuple[str, int], list[int]]) -> tuple[int, int]:
+    """(identical, compared) for samples that have a ``none`` output on the same prompt and repeat."""
+    identical = compared = 0
+    for s in samples:
+        ref = reference.get((s.prompt_id, s.repeat))
+        if ref is not None:
+            compared += 1
+            identical += list(s.token_ids) == ref
+    return identical, compared
+
+
+def empty_figures() -> dict[str, Any]:
+    keys = ["prompts", "samples", "tokens", "seconds", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max"]
+    for b in BASELINES:
+        keys += [f"speedup_vs_{b}", f"speedup_vs_{b}_min", f"speedup_vs_{b}_max"]
+    keys += ["mean_accepted_length", "acceptance_rate", "acceptance_by_position", "mean_gamma", "predicted_speedup",
+             "identical_to_none", "compared_to_none"]
+    out: dict[str, Any] = {k: None for k in keys}
+    out.update(prompts=0, samples=0, tokens=0, seconds=0.0)
+    return out
+
+
+def figures(samples: Sequence[Any], tps: dict[str, float], baselines: dict[str, dict[str, float] | None],
+            prompt_ids: Sequence[str], reference: dict[tuple[str, int], list[int]] | None = None) -> dict[str, Any]:
+    """The figures of one method over one group of prompts.
+
+    Args:
+        samples: the method's calls on the group's prompts.
+        tps: the method's per-prompt tokens/s (see :func:`prompt_tokens_per_s`).
+        baselines: baseline name ("hf", "none") -> its per-prompt tokens/s, or None when it did not run.
+        prompt_ids: the group's prompts.
+        reference: (prompt id, repeat) -> ``none``'s tokens, for the identity count; None to skip it.
+    """
+    out = empty_figures()
+    ids = [p for p in prompt_ids if p in tps]
+    values = [tps[p] for p in ids]
+    out.update(prompts=len(ids), samples=len(samples), tokens=sum(s.tokens for s in samples),
+               seconds=_r(sum(s.seconds for s in samples)))
+    if values:
+        out.update(tokens_per_s=_r(_median(values)), tokens_per_s_min=_r(min(values)), tokens_per_s_max=_r(max(values)))
+    for name, base in baselines.items():
+        if not base:
+            continue
+        ratios = [tps[p] / base[p] for p in ids if p in base and base[p] > 0]
+        if ratios:
+            out.update({f"speedup_vs_{name}": _r(_median(ratios)), f"speedup_vs_{name}_min": _r(min(ratios)),
+                        f"speedup_vs_{name}_max": _r(max(ratios))})
+    stats = [s.stats for s in samples if s.stats]
+    if stats:
+        forwards = sum(st["target_forwards"] for st in stats)
+        generated = sum(st["tokens_generated"] for st in stats)
+        drafted = sum(st["drafted_tokens"] for st in stats)
+        accepted = sum(st["accepted_tokens"] for st in stats)
+        width = max((len(st["drafted_by_position"]) for st in stats), default=0)
+        d_pos, a_pos = [0] * width, [0] * width
+        for st in stats:
+            for i, (d, a) in enumerate(zip(st["drafted_by_position"], st["accepted_by_position"])):
+                d_pos[i] += d
+                a_pos[i] += a
+        predicted = [st["predicted_speedup"] for st in stats if st.get("predicted_speedup") is not None]
+        out.update(mean_accepted_length=_r(generated / forwards) if forwards else None,
+                   acceptance_rate=_r(accepted / drafted) if drafted else None,
+                   acceptance_by_position=[_r(a / d) for a, d in zip(a_pos, d_pos) if d],
+                   mean_gamma=_r(drafted / forwards) if forwards else None,
+                   predicted_speedup=_r(_median(predicted)))
+    if reference is not None:
+        out["identical_to_none"], out["compared_to_none"] = _identity(samples, reference)
+    return out
+
+
+def aggregate(samples: Sequence[Any], method_names: Sequence[str], categories: Sequence[str],
+              prompts_by_category: dict[str, list[str]], identity: bool) -> dict[str, dict[str, Any]]:
+    """method name -> {"overall": figures, "by_category": {category: figures}}.
+
+    Args:
+        samples: every timed call (objects with method, prompt_id, category, repeat, tokens, seconds,
+            stats, token_ids).
+        method_names: the methods, in display order.
+        categories: category display order.
+        prompts_by_category: category -> prompt ids, in order.
+        identity: count outputs identical to ``none`` (greedy runs).
+    """
+    tps = prompt_tokens_per_s(samples)
+    baselines = {b: tps.get(b) for b in BASELINES}
+    reference = None
+    if identity:
+        reference = {(s.prompt_id, s.repeat): list(s.token_ids) for s in samples if s.method == "none"}
+    all_ids = [p for c in categories for p in prompts_by_category.get(c, [])]
+    out = {}
+    for name in method_names:
+        mine = [s for s in samples if s.method == name]
+        ref = reference if reference is not None and name != "none" else None
+        overall = figures(mine, tps.get(name, {}), baselines, all_ids, ref)
+        by_category = {}
+        for c in categories:
+            ids = set(prompts_by_category.get(c, []))
+            by_category[c] = figures([s for s in mine if s.prompt_id in ids], tps.get(name, {}), baselines,
+                                     prompts_by_category.get(c, []), ref)
+        out[name] = {"overall": overall, "by_category": by_category}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the JSON document
+
+def build_document(result: Any, config_echo: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
+    """The ``--json`` document (schema in docs/bench.md) from a ``runner.RunResult``."""
+    categories = list(dict.fromkeys(p.category for p in result.prompts))
+    by_category: dict[str, list[str]] = {}
+    for p in result.prompts:
+        by_category.setdefault(p.category, []).append(p.id)
+    names = [m.name for m in result.methods]
+    greedy = result.config.temperature == 0.0
+    figs = aggregate(result.samples, names, categories, by_category, identity=greedy and "none" in names)
+    methods = []
+    for m in result.methods:
+        f = figs[m.name]
+        ours = m.family in _OUR_FAMILIES
+        entry = {"name": m.name, "family": m.family, "kind": "ours" if ours else "peer", "gamma": m.gamma,
+                 "params": m.params, "status": "failed" if m.name in result.failed else "ok",
+                 "error": result.failed.get(m.name), "overall": f["overall"], "by_category": f["by_category"],
+                 "identical_to_none": f["overall"]["identical_to_none"],
+                 "compared_to_none": f["overall"]["compared_to_none"],
+                 "rss_mb": _r(result.rss_mb.get(m.name))}
+        methods.append(entry)
+    built = {m.name for m in result.methods}
+    for name, error in result.failed.items():  # peers that could not even be built
+        if name not in built:
+            methods.append({"name": name, "family": name, "kind": "ours" if name in _OUR_FAMILIES else "peer",
+                            "gamma": None, "params": {}, "status": "failed", "error": error,
+                            "overall": empty_figures(), "by_category": {c: empty_figures() for c in categories},
+                            "identical_to_none": None, "compared_to_none": None, "rss_mb": None})
+    identity_checked = greedy and "none" in names
+    ours_compared = [e for e in methods if e["kind"] == "ours" and e["name"] != "none" and e["compared_to_none"]]
+    identical = sum(e["identical_to_none"] for e in ours_compared) if identity_checked else None
+    compared = sum(e["compared_to_none"] for e in ours_compared) if identity_checked else None
+    mismatches = [{"method": mm.method, "prompt_id": mm.prompt_id, "repeat": mm.repeat,
+                   "first_difference": mm.first_difference} for mm in result.identity_mismatches]
+    samples = [{"method": s.method, "prompt_id": s.prompt_id, "category": s.category, "repeat": s.repeat,
+                "tokens": s.tokens, "seconds": _r(s.seconds), "tokens_per_s": _r(s.tokens_per_s), "finish": s.finish,
+                "mean_accepted_length": _r(s.stats["mean_accepted_length"]) if s.stats else None,
+                "acceptance_rate": _r(s.stats["acceptance_rate"]) if s.stats and s.stats["drafted_tokens"] else None,
+                "predicted_speedup": _r(s.stats["predicted_speedup"]) if s.stats else None}
+               for s in result.samples]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "config": {**config_echo, "model_source": result.model_source, "draft_model_source": result.draft_source,
+                   "torch_dtype": result.torch_dtype},
+        "environment": environment,
+        "prompts": {"count": len(result.prompts), "categories": categories,
+                    "by_category": {c: len(v) for c, v in by_category.items()},
+                    "prompt_tokens": result.prompt_tokens},
+        "methods": methods,
+        "identical_outputs": identical,
+        "identity_comparisons": compared,
+        "identity_mismatches": mismatches,
+        "identity_note": None if identity_checked else (
+            "not checked: temperature > 0 (sampled outputs)" if not greedy else "not checked: 'none' did not run"),
+        "skipped": [{"name": n, "reason": why} for n, why in result.skipped],
+        "failed": [{"name": n, "error": e} for n, e in result.failed.items()],
+        "notes": list(result.notes),
+        "memory": {"peak_rss_mb": _r(result.peak_rss_mb), "rss_after_load_mb": _r(result.rss_after_load_mb)},
+        "timing": {"load_s": _r(result.load_s), "run_s": _r(result.run_s)},
+        "samples": samples,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# text output
+
+def _x(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _range(f: dict[str, Any], key: str) -> str:
+    if f.get(key) is None:
+        return "-"
+    return f"{f[key]:.2f} ({f[key + '_min']:.2f}-{f[key + '_max']:.2f})"
+
+
+def _identity_cell(entry: dict[str, Any]) -> str:
+    if entry["compared_to_none"] is None:
+        return "ref" if entry["name"] == "none" else "-"
+    mark = "" if entry["identical_to_none"] == entry["compared_to_none"] or entry["kind"] == "peer" else " !!"
+    return f"{entry['identical_to_none']}/{entry['compared_to_none']}{mark}"
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """The human summary printed on stdout."""
+    rows = [("method", "tok/s", "vs hf (min-max)", "vs none (min-max)", "tau", "accept", "pred", "same", "RSS MB")]
+    for e in doc["methods"]:
+        f = e["overall"]
+        name = e["name"] + (" [FAILED]" if e["status"] == "failed" else "")
+        rows.append((name, _x(f["tokens_per_s"]), _range(f, "speedup_vs_hf"), _range(f, "speedup_vs_none"),
+                     _x(f["mean_accepted_length"]), _x(f["acceptance_rate"]), _x(f["predicted_speedup"]),
+                     _identity_cell(e), _x(e["rss_mb"], 0)))
+    lines = [_columns(rows), ""]
+    cats = doc["prompts"]["categories"]
+    grid = [("speedup vs none", *cats, "overall")]
+    for e in doc["methods"]:
+        if e["overall"]["samples"]:
+            grid.append((e["name"], *(_x(e["by_category"][c]["speedup_vs_none"]) for c in cats),
+                         _x(e["overall"]["speedup_vs_none"])))
+    lines += [_columns(grid), ""]
+    c = doc["config"]
+    lines.append(f"{doc['prompts']['count']} prompts x {c['repeats']} repeat(s), budget {c['max_new_tokens']} tokens, "
+                 f"temperature {c['temperature']}, dtype {c['torch_dtype']}; peak RSS {_x(doc['memory']['peak_rss_mb'], 0)} MB")
+    if doc["identical_outputs"] is not None:
+        ok = doc["identical_outputs"] == doc["identity_comparisons"]
+        lines.append(f"greedy outputs identical to 'none': {doc['identical_outputs']}/{doc['identity_comparisons']}"
+                     + ("" if ok else "   !!!! MISMATCH: a lossless method changed the output !!!!"))
+    elif doc["identity_note"]:
+        lines.append(f"identity {doc['identity_note']}")
+    for fl in doc["failed"]:
+        lines.append(f"FAILED {fl['name']}: {fl['error']}")
+    lines += [f"note: {n}" for n in doc["notes"]]  # skipped methods are among the notes
+    return "\n".join(lines)
+
+
+def _columns(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for j, r in enumerate(rows):
+        cells = [str(v).ljust(widths[0]) if i == 0 else str(v).rjust(widths[i]) for i, v in enumerate(r)]
+        out.append("  ".join(cells).rstrip())
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Markdown report and plots
+
+PLOTS = ("speedup_by_category.png", "acceptance_by_position.png", "gamma_sweep.png")
+
+
+def matplotlib_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _n(v: Any) -> str:
+    """A JSON value exactly as the JSON file spells it ("-" for null)."""
+    return "-" if v is None else json.dumps(v)
+
+
+def _md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
+    """The report; every number is the JSON document's value, spelled as in the JSON."""
+    c = doc["config"]
+    cats = doc["prompts"]["categories"]
+    ok = [e for e in doc["methods"] if e["overall"]["samples"]]
+    out = ["# specdecode bench report", "",
+           f"- model: `{c['model']}` ({c['model_source']}), dtype {c['torch_dtype']}"
+           + (f", draft model `{c['draft_model']}`" if c.get("draft_model") else ""),
+           f"- prompts: {doc['prompts']['count']} in {len(cats)} categories ({', '.join(cats)}), "
+           f"{c['repeats']} repeat(s), budget {c['max_new_tokens']} new tokens, temperature {c['temperature']}",
+           f"- peak RSS of the process: {_n(doc['memory']['peak_rss_mb'])} MB; "
+           f"torch threads {doc['environment'].get('torch_threads')}; torch {doc['environment'].get('torch')}, "
+           f"transformers {doc['environment'].get('transformers')}",
+           ""]
+    if doc["identical_outputs"] is not None:
+        flag = "" if doc["identical_outputs"] == doc["identity_comparisons"] else " **MISMATCH: lossless methods changed the output**"
+        out += [f"Greedy outputs of our speculative methods identical to `none`: "
+                f"**{_n(doc['identical_outputs'])} / {_n(doc['identity_comparisons'])}**{flag}", ""]
+    elif doc["identity_note"]:
+        out += [f"Identity check {doc['identity_note']}.", ""]
+    out += ["## Overall", "",
+            "Tokens/s: median over prompts. Speedups: per-prompt ratio of tokens/s, then median [min, max]. "
+            "tau: tokens per target forward. Predicted: the DESIGN.md formula with measured acceptance and costs "
+            "(compare with the measured speedup vs `none`).", ""]
+    rows = []
+    for e in doc["methods"]:
+        f = e["overall"]
+        rows.append([f"`{e['name']}`" + (" (failed)" if e["status"] == "failed" else ""), _n(f["tokens_per_s"]),
+                     f"{_n(f['speedup_vs_hf'])} [{_n(f['speedup_vs_hf_min'])}, {_n(f['speedup_vs_hf_max'])}]",
+                     f"{_n(f['speedup_vs_none'])} [{_n(f['speedup_vs_none_min'])}, {_n(f['speedup_vs_none_max'])}]",
+                     _n(f["mean_accepted_length"]), _n(f["acceptance_rate"]), _n(f["mean_gamma"]),
+                     _n(f["predicted_speedup"]),
+                     "-" if e["compared_to_none"] is None else f"{e['identical_to_none']}/{e['compared_to_none']}",
+                     _n(e["rss_mb"])])
+    out += [_md_table(["method", "tokens/s", "vs hf", "vs none", "tau", "acceptance", "mean gamma", "predicted",
+                       "identical", "RSS MB"], rows), ""]
+    for title, key in (("Speedup vs `none` by category", "speedup_vs_none"),
+                       ("Speedup vs transformers `generate` by category", "speedup_vs_hf"),
+                       ("Tokens/s by category", "tokens_per_s"), ("tau by category", "mean_accepted_length")):
+        if all(e["overall"][key] is None for e in ok):
+            continue
+        out += [f"## {title}", "", _md_table(["method", *cats, "overall"],
+                                             ([f"`{e['name']}`", *(_n(e["by_category"][ct][key]) for ct in cats),
+                                               _n(e["overall"][key])] for e in ok)), ""]
+    with_pos = [e for e in ok if e["overall"]["acceptance_by_position"]]
+    if with_pos:
+        width = max(len(e["overall"]["acceptance_by_position"]) for e in with_pos)
+        out += ["## Acceptance by draft position", "",
+                _md_table(["method", *(str(i + 1) for i in range(width))],
+                          ([f"`{e['name']}`", *(_n(v) for v in e["overall"]["acceptance_by_position"]),
+                            *["-"] * (width - len(e["overall"]["acceptance_by_position"]))] for e in with_pos)), ""]
+    if doc["identity_mismatches"]:
+        out += ["## Output mismatches", "", _md_table(["method", "prompt", "repeat", "first differing token"],
+                                                       ([m["method"], m["prompt_id"], str(m["repeat"]),
+                                                         str(m["first_difference"])] for m in doc["identity_mismatches"])), ""]
+    extra = [f"- **failed** `{f['name']}`: {f['error']}" for f in doc["failed"]]
+    extra += [f"- {n}" for n in doc["notes"]]
+    if extra:
+        out += ["## Notes", "", *extra, ""]
+    if plots:
+        out += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots] + [""]
+    return "\n".join(out)
+
+
+def write_report(doc: dict[str, Any], folder: str | Path) -> list[Path]:
+    """Writes report.md, results.json and the PNG plots into ``folder``; returns the files written.
+
+    Raises:
+        RuntimeError: matplotlib is not installed.
+    """
+    if not matplotlib_available():
+        raise RuntimeError("--report needs matplotlib: pip install 'specdecode[bench]'")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = plot_all(doc, folder)
+    (folder / "results.json").write_text(json.dumps(doc, indent=1))
+    (folder / "report.md").write_text(markdown(doc, [p.name for p in written]))
+    return [folder / "report.md", folder / "results.json", *written]
+
+
+def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    ok = [e for e in doc["methods"] if e["overall"]["samples"]]
+    cats = doc["prompts"]["categories"]
+    colors = plt.get_cmap("tab20")
+
+    # 1. speedup by category per method
+    keys = [k for k in ("speedup_vs_none", "speedup_vs_hf") if any(e["overall"][k] is not None for e in ok)]
+    if keys:
+        groups = cats + ["overall"]
+        fig, axes = plt.subplots(len(keys), 1, figsize=(max(8.0, 1.3 * len(groups) + 4), 4.2 * len(keys)), squeeze=False)
+        for ax, key in zip(axes[:, 0], keys):
+            shown = [e for e in ok if e["overall"][key] is not None and not (key == "speedup_vs_none" and e["name"] == "none")
+                     and not (key == "speedup_vs_hf" and e["name"] == "hf")]
+            width = 0.8 / max(len(shown), 1)
+            for i, e in enumerate(shown):
+                vals = [e["by_category"][ct][key] for ct in cats] + [e["overall"][key]]
+                xs = [g + (i - (len(shown) - 1) / 2) * width for g in range(len(groups))]
+                ax.bar(xs, [v if v is not None else 0.0 for v in vals], width, label=e["name"], color=colors(i % 20))
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+            ax.set_xticks(range(len(groups)), groups, rotation=20)
+            ax.set_ylabel(f"speedup vs {key.rsplit('_', 1)[1]} (median)")
+            ax.set_title(f"Speedup vs {'our plain decoding (none)' if key.endswith('none') else 'transformers generate (hf)'}")
+            ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.tight_layout()
+        written.append(_save(fig, folder / "speedup_by_category.png", plt))
+
+    # 2. acceptance by draft position
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    with_pos = [e for e in ok if e["overall"]["acceptance_by_position"]]
+    for i, e in enumerate(with_pos):
+        pos = e["overall"]["acceptance_by_position"]
+        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=e["name"], color=colors(i % 20))
+    width = max((len(e["overall"]["acceptance_by_position"]) for e in with_pos), default=1)
+    ax.set_xticks(range(1, width + 1))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (of drafts reaching it)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance by draft position" + ("" if with_pos else " (no drafting method ran)"))
+    if with_pos:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    written.append(_save(fig, folder / "acceptance_by_position.png", plt))
+
+    # 3. tau and tokens/s against gamma
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    families = list(dict.fromkeys(e["family"] for e in ok if e["kind"] == "ours" and e["family"] != "none"))
+    for i, fam in enumerate(families):
+        fixed = sorted((e for e in ok if e["family"] == fam and isinstance(e["gamma"], int)), key=lambda e: e["gamma"])
+        color = colors((2 * i) % 20)
+        for ax, key in ((ax1, "mean_accepted_length"), (ax2, "tokens_per_s")):
+            pts = [(e["gamma"], e["overall"][key]) for e in fixed if e["overall"][key] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=color, label=fam)
+            for e in ok:
+                if e["family"] == fam and e["gamma"] == "agreement" and e["overall"][key] is not None:
+                    ax.axhline(e["overall"][key], color=color, linestyle=":", label=f"{fam}:agreement")
+    for e in ok:
+        if e["name"] in ("none", "hf") and e["overall"]["tokens_per_s"] is not None:
+            ax2.axhline(e["overall"]["tokens_per_s"], color="black" if e["name"] == "none" else "grey",
+                        linestyle="--", label=e["name"])
+    ax1.set_title("tau (tokens per target forward) vs gamma")
+    ax2.set_title("tokens/s (median over prompts) vs gamma")
+    gammas = sorted({e["gamma"] for e in ok if isinstance(e["gamma"], int) and e["kind"] == "ours"})
+    for ax in (ax1, ax2):
+        if gammas:
+            ax.set_xticks(gammas)
+        ax.set_xlabel("gamma (tokens drafted per step)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    ax1.set_ylabel("tau")
+    ax2.set_ylabel("tokens/s")
+    fig.tight_layout()
+    written.append(_save(fig, folder / "gamma_sweep.png", plt))
+    return written
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -1,0 +1,490 @@
+"""Runs every method on every prompt in one process: loading, warm-up, interleaving, timing, identity.
+
+Order is what makes side-by-side ratios fair on a noisy machine: for each prompt (and repeat) every
+method runs once, the order alternating between forward and reverse, after one untimed warm-up call
+per method on the longest prompt with the full budget (it also allocates each engine's largest cache).
+This module does not aggregate or format (see ``report.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TextIO
+
+import torch
+
+from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method,
+                                      build_hf_model, engine_method, hf_method, llamacpp_available,
+                                      llamacpp_method)
+from specdecode.bench.prompts import Prompt, render
+from specdecode.drafters.draft_model import check_draft_pair
+from specdecode.models.build import LoadedModel, from_checkpoint, resolve_dtype
+from specdecode.models.loader import load_checkpoint
+from specdecode.sampling import SamplingParams
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class BenchConfig:
+    """What to run.
+
+    Args:
+        model: target source (registry name, .gguf, HF folder, hub id).
+        draft_model: draft source for ``draft`` and ``hf-assisted``, or None.
+        families: method families to run (``none`` is always added: it is the reference).
+        gammas: draft lengths, plus ``"agreement"`` for the adaptive controller.
+        max_new_tokens: the budget of every method.
+        temperature: 0 = greedy (identity check on); > 0 samples with seed ``seed + prompt index``.
+        repeats: timed runs of each method on each prompt.
+        dtype: "auto", "bfloat16", "float32" or "float16" (our decoder and transformers alike).
+        seed: base seed.
+        skip_layers: "auto" (stored calibration, or calibrate now) or a layer list like "4,6,8-12".
+        ngram_sizes: (min, max) n-gram sizes of our ngram drafter (max is also HF lookup's).
+        gamma_max: upper bound of the agreement controller.
+        chat: wrap plain prompts in the chat template when the model has one.
+    """
+
+    model: str
+    draft_model: str | None = None
+    families: tuple[str, ...] = FAMILIES
+    gammas: tuple[int | str, ...] = (1, 2, 4, 8, "agreement")
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    repeats: int = 1
+    dtype: str = "auto"
+    seed: int = 0
+    skip_layers: str = "auto"
+    ngram_sizes: tuple[int, int] = (1, 3)
+    gamma_max: int = 8
+    chat: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.families if f not in FAMILIES]
+        if unknown:
+            raise ValueError(f"--methods: unknown method families {unknown}; expected some of {', '.join(FAMILIES)}")
+        if not self.gammas:
+            raise ValueError("--gammas: give at least one gamma")
+        for g in self.gammas:
+            if g != "agreement" and not (isinstance(g, int) and 1 <= g <= 64):
+                raise ValueError(f"--gammas: {g!r} is not an integer in 1..64 or 'agreement'")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        needs_draft = [f for f in self.families if f in DRAFT_MODEL_FAMILIES]
+        if needs_draft and not self.draft_model:
+            raise ValueError(f"--methods {','.join(needs_draft)} need --draft-model NAME|PATH")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def int_gammas(self) -> list[int]:
+        return [g for g in self.gammas if isinstance(g, int)]
+
+
+@dataclass
+class Sample:
+    """One timed call: method x prompt x repeat."""
+
+    method: str
+    prompt_id: str
+    category: str
+    repeat: int
+    tokens: int
+    seconds: float
+    stats: dict[str, Any] | None
+    finish: str
+    token_ids: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Mismatch:
+    """A greedy speculative output that differs from ``none``'s: a bug in a lossless method."""
+
+    method: str
+    prompt_id: str
+    repeat: int
+    first_difference: int
+    expected: list[int]
+    got: list[int]
+
+
+@dataclass
+class RunResult:
+    """Everything measured, unaggregated."""
+
+    config: BenchConfig
+    prompts: list[Prompt]
+    prompt_tokens: dict[str, int]
+    methods: list[Method]
+    samples: list[Sample]
+    skipped: list[tuple[str, str]]
+    failed: dict[str, str]
+    notes: list[str]
+    identity_checked: bool
+    identity_comparisons: int
+    identity_mismatches: list[Mismatch]
+    peer_agreement: dict[str, tuple[int, int]]
+    rss_mb: dict[str, float]
+    peak_rss_mb: float
+    rss_after_load_mb: float
+    model_source: str
+    draft_source: str | None
+    torch_dtype: str
+    load_s: float
+    run_s: float
+
+
+# ----------------------------------------------------------------------------------------------
+# memory and progress
+
+def _proc_status_mb(key: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return None
+
+
+def current_rss_mb() -> float:
+    rss = _proc_status_mb("VmRSS")
+    return rss if rss is not None else peak_rss_mb()
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident memory (VmHWM; ru_maxrss where /proc is missing)."""
+    hwm = _proc_status_mb("VmHWM")
+    if hwm is not None:
+        return hwm
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024.0 * 1024.0) if sys.platform == "darwin" else peak / 1024.0
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal stream (stderr), redrawn at most ten times a second.
+
+    On a stream that is not a terminal (a log file) it prints a plain status line at most every
+    ``log_every`` seconds, and one summary line on ``close``.
+    """
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 28, enabled: bool = True,
+                 log_every: float = 30.0) -> None:
+        self.total, self.done, self.width = max(total, 1), 0, width
+        self.log_every = log_every
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.start = time.perf_counter()
+        self._last_draw = 0.0
+        self._last_len = 0
+
+    def update(self, label: str = "", step: int = 1) -> None:
+        self.done = min(self.total, self.done + step)
+        now = time.perf_counter()
+        if self.tty and (now - self._last_draw > 0.1 or self.done == self.total):
+            self._last_draw = now
+            self._draw(label)
+        elif self.enabled and not self.tty and now - max(self._last_draw, self.start) >= self.log_every:
+            self._last_draw = now
+            self.stream.write(self._status(label) + "\n")
+            self.stream.flush()
+
+    def _status(self, label: str) -> str:
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
+        return f"{self.done}/{self.total} calls, {elapsed:.0f}s elapsed, ~{eta:.0f}s left  {label[:40]}"
+
+    def _draw(self, label: str) -> None:
+        filled = int(self.done / self.total * self.width)
+        line = f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self._status(label)}"
+        pad = max(0, self._last_len - len(line))
+        self.stream.write(line + " " * pad)
+        self.stream.flush()
+        self._last_len = len(line)
+
+    def message(self, text: str) -> None:
+        """Prints a line without garbling the bar."""
+        if self.tty and self._last_len:
+            self.stream.write("\r" + " " * self._last_len + "\r")
+            self._last_len = 0
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\n")
+        else:
+            self.stream.write(f"ran {self.done}/{self.total} timed calls in {time.perf_counter() - self.start:.1f} s\n")
+        self.stream.flush()
+
+
+# ----------------------------------------------------------------------------------------------
+# building the methods
+
+def transformers_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+@dataclass
+class _Loaded:
+    target: LoadedModel
+    draft: LoadedModel | None
+    hf_target: Any
+    hf_draft: Any
+    hf_error: str | None
+    torch_dtype: torch.dtype
+
+
+def _load(config: BenchConfig, log: Log) -> _Loaded:
+    """Loads the target (and draft) once; our decoder and transformers get the same tensors."""
+    torch_dtype = resolve_dtype(config.dtype)
+    wants_hf = transformers_available() and any(f.startswith("hf") for f in config.families)
+    hf_error = None
+
+    def load(source: str, role: str, hf: bool) -> tuple[LoadedModel, Any]:
+        nonlocal hf_error
+        log(f"loading {role} {source} ...")
+        ckpt = load_checkpoint(source, progress=log)
+        ours = from_checkpoint(ckpt, torch_dtype)
+        peer = None
+        if hf and hf_error is None:
+            try:
+                peer = build_hf_model(ckpt.config, ckpt.tensors, torch_dtype)
+            except Exception as exc:  # a peer that cannot be built is reported, not fatal
+                hf_error = f"{type(exc).__name__}: {exc}"
+        ckpt.tensors.clear()  # the float32 copy is no longer needed
+        return ours, peer
+
+    target, hf_target = load(config.model, "target", wants_hf)
+    draft = hf_draft = None
+    if config.draft_model and any(f in DRAFT_MODEL_FAMILIES for f in config.families):
+        draft, hf_draft = load(config.draft_model, "draft model", "hf-assisted" in config.families)
+        check_draft_pair(target, draft)
+    return _Loaded(target, draft, hf_target, hf_draft, hf_error, torch_dtype)
+
+
+def _skip_layers(config: BenchConfig, target: LoadedModel, log: Log) -> tuple[int, ...]:
+    from specdecode.drafters.layer_skip import parse_layers
+    from specdecode.drafters.skip_sets import calibrate_and_store, find_skip_set
+
+    if config.skip_layers != "auto":
+        return parse_layers(config.skip_layers, target.model.config.num_layers)
+    found = find_skip_set(target, config.dtype)
+    if found:
+        log(f"layerskip: stored skip set {','.join(map(str, found))}")
+        return found
+    return calibrate_and_store(target, config.dtype, progress=log).skip
+
+
+def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
+                  log: Log) -> tuple[list[Method], list[tuple[str, str]], dict[str, str], list[str]]:
+    """Every method the configuration asks for, in display order; plus skipped ones, failed ones and notes."""
+    target = loaded.target
+    sampling = SamplingParams(config.temperature)
+    eos = target.tokenizer.eos_token_ids
+    methods: list[Method] = []
+    skipped: list[tuple[str, str]] = []
+    failed: dict[str, str] = {}
+    notes: list[str] = []
+    fams = [f for f in FAMILIES if f in config.families or f == "none"]
+    lookup_k = max(config.int_gammas, default=8)
+
+    for family in fams:
+        if family in OUR_FAMILIES:
+            gammas: Sequence[int | str | None] = [None] if family == "none" else config.gammas
+            skip = None
+            if family == "layerskip":
+                skip = _skip_layers(config, target, log)  # a bad --skip-layers is a usage error
+            for g in gammas:
+                methods.append(engine_method(family, g, target, sampling, config.max_new_tokens, loaded.draft, skip,
+                                             config.ngram_sizes, config.gamma_max))
+        elif family.startswith("hf"):
+            if not transformers_available():
+                skipped.append((family, "transformers is not installed"))
+                continue
+            if loaded.hf_error is not None:
+                failed[family] = loaded.hf_error
+                continue
+            if family == "hf":
+                methods.append(hf_method("hf", loaded.hf_target, eos, sampling, config.max_new_tokens))
+            elif family == "hf-assisted":
+                methods.append(hf_method("hf-assisted", loaded.hf_target, eos, sampling, config.max_new_tokens,
+                                         assistant=loaded.hf_draft))
+            else:
+                methods.append(hf_method("hf-lookup", loaded.hf_target, eos, sampling, config.max_new_tokens,
+                                         lookup_tokens=lookup_k, lookup_ngram=config.ngram_sizes[1]))
+        else:  # llama.cpp
+            if not llamacpp_available():
+                skipped.append((family, "llama-cpp-python is not installed"))
+                continue
+            if not target.source.endswith(".gguf"):
+                skipped.append((family, "needs a GGUF model (--model NAME or a .gguf path)"))
+                continue
+            try:
+                methods.append(llamacpp_method(family, target.source, eos, sampling, config.max_new_tokens,
+                                               budget_ctx, lookup_tokens=lookup_k if family.endswith("lookup") else None))
+            except Exception as exc:
+                failed[family] = f"{type(exc).__name__}: {exc}"
+    reasons: dict[str, list[str]] = {}
+    for name, why in skipped:
+        reasons.setdefault(why, []).append(name)
+    for why, names in reasons.items():  # one line per reason
+        notes.append(f"{why.replace(' is not installed', '')} is not installed: skipped {', '.join(names)}"
+                     if why.endswith("is not installed") else f"skipped {', '.join(names)}: {why}")
+    return methods, skipped, failed, notes
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None,
+              progress: bool = True, stream: TextIO | None = None) -> RunResult:
+    """Loads, builds the methods, warms up and runs every method on every prompt.
+
+    Args:
+        config: what to run.
+        prompts: the (already selected) prompts.
+        log: one-line status messages (default: stderr).
+        progress: draw a progress bar on ``stream``.
+        stream: where the progress bar and loud messages go (default: stderr).
+    """
+    stream = stream if stream is not None else sys.stderr
+    log = log or (lambda m: print(m, file=stream, flush=True))
+    if not prompts:
+        raise ValueError("no prompts to run")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+    t_load = time.perf_counter()
+    loaded = _load(config, log)
+    tokenizer = loaded.target.tokenizer
+    rendered = {p.id: render(p, tokenizer, chat=config.chat) for p in prompts}
+    empty = [pid for pid, ids in rendered.items() if not ids]
+    if empty:
+        raise ValueError(f"prompts {empty[:5]} tokenize to nothing")
+    vocab = loaded.target.model.config.vocab_size
+    bad = [pid for pid, ids in rendered.items() if any(not 0 <= t < vocab for t in ids)]
+    if bad:
+        raise ValueError(f"prompts {bad[:5]} tokenize to ids outside the model's vocabulary of {vocab}")
+    longest = max(prompts, key=lambda p: len(rendered[p.id]))
+    budget_ctx = -(-(len(rendered[longest.id]) + config.max_new_tokens + 2 * max(config.int_gammas, default=8) + 16)
+                   // 256) * 256
+    methods, skipped, failed, notes = build_methods(config, loaded, budget_ctx, log)
+    load_s = time.perf_counter() - t_load
+    rss_after_load = current_rss_mb()
+    if not config.greedy:
+        notes.append(f"temperature {config.temperature} > 0: outputs are sampled (seed {config.seed} + prompt index), "
+                     "so the token-identity check against 'none' is skipped")
+
+    bar = ProgressBar(len(methods) * (1 + len(prompts) * config.repeats), stream, enabled=progress)
+    rss: dict[str, float] = {}
+    alive = list(methods)
+
+    def call(method: Method, prompt: Prompt, seed: int):
+        try:
+            out = method.run(rendered[prompt.id], seed)
+        except Exception as exc:  # reported, never hidden; the method is dropped from the rest of the run
+            failed[method.name] = f"{type(exc).__name__}: {exc}"
+            bar.message(f"!! {method.name} FAILED on {prompt.id}: {failed[method.name]}")
+            alive.remove(method)
+            return None
+        rss[method.name] = max(rss.get(method.name, 0.0), current_rss_mb())
+        return out
+
+    t_run = time.perf_counter()
+    for method in list(alive):  # warm-up: untimed, longest prompt, full budget
+        call(method, longest, config.seed)
+        bar.update(f"warm-up {method.name}")
+
+    samples: list[Sample] = []
+    mismatches: list[Mismatch] = []
+    comparisons = 0
+    peer_agreement: dict[str, tuple[int, int]] = {}
+    for index, prompt in enumerate(prompts):
+        seed = config.seed + index
+        for repeat in range(config.repeats):
+            turn = index * config.repeats + repeat
+            order = list(alive) if turn % 2 == 0 else list(reversed(alive))
+            outputs = {}
+            for method in order:
+                out = call(method, prompt, seed)
+                bar.update(f"{method.name} {prompt.id}")
+                if out is None:
+                    continue
+                outputs[method.name] = out
+                samples.append(Sample(method.name, prompt.id, prompt.category, repeat, len(out.token_ids), out.seconds,
+                                      out.stats, out.finish, list(out.token_ids)))
+            if not config.greedy or "none" not in outputs:
+                continue
+            reference = outputs["none"].token_ids
+            for method in methods:
+                if method.name == "none" or method.name not in outputs:
+                    continue
+                got = outputs[method.name].token_ids
+                if method.kind == "ours":
+                    comparisons += 1
+                    if got != reference:
+                        m = Mismatch(method.name, prompt.id, repeat, _first_difference(reference, got), reference, got)
+                        mismatches.append(m)
+                        bar.message(f"!!!! OUTPUT MISMATCH: {method.name} on {prompt.id} (repeat {repeat}) differs from "
+                                    f"'none' at generated token {m.first_difference}: greedy speculative decoding "
+                                    f"must be token-identical !!!!")
+                else:
+                    same, total = peer_agreement.get(method.name, (0, 0))
+                    peer_agreement[method.name] = (same + (got == reference), total + 1)
+    bar.close()
+    run_s = time.perf_counter() - t_run
+    return RunResult(
+        config=config, prompts=prompts, prompt_tokens={pid: len(ids) for pid, ids in rendered.items()},
+        methods=methods, samples=samples, skipped=skipped, failed=failed, notes=notes,
+        identity_checked=config.greedy and any(m.name == "none" for m in methods),
+        identity_comparisons=comparisons, identity_mismatches=mismatches, peer_agreement=peer_agreement,
+        rss_mb=rss, peak_rss_mb=peak_rss_mb(), rss_after_load_mb=rss_after_load,
+        model_source=loaded.target.source, draft_source=loaded.draft.source if loaded.draft else None,
+        torch_dtype=str(loaded.torch_dtype).replace("torch.", ""), load_s=load_s, run_s=run_s)
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts recorded with every result."""
+    import platform
+
+    import specdecode
+
+    env: dict[str, Any] = {"specdecode": specdecode.__version__, "python": platform.python_version(),
+                           "torch": torch.__version__, "platform": platform.platform(),
+                           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    for name in ("transformers", "llama_cpp"):
+        try:
+            module = __import__(name)
+            env[name] = getattr(module, "__version__", "unknown")
+        except ImportError:
+            env[name] = None
+    return env

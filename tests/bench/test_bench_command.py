@@ -1,0 +1,206 @@
+"""`specdecode bench` end to end on tiny random-weight HF folders: JSON schema, identity, report, plots."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from specdecode.bench import methods as bench_methods
+from specdecode.bench.report import matplotlib_available
+from specdecode.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    # --threads 1 keeps the tiny runs fast on a shared machine; torch's setting is process-wide.
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    lines = [
+        {"id": "p1", "category": "alpha", "prompt": "the cat sat on the mat and the dog ran to the park"},
+        {"id": "p2", "category": "alpha", "messages": [{"role": "system", "content": "be good"},
+                                                       {"role": "user", "content": "write code def return"}]},
+        {"id": "p3", "category": "beta", "prompt": "one two three four five six one two three four"},
+        {"id": "p4", "category": "beta", "prompt": "red blue green red blue green red"},
+        {"id": "p5", "category": "gamma", "prompt": "not run: --categories leaves it out"},
+    ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def _base_args(models, prompt_file):
+    target, draft = models
+    return ["bench", "--model", str(target), "--dtype", "float32", "--threads", "1", "--prompts", str(prompt_file),
+            "--categories", "alpha,beta", "--max-new-tokens", "12", "--no-progress"]
+
+
+def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
+    out_json, report = tmp_path / "bench.json", tmp_path / "report"
+    args = _base_args(tiny_model_dirs, prompt_file) + [
+        "--draft-model", str(tiny_model_dirs[1]), "--skip-layers", "1,2", "--gammas", "2",
+        "--methods", "none,ngram,draft,layerskip,hf,hf-assisted,hf-lookup,llamacpp,llamacpp-lookup",
+        "--json", str(out_json)]
+    if matplotlib_available():
+        args += ["--report", str(report)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(out_json.read_text())
+
+    ours = ["none", "ngram:g2", "ngram:agreement", "draft:g2", "draft:agreement", "layerskip:g2", "layerskip:agreement"]
+    names = [m["name"] for m in doc["methods"]]
+    assert names[:len(ours)] == ours
+    assert set(names[len(ours):]) == {"hf", "hf-assisted", "hf-lookup"} | (
+        {"llamacpp", "llamacpp-lookup"} if bench_methods.llamacpp_available() else set())
+    for m in doc["methods"]:
+        assert m["status"] == "ok", m
+        o = m["overall"]
+        for key in ("tokens_per_s", "speedup_vs_hf", "speedup_vs_none"):
+            assert isinstance(o[key], float) and o[key] > 0, (m["name"], key)
+        assert "mean_accepted_length" in o
+        assert set(m["by_category"]) == {"alpha", "beta"}
+        assert m["by_category"]["alpha"]["prompts"] == 2 and o["prompts"] == 4
+    by_name = {m["name"]: m for m in doc["methods"]}
+    assert by_name["none"]["overall"]["speedup_vs_none"] == 1.0
+    assert by_name["hf"]["overall"]["speedup_vs_hf"] == 1.0
+    assert by_name["ngram:g2"]["overall"]["mean_accepted_length"] >= 1.0
+    assert by_name["hf"]["overall"]["mean_accepted_length"] is None
+    assert by_name["layerskip:g2"]["params"]["skip_layers"] == [1, 2]
+    assert by_name["hf-lookup"]["params"]["prompt_lookup_num_tokens"] == 2
+
+    # greedy: every speculative method of ours on every prompt is compared with none, and all agree
+    assert doc["identity_comparisons"] == (len(ours) - 1) * 4
+    assert doc["identical_outputs"] == doc["identity_comparisons"]
+    assert doc["identity_mismatches"] == []
+    assert doc["prompts"]["count"] == 4 and doc["prompts"]["categories"] == ["alpha", "beta"]
+    assert len(doc["samples"]) == len(doc["methods"]) * 4
+    assert doc["memory"]["peak_rss_mb"] > 0
+    if not bench_methods.llamacpp_available():
+        assert {s["name"] for s in doc["skipped"]} == {"llamacpp", "llamacpp-lookup"}
+        assert "note: llama-cpp-python is not installed: skipped llamacpp, llamacpp-lookup" in captured.out
+
+    # the table on stdout
+    assert re.search(r"^ngram:g2\s+\d", captured.out, re.M)
+    assert f"greedy outputs identical to 'none': {doc['identical_outputs']}/{doc['identity_comparisons']}" in captured.out
+
+    if matplotlib_available():
+        assert json.loads((report / "results.json").read_text()) == doc
+        for name in ("speedup_by_category.png", "acceptance_by_position.png", "gamma_sweep.png"):
+            data = (report / name).read_bytes()
+            assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
+        md = (report / "report.md").read_text()
+        # every overall figure in the report is the JSON's value, spelled the same way
+        for m in doc["methods"]:
+            o = m["overall"]
+            row = next(line for line in md.splitlines() if line.startswith(f"| `{m['name']}` |"))
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            spelled = lambda v: "-" if v is None else json.dumps(v)  # noqa: E731
+            assert cells[1] == spelled(o["tokens_per_s"])
+            assert cells[2] == f"{spelled(o['speedup_vs_hf'])} [{spelled(o['speedup_vs_hf_min'])}, {spelled(o['speedup_vs_hf_max'])}]"
+            assert cells[3].startswith(spelled(o["speedup_vs_none"]) + " [")
+            assert cells[4] == spelled(o["mean_accepted_length"])
+            assert cells[5] == spelled(o["acceptance_rate"])
+            assert cells[7] == spelled(o["predicted_speedup"])
+        assert f"**{doc['identical_outputs']} / {doc['identity_comparisons']}**" in md
+
+
+def test_sampled_run_skips_the_identity_check(tiny_model_dirs, prompt_file, tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    args = _base_args(tiny_model_dirs, prompt_file) + ["--methods", "ngram,hf", "--gammas", "2", "--limit", "1",
+                                                       "--temperature", "0.8", "--json", str(out_json)]
+    assert main(args) == 0
+    doc = json.loads(out_json.read_text())
+    assert [m["name"] for m in doc["methods"]] == ["none", "ngram:g2", "ngram:agreement", "hf"]  # none always runs
+    assert doc["identical_outputs"] is None and doc["identity_comparisons"] is None
+    assert "temperature" in doc["identity_note"]
+    assert any("token-identity check against 'none' is skipped" in n for n in doc["notes"])
+    assert doc["prompts"]["count"] == 2
+
+
+def test_a_peer_that_fails_is_reported_not_hidden(tiny_model_dirs, prompt_file, tmp_path, capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("transformers exploded")
+
+    monkeypatch.setattr("specdecode.bench.runner.build_hf_model", broken)
+    out_json = tmp_path / "bench.json"
+    args = _base_args(tiny_model_dirs, prompt_file) + ["--methods", "none,hf,hf-lookup", "--limit", "1",
+                                                       "--json", str(out_json)]
+    assert main(args) == 0  # a peer failing does not fail the run ...
+    doc = json.loads(out_json.read_text())
+    failed = {f["name"]: f["error"] for f in doc["failed"]}
+    assert set(failed) == {"hf", "hf-lookup"} and "transformers exploded" in failed["hf"]
+    entry = next(m for m in doc["methods"] if m["name"] == "hf")
+    assert entry["status"] == "failed" and entry["overall"]["tokens_per_s"] is None
+    assert doc["methods"][0]["overall"]["speedup_vs_hf"] is None
+    assert "FAILED hf: RuntimeError: transformers exploded" in capsys.readouterr().out  # ... but is shown
+
+
+def test_a_peer_that_fails_mid_run_is_dropped_and_reported(tiny_model_dirs, prompt_file, tmp_path, capsys, monkeypatch):
+    real = bench_methods.hf_method
+
+    def flaky(*args, **kwargs):
+        method = real(*args, **kwargs)
+        calls = {"n": 0}
+        run = method.run
+
+        def run_then_fail(ids, seed):
+            calls["n"] += 1
+            if calls["n"] > 2:  # warm-up and the first prompt work
+                raise RuntimeError("out of luck")
+            return run(ids, seed)
+
+        method.run = run_then_fail
+        return method
+
+    monkeypatch.setattr("specdecode.bench.runner.hf_method", flaky)
+    out_json = tmp_path / "bench.json"
+    assert main(_base_args(tiny_model_dirs, prompt_file) + ["--methods", "none,hf", "--json", str(out_json)]) == 0
+    doc = json.loads(out_json.read_text())
+    hf = next(m for m in doc["methods"] if m["name"] == "hf")
+    assert hf["status"] == "failed" and "out of luck" in hf["error"]
+    assert hf["overall"]["prompts"] == 1
+    assert "!! hf FAILED on" in capsys.readouterr().err
+
+
+def test_usage_errors(tiny_model_dirs, prompt_file, capsys):
+    base = _base_args(tiny_model_dirs, prompt_file)
+    assert main(base + ["--methods", "draft"]) == 2
+    assert "need --draft-model" in capsys.readouterr().err
+    assert main(base + ["--categories", "nope"]) == 2
+    assert "no prompts in ['nope']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--methods", "none,warp-drive"])
+    assert "unknown method families ['warp-drive']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--gammas", "0"])
+    assert "gamma must be in 1..64" in capsys.readouterr().err
+
+
+def test_report_without_matplotlib_says_so_before_running(tiny_model_dirs, prompt_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("specdecode.bench.report.matplotlib_available", lambda: False)
+    assert main(_base_args(tiny_model_dirs, prompt_file) + ["--report", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "--report needs matplotlib" in err and "pip install 'specdecode[bench]'" in err
+    assert "loading" not in err and not (tmp_path / "r").exists()
+
+
+def test_missing_transformers_skips_the_hf_peers_with_one_note(tiny_model_dirs, prompt_file, tmp_path, capsys,
+                                                                 monkeypatch):
+    monkeypatch.setattr("specdecode.bench.runner.transformers_available", lambda: False)
+    out_json = tmp_path / "bench.json"
+    args = _base_args(tiny_model_dirs, prompt_file) + ["--methods", "none,hf,hf-lookup", "--limit", "1",
+                                                       "--json", str(out_json)]
+    assert main(args) == 0
+    doc = json.loads(out_json.read_text())
+    assert [m["name"] for m in doc["methods"]] == ["none"] and doc["failed"] == []
+    assert {s["name"] for s in doc["skipped"]} == {"hf", "hf-lookup"}
+    assert "note: transformers is not installed: skipped hf, hf-lookup" in capsys.readouterr().out

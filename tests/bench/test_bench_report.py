@@ -1,0 +1,123 @@
+"""Aggregation arithmetic on synthetic samples: medians, per-prompt ratios, pooled counters, identity."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.bench.report import aggregate, format_table, markdown, prompt_tokens_per_s
+from specdecode.bench.runner import ProgressBar, Sample
+
+
+def _stats(generated: int, forwards: int, drafted: list[int], accepted: list[int], predicted: float) -> dict:
+    return {"tokens_generated": generated, "target_forwards": forwards, "drafted_tokens": sum(drafted),
+            "accepted_tokens": sum(accepted), "drafted_by_position": drafted, "accepted_by_position": accepted,
+            "predicted_speedup": predicted}
+
+
+def _s(method, pid, cat, tokens, seconds, repeat=0, stats=None, ids=None):
+    return Sample(method, pid, cat, repeat, tokens, seconds, stats, "length", ids if ids is not None else [1] * tokens)
+
+
+@pytest.fixture
+def samples():
+    # p1, p2 in "x"; p3 in "y". none: 10 tok/s everywhere (p1 repeats 8 and 12 -> median 10).
+    # hf: 5, 10, 20 tok/s. ngram:g2: 20, 15, 40 tok/s; p3's output differs from none's.
+    none_stats = _stats(10, 10, [], [], 1.0)
+    return [
+        _s("none", "p1", "x", 10, 1.25, 0, none_stats), _s("none", "p1", "x", 10, 10 / 12, 1, none_stats),
+        _s("none", "p2", "x", 10, 1.0, 0, none_stats), _s("none", "p3", "y", 10, 1.0, 0, none_stats),
+        _s("hf", "p1", "x", 10, 2.0), _s("hf", "p1", "x", 10, 2.0, 1), _s("hf", "p2", "x", 10, 1.0),
+        _s("hf", "p3", "y", 10, 0.5),
+        _s("ngram:g2", "p1", "x", 10, 0.5, 0, _stats(10, 5, [5, 4], [4, 1], 1.5)),
+        _s("ngram:g2", "p1", "x", 10, 0.5, 1, _stats(10, 5, [5, 4], [4, 1], 1.7)),
+        _s("ngram:g2", "p2", "x", 12, 0.8, 0, _stats(12, 6, [6, 6], [6, 0], 2.0), ids=[1] * 12),
+        _s("ngram:g2", "p3", "y", 10, 0.25, 0, _stats(10, 4, [4, 4, 2], [4, 2, 0], 3.0), ids=[2] * 10),
+    ]
+
+
+def test_prompt_tokens_per_s_is_the_median_over_repeats(samples):
+    tps = prompt_tokens_per_s(samples)
+    assert tps["none"] == pytest.approx({"p1": 10.0, "p2": 10.0, "p3": 10.0})
+    assert tps["hf"] == pytest.approx({"p1": 5.0, "p2": 10.0, "p3": 20.0})
+    assert tps["ngram:g2"] == pytest.approx({"p1": 20.0, "p2": 15.0, "p3": 40.0})
+
+
+def test_aggregate(samples):
+    out = aggregate(samples, ["none", "ngram:g2", "hf"], ["x", "y"], {"x": ["p1", "p2"], "y": ["p3"]}, identity=True)
+    o = out["ngram:g2"]["overall"]
+    assert o["prompts"] == 3 and o["samples"] == 4 and o["tokens"] == 42
+    assert o["tokens_per_s"] == 20.0 and o["tokens_per_s_min"] == 15.0 and o["tokens_per_s_max"] == 40.0
+    # per-prompt ratios vs none: 2, 1.5, 4 -> median 2; vs hf: 4, 1.5, 2 -> median 2
+    assert (o["speedup_vs_none"], o["speedup_vs_none_min"], o["speedup_vs_none_max"]) == (2.0, 1.5, 4.0)
+    assert (o["speedup_vs_hf"], o["speedup_vs_hf_min"], o["speedup_vs_hf_max"]) == (2.0, 1.5, 4.0)
+    # pooled: 42 tokens / 20 forwards; accepted 4+1+4+1+6+0+4+2 = 22 of 5+4+5+4+6+6+4+4+2 = 40 drafted
+    assert o["mean_accepted_length"] == 2.1
+    assert o["acceptance_rate"] == 0.55
+    assert o["acceptance_by_position"] == [round(18 / 20, 4), round(4 / 18, 4), 0.0]
+    assert o["mean_gamma"] == 2.0
+    assert o["predicted_speedup"] == 1.85  # median of 1.5, 1.7, 2.0, 3.0
+    # identity: p1 (both repeats) identical, p2 longer -> differs, p3 other tokens -> differs
+    assert (o["identical_to_none"], o["compared_to_none"]) == (2, 4)
+
+    x, y = out["ngram:g2"]["by_category"]["x"], out["ngram:g2"]["by_category"]["y"]
+    assert x["prompts"] == 2 and x["tokens_per_s"] == 17.5 and x["speedup_vs_none"] == 1.75
+    assert x["speedup_vs_hf"] == 2.75 and x["acceptance_by_position"] == [0.875, 0.1429]
+    assert (x["identical_to_none"], x["compared_to_none"]) == (2, 3)
+    assert y["tokens_per_s"] == 40.0 and y["speedup_vs_hf"] == 2.0 and y["mean_accepted_length"] == 2.5
+    assert (y["identical_to_none"], y["compared_to_none"]) == (0, 1)
+
+    n, h = out["none"]["overall"], out["hf"]["overall"]
+    assert n["speedup_vs_none"] == 1.0 and n["speedup_vs_hf"] == 1.0  # ratios 2, 1, 0.5
+    assert n["mean_accepted_length"] == 1.0 and n["acceptance_rate"] is None and n["acceptance_by_position"] == []
+    assert n["identical_to_none"] is None  # the reference is not compared with itself
+    assert h["speedup_vs_hf"] == 1.0 and h["speedup_vs_none"] == 1.0
+    assert h["mean_accepted_length"] is None and h["predicted_speedup"] is None
+
+
+def test_missing_baseline_gives_null_speedups(samples):
+    out = aggregate([s for s in samples if s.method != "hf"], ["none", "ngram:g2"], ["x", "y"],
+                    {"x": ["p1", "p2"], "y": ["p3"]}, identity=False)
+    o = out["ngram:g2"]["overall"]
+    assert o["speedup_vs_hf"] is None and o["speedup_vs_hf_min"] is None
+    assert o["identical_to_none"] is None and o["compared_to_none"] is None
+
+
+def test_a_method_without_samples_in_a_category_has_empty_figures(samples):
+    out = aggregate([s for s in samples if not (s.method == "hf" and s.prompt_id == "p3")], ["hf"], ["x", "y"],
+                    {"x": ["p1", "p2"], "y": ["p3"]}, identity=True)
+    y = out["hf"]["by_category"]["y"]
+    assert y["prompts"] == 0 and y["tokens_per_s"] is None and y["speedup_vs_none"] is None
+
+
+def _doc(samples):
+    figs = aggregate(samples, ["none", "ngram:g2", "hf"], ["x", "y"], {"x": ["p1", "p2"], "y": ["p3"]}, identity=True)
+    methods = [{"name": n, "family": n.split(":")[0], "kind": "peer" if n == "hf" else "ours", "gamma": None,
+                "params": {}, "status": "ok", "error": None, "rss_mb": 100.0, **figs[n],
+                "identical_to_none": figs[n]["overall"]["identical_to_none"],
+                "compared_to_none": figs[n]["overall"]["compared_to_none"]} for n in figs]
+    return {"config": {"model": "m", "model_source": "m", "torch_dtype": "float32", "repeats": 2,
+                       "max_new_tokens": 10, "temperature": 0.0, "draft_model": None},
+            "environment": {}, "prompts": {"count": 3, "categories": ["x", "y"]}, "methods": methods,
+            "identical_outputs": 2, "identity_comparisons": 4, "identity_note": None,
+            "identity_mismatches": [{"method": "ngram:g2", "prompt_id": "p3", "repeat": 0, "first_difference": 0}],
+            "skipped": [], "failed": [], "notes": ["a note"], "memory": {"peak_rss_mb": 123.4}}
+
+
+def test_text_outputs_flag_mismatches(samples):
+    doc = _doc(samples)
+    table = format_table(doc)
+    assert "MISMATCH" in table and "2/4 !!" in table and "note: a note" in table
+    md = markdown(doc, plots=[])
+    assert "**MISMATCH" in md and "## Output mismatches" in md
+    assert "| `ngram:g2` | 20.0 | 2.0 [1.5, 4.0] | 2.0 [1.5, 4.0] | 2.1 | 0.55 | 2.0 | 1.85 | 2/4 | 100.0 |" in md
+
+
+def test_progress_bar_on_a_plain_stream_prints_one_summary(tmp_path):
+    with open(tmp_path / "err.txt", "w") as stream:
+        bar = ProgressBar(3, stream)
+        for _ in range(3):
+            bar.update("x")
+        bar.message("hello")
+        bar.close()
+    assert (tmp_path / "err.txt").read_text().splitlines()[0] == "hello"
+    assert (tmp_path / "err.txt").read_text().splitlines()[1].startswith("ran 3/3 timed calls")
