@@ -374,3 +374,17 @@ def test_speculative_config_max_draft():
     engine = Engine(_model(2, num_layers=1), spec=SpeculativeConfig(gamma=5))
     assert engine.spec.gamma == 0
     assert engine.generate([3, 4], max_new_tokens=5).stats.drafted_tokens == 0
+
+
+def test_warmup_measures_the_step_cost_and_changes_no_output(target, plain):
+    engine = Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=3))
+    engine.warmup()
+    assert engine._decode_step_s is not None and engine._decode_step_s > 0
+    for p in PROMPTS:
+        assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]
+
+
+def test_prompt_plus_budget_beyond_the_context_length_is_refused(target):
+    limit = target.config.max_position_embeddings
+    with pytest.raises(ValueError, match="context length"):
+        Engine(target).generate([1, 2, 3], max_new_tokens=limit)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Sequence
+
 import torch
 
 from specdecode.models.config import ModelConfig
@@ -43,3 +47,38 @@ def random_hf_tensors(config: ModelConfig, seed: int = 0, scale: float = 0.08) -
 def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Transformer:
     config = tiny_config(arch, **overrides)
     return Transformer.from_hf_tensors(config, random_hf_tensors(config, seed), dtype=dtype)
+
+
+WORDS = ("the a cat dog sat on mat and ran to park big small red blue green one two three four five six "
+         "seven eight nine ten is was were be it this that what why how who when where write code def return "
+         "if else for in print list dict sum add sort text word short long summary translate french german "
+         "answer question passage math plus minus times equal number prime function python function_name "
+         "value key loop while true false none yes no good bad happy sad fast slow up down left right day "
+         "night sun moon star tree house car road city town river sea sky").split()
+
+
+def write_tiny_hf_model(folder: Path, seed: int = 0, arch: str = "llama", words: Sequence[str] = WORDS) -> Path:
+    """A tiny random-weight HF folder that `load_model` and the CLI accept.
+
+    config.json + model.safetensors + tokenizer.json (WordLevel over ``words``, whitespace pre-tokenizer)
+    + tokenizer_config.json (eos ``<eos>``, no chat template). Folders written with the same ``words``
+    share a vocabulary; other ``words`` give a draft/target vocabulary mismatch.
+    """
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = tiny_config(arch)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config.to_hf()))
+    tensors = random_hf_tensors(config, seed=seed)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    vocab = {"<eos>": 0, "[UNK]": 1}
+    for w in dict.fromkeys(words):
+        if len(vocab) < config.vocab_size:
+            vocab[w] = len(vocab)
+    assert len(vocab) <= config.vocab_size
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return folder

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -101,34 +102,52 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(prompt: str) -> str:
-    if prompt != "-":
-        return prompt
+    source = "argument"
+    if prompt == "-":
+        source = "stdin"
+        if sys.stdin is None:  # the process was started with file descriptor 0 closed
+            raise UsageError("cannot read the prompt from stdin: stdin is closed")
+        try:
+            prompt = sys.stdin.read()
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise UsageError(f"cannot read the prompt from stdin: {exc}") from None
     try:
-        return sys.stdin.read()
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UsageError(f"cannot read the prompt from stdin: {exc}") from None
+        # Undecodable bytes arrive as lone surrogates (surrogateescape) that the tokenizer rejects.
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"the prompt ({source}) is not valid UTF-8 text: {exc.reason} at character {exc.start}") from None
+    return prompt
+
+
+def _drafter_kind(args: argparse.Namespace) -> str:
+    """The drafter to use; refuses contradictory flags before anything is loaded."""
+    kind = args.drafter or ("draft" if args.draft_model else "ngram")
+    if kind == "draft" and not args.draft_model:
+        raise UsageError("--drafter draft needs --draft-model NAME|PATH")
+    if kind != "draft" and args.draft_model:
+        raise UsageError(f"--draft-model is only used by --drafter draft, not {kind}")
+    return kind
 
 
 def _engine_for(args: argparse.Namespace, target: LoadedModel) -> Engine:
-    drafter_kind = args.drafter or ("draft" if args.draft_model else "ngram")
+    drafter_kind = _drafter_kind(args)
     draft_model = skip = None
     if drafter_kind == "draft":
-        if not args.draft_model:
-            raise UsageError("--drafter draft needs --draft-model NAME|PATH")
         _log(f"loading draft model {args.draft_model} ...")
         draft = load_model(args.draft_model, args.dtype, progress=_log)
         check_draft_pair(target, draft)
         draft_model = draft.model
-    elif args.draft_model:
-        raise UsageError(f"--draft-model is only used by --drafter draft, not {drafter_kind}")
     if drafter_kind == "layerskip":
         if args.skip_layers == "auto":
             skip = find_skip_set(target, args.dtype) or calibrate_and_store(target, args.dtype, progress=_log).skip
         else:
             skip = parse_layers(args.skip_layers, target.model.config.num_layers)
-    sizes = tuple(int(x) for x in args.ngram.split(","))
+    try:
+        sizes = tuple(int(x) for x in args.ngram.split(","))
+    except ValueError:
+        sizes = ()
     if len(sizes) != 2:
-        raise UsageError(f"--ngram takes 'min,max', got {args.ngram!r}")
+        raise UsageError(f"--ngram takes 'min,max' (two integers), got {args.ngram!r}")
     drafter = make_drafter(drafter_kind, target.model, draft_model, skip, ngram_sizes=sizes)
     return Engine(target.model, target.tokenizer, drafter, SpeculativeConfig(args.gamma, args.gamma_max))
 
@@ -138,12 +157,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    _drafter_kind(args)
     target = load_model(args.model, args.dtype, progress=_log)
-    engine = _engine_for(args, target)
     if args.chat:
         if not target.tokenizer.chat_template:
             raise UsageError(f"model {args.model} has no chat template; drop --chat")
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    engine = _engine_for(args, target)
+    engine.warmup()
     if args.json:
         result = engine.generate(prompt, sampling, args.max_new_tokens, args.stop)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
@@ -206,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         return COMMANDS[args.command](args)
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as other command-line tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         _log("specdecode: interrupted")
         return 130

@@ -123,6 +123,11 @@ class Engine:
         self._eos: frozenset[int] = frozenset()
         self._decode_step_s: float | None = None
 
+    def warmup(self) -> None:
+        """Runs a short dummy request (prefill, drafting, verification) so that one-time costs such as
+        buffer allocation and kernel selection stay out of the next request's timings."""
+        self.generate([0] * 8, max_new_tokens=8, eos_token_ids=())
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else ""
 
@@ -172,6 +177,10 @@ class Engine:
         vocab = self.target.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        limit = self.target.config.max_position_embeddings
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"model's context length ({limit} tokens)")
         # Room for the prompt, the budget, and one step's drafted lookahead beyond it.
         need = len(ids) + max_new_tokens + self.spec.max_draft + 1
         if self.cache is None or self.cache.max_len < need:
