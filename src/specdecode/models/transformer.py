@@ -53,6 +53,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Attention of one query per row over all given keys, as two small matmuls.
+
+    For a single query the fused CPU kernel costs several times more than the arithmetic; this
+    computes scores in the model dtype and the softmax in float32, like transformers' eager attention.
+
+    Args:
+        q: ``[B, H, 1, D]``.
+        keys: ``[B, Hkv, L, D]`` (H a multiple of Hkv: query heads h*G..h*G+G-1 share key head h).
+        values: ``[B, Hkv, L, D]``.
+
+    Returns:
+        ``[B, H, 1, D]``.
+    """
+    b, h, _, d = q.shape
+    grouped = q.view(b, keys.shape[1], h // keys.shape[1], d)  # [B, Hkv, G, D]
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * d ** -0.5  # [B, Hkv, G, L]
+    probs = scores.float().softmax(-1).to(values.dtype)
+    return torch.matmul(probs, values).view(b, h, 1, d)
+
+
 class Block(nn.Module):
     """One pre-norm decoder layer: attention with GQA, then a SwiGLU MLP."""
 
@@ -85,19 +106,19 @@ class Block(nn.Module):
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.update(layer, slots, starts, k, v)  # [B, Hkv, L, D]
-        gqa = self.heads != self.kv_heads
         if invariant_rows and t > 1:
             # One call per new token over exactly the keys it sees: the same kernel, shapes and summation
             # order as one-token decoding, so a verified token's numbers do not depend on the draft length.
             ends = [starts[0] + 1 + i for i in range(t)]
-            attn = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], keys[:, :, self._first(e):e],
-                                                             values[:, :, self._first(e):e], enable_gqa=gqa)
-                              for i, e in enumerate(ends)], dim=2)  # [1, H, T, D]
-        elif mask is None and self.window is not None:  # one token per row: the window is a slice
+            attn = torch.cat([one_query_attention(q[:, :, i:i + 1], keys[:, :, self._first(e):e],
+                                                  values[:, :, self._first(e):e]) for i, e in enumerate(ends)],
+                             dim=2)  # [1, H, T, D]
+        elif mask is None:  # one new token per row, all rows equally long (the window, if any, is a slice)
             first = self._first(keys.shape[2])
-            attn = F.scaled_dot_product_attention(q, keys[:, :, first:], values[:, :, first:], enable_gqa=gqa)
+            attn = one_query_attention(q, keys[:, :, first:], values[:, :, first:])
         else:
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                  enable_gqa=self.heads != self.kv_heads)
         x = x + self.wo(attn.transpose(1, 2).reshape(b, t, -1))
         h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
         gate, up = self.w_gate_up(h).chunk(2, dim=-1)
