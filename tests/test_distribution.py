@@ -26,6 +26,8 @@ from specdecode.verify import Verdict
 from specdecode.models.transformer import Transformer
 from tiny_models import random_hf_tensors, tiny_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ALPHA = 1e-3
 SAMPLES = 2000
 NEW_TOKENS = 3
@@ -46,15 +48,6 @@ def _model(seed: int, layers: int = 3) -> Transformer:
     tensors = random_hf_tensors(config, seed)
     tensors["model.norm.weight"] = tensors["model.norm.weight"] * 0.2  # moderate entropy at T=1: 2.1-2.6 nats
     return Transformer.from_hf_tensors(config, tensors)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: a second thread only adds synchronisation, and contention makes it far worse.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

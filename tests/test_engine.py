@@ -14,6 +14,8 @@ from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from tiny_models import random_hf_tensors, tiny_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NEW_TOKENS = 24
 GAMMAS = [1, 2, 4, 7, "agreement"]
 PROMPTS = [
@@ -22,15 +24,6 @@ PROMPTS = [
     [50, 51, 50, 51, 52, 50, 51, 50, 51, 52, 50, 51],
     [90, 3, 17, 44, 2, 60],
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread; two threads spin against each other on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model(seed: int = 0, keep_layers: list[int] | None = None, num_layers: int = 4) -> Transformer:

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from specdecode.bench.command import add_arguments as add_bench_arguments
+from specdecode.argtypes import ngram_sizes, positive_int
 from specdecode.drafters import DRAFTERS, make_drafter
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.drafters.layer_skip import parse_layers
@@ -45,21 +46,11 @@ def _gamma(value: str) -> int | str:
     return gamma
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name, .gguf path, HF folder or hub id (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="weights and activations; auto = bf16 where the CPU computes it natively, else fp32")
-    p.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,15 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", choices=DRAFTERS, default=None,
                    help="how to draft (default: draft when --draft-model is given, else ngram)")
     g.add_argument("--gamma", type=_gamma, default=4, help="tokens drafted per step (0 = off) or 'agreement'")
-    g.add_argument("--gamma-max", type=_positive, default=8, help="upper bound for adaptive gamma")
+    g.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound for adaptive gamma")
     g.add_argument("--skip-layers", default="auto",
                    help="layers layerskip skips, e.g. '4,6,8-12'; 'auto' uses (or runs) the stored calibration")
-    g.add_argument("--ngram", default="1,3", help="min,max n-gram sizes for ngram lookup (default 1,3)")
+    g.add_argument("--ngram", type=ngram_sizes, default=(1, 3), help="min,max n-gram sizes for ngram lookup (default 1,3)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0, help="same seed, same output")
-    g.add_argument("--max-new-tokens", type=_positive, default=128)
+    g.add_argument("--max-new-tokens", type=positive_int, default=128)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -95,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate-layerskip", help="search the layers to skip for self-speculation")
     _model_args(c)
-    c.add_argument("--gamma", type=_positive, default=4, help="draft length the prediction assumes")
-    c.add_argument("--new-tokens", type=_positive, default=48, help="reference tokens per calibration prompt")
+    c.add_argument("--gamma", type=positive_int, default=4, help="draft length the prediction assumes")
+    c.add_argument("--new-tokens", type=positive_int, default=48, help="reference tokens per calibration prompt")
     c.add_argument("--json", action="store_true")
     return parser
 
@@ -142,13 +133,7 @@ def _engine_for(args: argparse.Namespace, target: LoadedModel) -> Engine:
             skip = find_skip_set(target, args.dtype) or calibrate_and_store(target, args.dtype, progress=_log).skip
         else:
             skip = parse_layers(args.skip_layers, target.model.config.num_layers)
-    try:
-        sizes = tuple(int(x) for x in args.ngram.split(","))
-    except ValueError:
-        sizes = ()
-    if len(sizes) != 2:
-        raise UsageError(f"--ngram takes 'min,max' (two integers), got {args.ngram!r}")
-    drafter = make_drafter(drafter_kind, target.model, draft_model, skip, ngram_sizes=sizes)
+    drafter = make_drafter(drafter_kind, target.model, draft_model, skip, ngram_sizes=args.ngram)
     return Engine(target.model, target.tokenizer, drafter, SpeculativeConfig(args.gamma, args.gamma_max))
 
 

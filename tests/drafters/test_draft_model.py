@@ -12,17 +12,10 @@ from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams, probs_from_logits
 from tiny_models import random_hf_tensors, tiny_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.9, top_k=40)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread; two threads spin against each other on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model(seed: int, layers: int) -> Transformer:

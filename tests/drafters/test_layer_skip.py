@@ -14,14 +14,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.stats import predicted_speedup
 from tiny_models import random_hf_tensors, tiny_config
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread; two threads spin against each other on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,9 @@ import torch
 from specdecode.kv.cache import CacheConfig, CacheFullError, KVCache
 from tiny_models import tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LAYERS, HEADS, DIM = 2, 3, 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread; two threads spin against each other on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _cache(max_len: int = 16, slots: int = 1, dtype: torch.dtype = torch.float32) -> KVCache:

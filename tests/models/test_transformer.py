@@ -16,6 +16,8 @@ from specdecode.models.config import ModelConfig
 from specdecode.models.transformer import Transformer, rope_inv_freq
 from tiny_models import random_hf_tensors, tiny_config, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PARITY_ATOL = 1e-4
 STEP_ATOL = 1e-4  # our own paths (full vs incremental) differ only by summation order (and thread count)
 
@@ -25,15 +27,6 @@ HF_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "Mistra
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
 LINEAR = {"rope_type": "linear", "factor": 4.0}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread; two threads spin against each other on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _transformers():

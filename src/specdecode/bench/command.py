@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specdecode.argtypes import ngram_sizes, positive_int
 from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
 
 
@@ -46,26 +47,6 @@ def _gammas(value: str) -> tuple[int | str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
-def _ngram(value: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in value.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'min,max', got {value!r}") from None
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"need 1 <= min <= max, got {value!r}")
-    return lo, hi
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench options (``--model``, ``--dtype`` and ``--threads`` come from the CLI's shared set)."""
     p.add_argument("--draft-model", default=None,
@@ -75,19 +56,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "draft and hf-assisted only with --draft-model; 'none' always runs as the reference)")
     p.add_argument("--gammas", type=_gammas, default=_gammas("1,2,4,8"),
                    help="draft lengths of every drafting method (default 1,2,4,8); 'agreement' always runs too")
-    p.add_argument("--gamma-max", type=_positive, default=8, help="upper bound of the agreement controller")
-    p.add_argument("--max-new-tokens", type=_positive, default=128, help="token budget of every method (default 128)")
+    p.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the agreement controller")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="token budget of every method (default 128)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default; outputs checked token-identical to 'none'); > 0 samples, seeded per prompt")
     p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses seed + i")
-    p.add_argument("--repeats", type=_positive, default=1, help="timed runs per method and prompt (median)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="timed runs per method and prompt (median)")
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="your own prompts: JSONL lines {id, category, prompt|messages} (default: packaged suites)")
     p.add_argument("--categories", default=None, help="comma list of categories to run (default: all)")
-    p.add_argument("--limit", type=_positive, default=None, help="at most N prompts per category")
+    p.add_argument("--limit", type=positive_int, default=None, help="at most N prompts per category")
     p.add_argument("--skip-layers", default="auto",
                    help="layers layerskip skips, e.g. '4,6,8-12'; 'auto' uses (or runs) the stored calibration")
-    p.add_argument("--ngram", type=_ngram, default=(1, 3),
+    p.add_argument("--ngram", type=ngram_sizes, default=(1, 3),
                    help="min,max n-gram sizes of the ngram drafter; max is also hf-lookup's (default 1,3)")
     p.add_argument("--no-chat", dest="chat", action="store_false",
                    help="feed plain 'prompt' entries as raw text (default: wrapped as one user message in the "

@@ -388,7 +388,9 @@ def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
     written = []
     ok = [e for e in doc["methods"] if e["overall"]["samples"]]
     cats = doc["prompts"]["categories"]
-    colors = plt.get_cmap("tab20")
+    palette = plt.get_cmap("tab20")
+    # One colour per method, the same in every panel and plot.
+    color_of = {e["name"]: palette(i % 20) for i, e in enumerate(ok)}
 
     # 1. speedup by category per method
     keys = [k for k in ("speedup_vs_none", "speedup_vs_hf") if any(e["overall"][k] is not None for e in ok)]
@@ -402,7 +404,7 @@ def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
             for i, e in enumerate(shown):
                 vals = [e["by_category"][ct][key] for ct in cats] + [e["overall"][key]]
                 xs = [g + (i - (len(shown) - 1) / 2) * width for g in range(len(groups))]
-                ax.bar(xs, [v if v is not None else 0.0 for v in vals], width, label=e["name"], color=colors(i % 20))
+                ax.bar(xs, [v if v is not None else 0.0 for v in vals], width, label=e["name"], color=color_of[e["name"]])
             ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
             ax.set_xticks(range(len(groups)), groups, rotation=20)
             ax.set_ylabel(f"speedup vs {key.rsplit('_', 1)[1]} (median)")
@@ -416,7 +418,7 @@ def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
     with_pos = [e for e in ok if e["overall"]["acceptance_by_position"]]
     for i, e in enumerate(with_pos):
         pos = e["overall"]["acceptance_by_position"]
-        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=e["name"], color=colors(i % 20))
+        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=e["name"], color=color_of[e["name"]])
     width = max((len(e["overall"]["acceptance_by_position"]) for e in with_pos), default=1)
     ax.set_xticks(range(1, width + 1))
     ax.set_xlabel("draft position")
@@ -433,7 +435,7 @@ def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
     families = list(dict.fromkeys(e["family"] for e in ok if e["kind"] == "ours" and e["family"] != "none"))
     for i, fam in enumerate(families):
         fixed = sorted((e for e in ok if e["family"] == fam and isinstance(e["gamma"], int)), key=lambda e: e["gamma"])
-        color = colors((2 * i) % 20)
+        color = palette((2 * i) % 20)
         for ax, key in ((ax1, "mean_accepted_length"), (ax2, "tokens_per_s")):
             pts = [(e["gamma"], e["overall"][key]) for e in fixed if e["overall"][key] is not None]
             if pts:
