@@ -47,11 +47,12 @@ def test_agreement_controller_moves_down_after_rejections_and_up_after_acceptanc
 
 def test_agreement_controller_follows_the_smoothed_rate():
     c = AgreementGamma(gamma_max=8, smoothing=0.5, acceptance=0.0)
-    c.update(drafted=4, accepted=2)  # 0 + 0.5 * (0.5 - 0) = 0.25
-    assert c.acceptance == pytest.approx(0.25)
-    c.update(drafted=2, accepted=2)  # 0.25 + 0.5 * (1 - 0.25) = 0.625
-    assert c.acceptance == pytest.approx(0.625)
-    assert c.next_gamma() == agreement_gamma(0.625, 8) == 2
+    # 2 accepted then a rejection: 2 of the 3 judged tokens passed (the 4th was never judged).
+    c.update(drafted=4, accepted=2)  # 0 + 0.5 * (2/3 - 0) = 1/3
+    assert c.acceptance == pytest.approx(1 / 3)
+    c.update(drafted=2, accepted=2)  # 1/3 + 0.5 * (1 - 1/3) = 2/3
+    assert c.acceptance == pytest.approx(2 / 3)
+    assert c.next_gamma() == agreement_gamma(2 / 3, 8) == 3
 
 
 def test_agreement_controller_ignores_steps_without_a_draft():

@@ -249,9 +249,10 @@ def test_stop_string_cuts_text_and_stream_never_shows_it(target, models, plain, 
     assert result.finish_reason == "stop"
     assert result.text == full[:index]
     assert stop not in result.text
-    # Tokens are the ones generated up to (and including) the step that completed the stop string.
-    assert tok.decode(result.token_ids).startswith(full[:index] + stop)
-    assert result.token_ids == plain[tuple(prompt)][:len(result.token_ids)]
+    # Tokens end with the one that completed the stop string, with or without speculation.
+    assert tok.decode(result.token_ids) == full[:index] + stop
+    assert result.token_ids == plain[tuple(prompt)][:index + stop_len]
+    assert result.stats.tokens_generated == index + stop_len
 
     stream = make().stream(tok.decode(prompt), max_new_tokens=NEW_TOKENS, stop=[stop])
     shown = ""
@@ -342,10 +343,20 @@ def test_prompt_and_budget_errors(target):
         engine.generate("hello", max_new_tokens=4)
     with pytest.raises(ValueError, match="stop strings need an engine with a tokenizer"):
         engine.generate([1, 2], max_new_tokens=4, stop=["x"])
+    with pytest.raises(ValueError, match="must not be empty"):
+        Engine(target, CharTokenizer()).generate([1, 2], max_new_tokens=4, stop=[""])
     with pytest.raises(ValueError, match="the prompt is empty"):
         Engine(target, CharTokenizer()).generate("", max_new_tokens=4)
     with pytest.raises(ValueError, match=r"max_new_tokens must be >= 1, got -3"):
         list(engine.stream([1], max_new_tokens=-3))
+
+
+def test_a_bare_stop_string_is_one_stop_string_not_its_characters(target, plain):
+    tok = CharTokenizer()
+    full = tok.decode(plain[tuple(PROMPTS[3])])
+    stop, index = _stop_case(full, 3)
+    result = Engine(target, tok).generate(PROMPTS[3], max_new_tokens=NEW_TOKENS, stop=stop)
+    assert result.text == full[:index] and result.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -372,7 +383,7 @@ def test_speculative_config_max_draft():
 def test_warmup_measures_the_step_cost_and_changes_no_output(target, plain):
     engine = Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=3))
     engine.warmup()
-    assert engine._decode_step_s is not None and engine._decode_step_s > 0
+    assert engine._step_s and all(t > 0 for t in engine._step_s.values())
     for p in PROMPTS:
         assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]
 

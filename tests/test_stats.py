@@ -77,10 +77,28 @@ def test_to_dict_has_raw_and_derived_keys_and_is_json():
     s.record_step(drafted=2, accepted=1, emitted=2)
     d = s.to_dict()
     raw = {"prompt_tokens", "tokens_generated", "target_forwards", "drafted_tokens", "accepted_tokens",
-           "drafted_by_position", "accepted_by_position", "prefill_s", "draft_s", "verify_s", "wall_s",
-           "decode_step_s"}
-    derived = {"acceptance_rate", "mean_accepted_length", "mean_gamma", "acceptance_by_position",
+           "rejections", "drafted_by_position", "accepted_by_position", "prefill_s", "draft_s", "verify_s",
+           "wall_s", "decode_step_s"}
+    derived = {"acceptance_rate", "token_acceptance", "mean_accepted_length", "mean_gamma", "acceptance_by_position",
                "tokens_per_s", "predicted_speedup"}
     assert set(d) == raw | derived
     assert d["accepted_by_position"] == [1, 0] and d["acceptance_rate"] == 0.5
+    assert d["rejections"] == 1 and d["token_acceptance"] == 0.5
     assert json.loads(json.dumps(d)) == d
+
+
+def test_token_acceptance_recovers_a_geometric_acceptance_rate():
+    """Steps that stop at the first rejection: accepted/drafted is biased low, the estimate is not."""
+    import random
+
+    rng = random.Random(0)
+    a, k = 0.8, 4
+    s = RequestStats()
+    for _ in range(20000):
+        accepted = 0
+        while accepted < k and rng.random() < a:
+            accepted += 1
+        s.record_step(drafted=k, accepted=accepted, emitted=accepted + 1)
+    assert s.token_acceptance == pytest.approx(a, abs=0.01)
+    assert s.acceptance_rate < a - 0.1
+    assert s.mean_accepted_length == pytest.approx(expected_tokens_per_step(a, k), rel=0.02)

@@ -18,8 +18,7 @@ from specdecode.bench.command import add_arguments as add_bench_arguments
 from specdecode.argtypes import ngram_sizes, positive_int
 from specdecode.drafters import DRAFTERS, make_drafter
 from specdecode.drafters.draft_model import check_draft_pair
-from specdecode.drafters.layer_skip import parse_layers
-from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, find_skip_set, calibrate_and_store
+from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.models.build import LoadedModel, load_model
 from specdecode.models.registry import DEFAULT_MODEL
@@ -120,7 +119,7 @@ def _drafter_kind(args: argparse.Namespace) -> str:
     return kind
 
 
-def _engine_for(args: argparse.Namespace, target: LoadedModel) -> Engine:
+def _engine_for(args: argparse.Namespace, target: LoadedModel, spec: SpeculativeConfig) -> Engine:
     drafter_kind = _drafter_kind(args)
     draft_model = skip = None
     if drafter_kind == "draft":
@@ -129,12 +128,9 @@ def _engine_for(args: argparse.Namespace, target: LoadedModel) -> Engine:
         check_draft_pair(target, draft)
         draft_model = draft.model
     if drafter_kind == "layerskip":
-        if args.skip_layers == "auto":
-            skip = find_skip_set(target, args.dtype) or calibrate_and_store(target, args.dtype, progress=_log).skip
-        else:
-            skip = parse_layers(args.skip_layers, target.model.config.num_layers)
+        skip = resolve_skip_set(target, args.dtype, args.skip_layers, progress=_log)
     drafter = make_drafter(drafter_kind, target.model, draft_model, skip, ngram_sizes=args.ngram)
-    return Engine(target.model, target.tokenizer, drafter, SpeculativeConfig(args.gamma, args.gamma_max))
+    return Engine(target.model, target.tokenizer, drafter, spec)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -142,13 +138,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    spec = SpeculativeConfig(args.gamma, args.gamma_max)  # validated before any model is loaded
     _drafter_kind(args)
     target = load_model(args.model, args.dtype, progress=_log)
     if args.chat:
         if not target.tokenizer.chat_template:
             raise UsageError(f"model {args.model} has no chat template; drop --chat")
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    engine = _engine_for(args, target)
+    engine = _engine_for(args, target, spec)
     engine.warmup()
     if args.json:
         result = engine.generate(prompt, sampling, args.max_new_tokens, args.stop)

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from specdecode.stats import token_acceptance
+
 
 class GammaController(Protocol):
     def next_gamma(self) -> int:
@@ -36,7 +38,8 @@ def agreement_gamma(acceptance: float, gamma_max: int) -> int:
     """The original document's rule, gamma = min(gamma_max, floor(1 / (1 - a))), at least 1; capped at a = 1."""
     if acceptance >= 1.0:
         return gamma_max
-    return max(1, min(gamma_max, math.floor(1.0 / (1.0 - acceptance))))
+    # The epsilon keeps exact fractions (a = 2/3 -> 3) from flooring one too low through rounding.
+    return max(1, min(gamma_max, math.floor(1.0 / (1.0 - acceptance) + 1e-9)))
 
 
 @dataclass
@@ -58,7 +61,9 @@ class AgreementGamma:
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted:
-            self.acceptance += self.smoothing * (accepted / drafted - self.acceptance)
+            # Per-token acceptance of this step: tokens after the first rejection were never judged.
+            step = token_acceptance(accepted, int(accepted < drafted))
+            self.acceptance += self.smoothing * (step - self.acceptance)
 
 
 def make_controller(gamma: int | str, gamma_max: int) -> GammaController:

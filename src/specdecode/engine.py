@@ -60,7 +60,9 @@ class GenerationResult:
 
     Args:
         text: the generated text (stop string and end-of-sequence token excluded).
-        token_ids: generated token ids (an end-of-sequence token that ended generation included).
+        token_ids: generated token ids, up to and including the token that ended generation (an
+            end-of-sequence token or the token completing a stop string): the same with or without
+            speculation.
         finish_reason: "eos", "stop" (a stop string) or "length" (max_new_tokens).
         stats: counters and timings.
     """
@@ -69,6 +71,11 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: RequestStats = field(default_factory=RequestStats)
+
+
+def _stop_tuple(stop: str | Iterable[str]) -> tuple[str, ...]:
+    """A single stop string or several; a bare string is one stop string, not its characters."""
+    return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 class TextStream:
@@ -121,7 +128,7 @@ class Engine:
         self.cache: KVCache | None = None
         self.generated: list[int] = []
         self._eos: frozenset[int] = frozenset()
-        self._decode_step_s: float | None = None
+        self._step_s: dict[int, float] = {}  # decode-step seconds by context length bucket
 
     def warmup(self) -> None:
         """Runs a short dummy request (prefill, drafting, verification) so that one-time costs such as
@@ -133,13 +140,20 @@ class Engine:
 
     def generated_text(self) -> str:
         """Text of the current request's tokens so far, end-of-sequence tokens left out."""
-        return self.decode([t for t in self.generated if t not in self._eos])
+        return self._visible_text(self.generated)
+
+    def _visible_text(self, ids: Sequence[int]) -> str:
+        return self.decode([t for t in ids if t not in self._eos])
+
+    def _has_stop(self, ids: Sequence[int], stop: tuple[str, ...]) -> bool:
+        text = self._visible_text(ids)
+        return any(s in text for s in stop)
 
     def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
-                 max_new_tokens: int = 128, stop: Iterable[str] = (),
+                 max_new_tokens: int = 128, stop: str | Iterable[str] = (),
                  eos_token_ids: Iterable[int] | None = None) -> GenerationResult:
         """Generates a continuation of ``prompt``; see :meth:`stream` for the arguments."""
-        steps = self._run(prompt, sampling, max_new_tokens, tuple(stop), eos_token_ids)
+        steps = self._run(prompt, sampling, max_new_tokens, _stop_tuple(stop), eos_token_ids)
         while True:
             try:
                 next(steps)
@@ -147,7 +161,7 @@ class Engine:
                 return done.value
 
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
-               max_new_tokens: int = 128, stop: Iterable[str] = (),
+               max_new_tokens: int = 128, stop: str | Iterable[str] = (),
                eos_token_ids: Iterable[int] | None = None) -> TextStream:
         """Like :meth:`generate`, but yields text as it is accepted.
 
@@ -155,10 +169,11 @@ class Engine:
             prompt: text (tokenized without special tokens) or token ids.
             sampling: temperature / top-k / top-p / seed.
             max_new_tokens: generation budget (>= 1).
-            stop: strings that end generation; the text is cut before them.
+            stop: a string or strings that end generation: generation stops at the token that completes
+                one (as plain decoding would), and the text is cut before it.
             eos_token_ids: ids that end generation; default: the tokenizer's end-of-sequence ids.
         """
-        stop = tuple(stop)
+        stop = _stop_tuple(stop)
         return TextStream(self, self._run(prompt, sampling, max_new_tokens, stop, eos_token_ids), stop)
 
     def _prepare(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
@@ -194,6 +209,8 @@ class Engine:
         prompt_ids = self._prepare(prompt, max_new_tokens)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine with a tokenizer")
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
         self._eos = eos = frozenset(eos_token_ids if eos_token_ids is not None
                                     else (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()))
         generator = sampling.generator()
@@ -205,7 +222,7 @@ class Engine:
         if len(seq) > 1:
             self.target(torch.tensor([seq[:-1]]), self.cache, logits="none")
         if self.drafter is not None:
-            self.drafter.reset(self.cache)
+            self.drafter.reset(self.cache, prompt_ids)
         stats.prefill_s = time.perf_counter() - start
         finish = "length"
         while len(generated) < max_new_tokens:
@@ -222,14 +239,17 @@ class Engine:
             cut = next((i for i, t in enumerate(new) if t in eos), None)
             if cut is not None:
                 new, finish = new[:cut + 1], "eos"
+            if stop:
+                # Cut at the token that completes a stop string, exactly where plain decoding would stop.
+                cut = next((i for i in range(len(new)) if self._has_stop(generated + new[:i + 1], stop)), None)
+                if cut is not None:
+                    new, finish = new[:cut + 1], "stop"
             seq += new
             generated += new
             if self.drafter is not None:
                 self.drafter.commit(seq)
             controller.update(len(draft.tokens), verdict.accepted)
             stats.record_step(len(draft.tokens), verdict.accepted, len(new))
-            if stop and any(s in self.generated_text() for s in stop):
-                finish = "stop"
             yield new
             if finish != "length":
                 break
@@ -260,18 +280,19 @@ class Engine:
         return verdict
 
     def _step_cost(self, repeats: int = 3) -> float:
-        """Seconds of one plain decode step (median), measured once per engine and reused.
+        """Seconds of one plain decode step (median) at about this request's final context length.
 
-        Measured after the request, at its final context length, then rolled back: it never affects the
-        request's own timings or output.
+        Measured after the request, then rolled back, so it never affects the request's own timings or
+        output; cached per power-of-two context length, since attention cost grows with the context.
         """
-        if self._decode_step_s is None:
-            held = self.cache.lengths[0]
+        held = self.cache.lengths[0]
+        bucket = held.bit_length()
+        if bucket not in self._step_s:
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 self._verify([0], Draft([]), SamplingParams(), None)
                 times.append(time.perf_counter() - t0)
                 self.cache.trim(0, held)
-            self._decode_step_s = statistics.median(times)
-        return self._decode_step_s
+            self._step_s[bucket] = statistics.median(times)
+        return self._step_s[bucket]

@@ -10,6 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def token_acceptance(accepted: int, rejections: int) -> float:
+    """Per-token acceptance a estimated from stop-at-first-rejection steps: accepted / (accepted + rejections).
+
+    Tokens drafted after the first rejection are never examined, so accepted / drafted understates a;
+    this is the maximum-likelihood estimate of a geometric acceptance process.
+    """
+    seen = accepted + rejections
+    return accepted / seen if seen else 0.0
+
+
 def expected_tokens_per_step(acceptance: float, gamma: float) -> float:
     """Expected tokens per target forward with i.i.d. acceptance ``a`` and ``gamma`` drafted: (1 - a^(k+1)) / (1 - a)."""
     if acceptance >= 1.0:
@@ -42,6 +52,7 @@ class RequestStats:
     target_forwards: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    rejections: int = 0  # steps that stopped at a rejected draft token
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
@@ -56,6 +67,7 @@ class RequestStats:
         self.target_forwards += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
+        self.rejections += accepted < drafted
         self.tokens_generated += emitted
         while len(self.drafted_by_position) < drafted:
             self.drafted_by_position.append(0)
@@ -67,6 +79,11 @@ class RequestStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def token_acceptance(self) -> float:
+        """Per-token acceptance a (see :func:`token_acceptance`): what the speedup formula needs."""
+        return token_acceptance(self.accepted_tokens, self.rejections)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -95,12 +112,12 @@ class RequestStats:
             return 1.0
         draft_cost = self.draft_s / self.drafted_tokens / self.decode_step_s
         verify_cost = self.verify_s / self.target_forwards / self.decode_step_s
-        return predicted_speedup(self.acceptance_rate, self.mean_gamma, draft_cost, verify_cost)
+        return predicted_speedup(self.token_acceptance, self.mean_gamma, draft_cost, verify_cost)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON view: raw counters plus derived figures."""
         out = {k: v for k, v in self.__dict__.items()}
-        for name in ("acceptance_rate", "mean_accepted_length", "mean_gamma", "acceptance_by_position",
+        for name in ("acceptance_rate", "token_acceptance", "mean_accepted_length", "mean_gamma", "acceptance_by_position",
                      "tokens_per_s", "predicted_speedup"):
             out[name] = getattr(self, name)
         return out

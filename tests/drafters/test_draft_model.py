@@ -10,7 +10,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter, VocabularyMismatc
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams, probs_from_logits
-from tiny_models import random_hf_tensors, tiny_config
+from tiny_models import random_hf_tensors, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,3 +162,21 @@ def test_sampled_q_is_the_processed_draft_distribution(draft_model):
     torch.testing.assert_close(draft.q[0], probs_from_logits(logits, params), atol=1e-4, rtol=0)
     assert draft.q[0, draft.tokens[0]] > 0
     assert (draft.q[0] > 0).sum() <= 5
+
+
+def test_a_draft_with_another_head_size_is_refused_at_construction():
+    target = tiny_model("llama", seed=0)
+    other = tiny_model("llama", seed=1, vocab_size=target.config.vocab_size + 3)
+    with pytest.raises(VocabularyMismatchError, match="rows"):
+        DraftModelDrafter(other, target)
+
+
+def test_reset_prefills_the_prompt_so_drafting_feeds_only_the_last_token():
+    model = tiny_model("llama", seed=0)
+    drafter = DraftModelDrafter(model)
+    drafter.reset(model.new_cache(CacheConfig(max_len=32)), [1, 2, 3, 4, 5])
+    assert drafter.cache.lengths[0] == 4
+    fresh = DraftModelDrafter(model)
+    fresh.reset(model.new_cache(CacheConfig(max_len=32)))
+    draw = lambda d: d.propose([1, 2, 3, 4, 5], 3, SamplingParams(), torch.Generator()).tokens  # noqa: E731
+    assert draw(drafter) == draw(fresh)

@@ -291,3 +291,20 @@ def test_smollm2_weights_match_transformers(smollm2_path: Path) -> None:
     for name, tensor in ours.items():
         assert torch.equal(tensor, ref[name]), name
     np.testing.assert_array_equal(ref["lm_head.weight"].numpy(), ours["model.embed_tokens.weight"].numpy())
+
+
+def test_corrupt_safetensors_and_index_are_named(tmp_path):
+    import json as _json
+
+    from specdecode.models.loader import LoadError, load_hf_dir
+    from tiny_models import tiny_config
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(_json.dumps(tiny_config("llama").to_hf()))
+    (folder / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(LoadError, match="model.safetensors: cannot read safetensors"):
+        load_hf_dir(folder)
+    (folder / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(LoadError, match="weight_map"):
+        load_hf_dir(folder)

@@ -236,3 +236,17 @@ def test_qwen_05b_matches_transformers() -> None:
     tok = assert_parity_with_transformers(fetch("qwen2.5-coder-0.5b-instruct"), PARITY_TEXTS)
     assert tok.eos_token_ids == {151643, 151645}  # <|endoftext|>, <|im_end|>
     assert tok.decode(tok.encode("<tool_call>x<|fim_pad|>")) == "<tool_call>x"
+
+
+def test_unsupported_template_syntax_and_unreadable_tokenizer_json_are_clear_errors(tmp_path):
+    from tokenizers import Tokenizer as _Backend, models as _models
+
+    from specdecode.models.tokenizer import ChatTemplateError, Tokenizer
+
+    tok = Tokenizer(_Backend(_models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")), None, None,
+                    chat_template="{% generation %}{{ messages[0]['content'] }}{% endgeneration %}")
+    with pytest.raises(ChatTemplateError, match="chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    (tmp_path / "tokenizer.json").write_text('{"version": "9", "model": 42}')
+    with pytest.raises(ValueError, match="cannot be read as a tokenizer"):
+        Tokenizer.from_hf_dir(tmp_path)

@@ -284,16 +284,9 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
 
 
 def _skip_layers(config: BenchConfig, target: LoadedModel, log: Log) -> tuple[int, ...]:
-    from specdecode.drafters.layer_skip import parse_layers
-    from specdecode.drafters.skip_sets import calibrate_and_store, find_skip_set
+    from specdecode.drafters.skip_sets import resolve_skip_set
 
-    if config.skip_layers != "auto":
-        return parse_layers(config.skip_layers, target.model.config.num_layers)
-    found = find_skip_set(target, config.dtype)
-    if found:
-        log(f"layerskip: stored skip set {','.join(map(str, found))}")
-        return found
-    return calibrate_and_store(target, config.dtype, progress=log).skip
+    return resolve_skip_set(target, config.dtype, config.skip_layers, progress=log)
 
 
 def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,

@@ -31,7 +31,7 @@ def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None
     if kind == "draft":
         if draft_model is None:
             raise ValueError("drafter 'draft' needs a draft model (--draft-model NAME|PATH)")
-        return DraftModelDrafter(draft_model)
+        return DraftModelDrafter(draft_model, target)
     if kind == "layerskip":
         if not skip_layers:
             raise ValueError("drafter 'layerskip' needs a set of layers to skip")

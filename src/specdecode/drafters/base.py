@@ -7,7 +7,7 @@ state (a KV cache of a draft model) and must roll that state back in ``commit``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -32,8 +32,9 @@ class Draft:
 class Drafter(Protocol):
     name: str
 
-    def reset(self, target_cache: KVCache) -> None:
-        """Starts a new request; ``target_cache`` is the cache the target will verify with."""
+    def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
+        """Starts a new request (timed as prefill): ``target_cache`` is the cache the target verifies
+        with, ``prompt`` the request's token ids, for drafters that prefill their own state."""
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
         """Proposes up to ``k`` tokens to follow ``seq`` (prompt + accepted tokens)."""

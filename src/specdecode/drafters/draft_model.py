@@ -7,6 +7,8 @@ module does not load models (see ``models/loader.py``).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from specdecode.drafters.base import Draft, model_draft
@@ -51,19 +53,27 @@ class DraftModelDrafter:
 
     Args:
         model: the draft transformer.
+        target: the target it drafts for; when given, output heads of different sizes are refused here
+            (token-level vocabulary checks need the tokenizers: see :func:`check_draft_pair`).
     """
 
     name = "draft"
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, target: Transformer | None = None) -> None:
+        if target is not None and target.config.vocab_size != model.config.vocab_size:
+            raise VocabularyMismatchError(
+                f"draft output head has {model.config.vocab_size} rows but the target's has "
+                f"{target.config.vocab_size}; a draft model must use the target's vocabulary")
         self.model = model
         self.cache: KVCache | None = None
 
-    def reset(self, target_cache: KVCache) -> None:
+    def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
         # Same capacity as the target's: the draft never holds more tokens than the target verifies.
         if self.cache is None or self.cache.max_len < target_cache.max_len:
             self.cache = self.model.new_cache(CacheConfig(max_len=target_cache.max_len))
         self.cache.reset(0)
+        if len(prompt) > 1:  # prefill here, so that drafting time counts drafting only
+            self.model(torch.tensor([list(prompt[:-1])], device=self.model.device), self.cache, logits="none")
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
         # Feed whatever the draft has not seen: the whole prompt first time, then 1-2 tokens a step.

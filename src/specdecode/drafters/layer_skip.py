@@ -56,7 +56,7 @@ class LayerSkipDrafter:
         self.layers = tuple(i for i in range(n) if i not in self.skip)
         self.cache: KVCache | None = None
 
-    def reset(self, target_cache: KVCache) -> None:
+    def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
         self.cache = target_cache
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:

@@ -7,6 +7,7 @@ temperature. It does not learn or keep any index between requests.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -32,7 +33,7 @@ class NgramDrafter:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
 
-    def reset(self, target_cache: KVCache) -> None:
+    def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
         pass
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from specdecode.drafters.layer_skip import Calibration, calibrate_skip_set
+from specdecode.drafters.layer_skip import Calibration, calibrate_skip_set, parse_layers
 from specdecode.models.build import LoadedModel
 from specdecode.models.fetch import cache_dir
 
@@ -62,3 +62,16 @@ def calibrate_and_store(model: LoadedModel, dtype: str, gamma: int = 4, new_toke
                    "predicted_speedup": result.predicted_speedup, "gamma": result.gamma}, f)
     os.replace(tmp, path)
     return result
+
+
+def resolve_skip_set(model: LoadedModel, dtype: str, spec: str,
+                     progress: Callable[[str], None] | None = None) -> tuple[int, ...]:
+    """The skip set a ``--skip-layers`` value names: a layer list, or "auto" (stored calibration, else a new one)."""
+    if spec != "auto":
+        return parse_layers(spec, model.model.config.num_layers)
+    found = find_skip_set(model, dtype)
+    if found:
+        if progress:
+            progress(f"layerskip: stored skip set {','.join(map(str, found))}")
+        return found
+    return calibrate_and_store(model, dtype, progress=progress).skip

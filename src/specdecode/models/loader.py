@@ -458,7 +458,10 @@ def load_hf_dir(path: str | os.PathLike[str], progress: Progress | None = None) 
         raise LoadError(f"{folder}/config.json: {exc}") from exc
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        try:
+            files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, AttributeError, TypeError) as exc:
+            raise LoadError(f"{index}: not a safetensors index with a 'weight_map' ({exc!r})") from exc
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -466,11 +469,14 @@ def load_hf_dir(path: str | os.PathLike[str], progress: Progress | None = None) 
     say(f"reading {len(files)} safetensors file(s) from {folder}")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as sf:
-            for name in sf.keys():
-                # Older exports carry a precomputed rotary table; the decoder computes its own.
-                if not name.endswith("rotary_emb.inv_freq"):
-                    tensors[name] = sf.get_tensor(name).to(torch.float32)
+        try:
+            with safe_open(str(file), framework="pt") as sf:
+                for name in sf.keys():
+                    # Older exports carry a precomputed rotary table; the decoder computes its own.
+                    if not name.endswith("rotary_emb.inv_freq"):
+                        tensors[name] = sf.get_tensor(name).to(torch.float32)
+        except Exception as exc:  # SafetensorError derives from Exception only
+            raise LoadError(f"{file}: cannot read safetensors weights ({exc})") from exc
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     check_tensors(config, tensors, str(folder))

@@ -181,8 +181,11 @@ class Tokenizer:
         if self.chat_template is None:
             raise ChatTemplateError("this tokenizer has no chat template; pass plain text instead")
         variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
-        return _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as exc:  # syntax we do not support, or an error the template raised
+            raise ChatTemplateError(f"chat template: {exc}") from exc
 
     # ------------------------------------------------------------------------------------------
     # Persistence: a folder with tokenizer.json + tokenizer_config.json, readable by from_hf_dir.
@@ -217,7 +220,10 @@ class Tokenizer:
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{folder}: no tokenizer.json "
                                     "(slow, sentencepiece-only tokenizers are not supported)")
-        backend = _Backend.from_file(str(folder / "tokenizer.json"))
+        try:
+            backend = _Backend.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for files it cannot parse
+            raise ValueError(f"{folder / 'tokenizer.json'}: cannot be read as a tokenizer ({exc})") from exc
         config_file = folder / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         template = config.get("chat_template")

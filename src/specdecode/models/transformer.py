@@ -195,7 +195,7 @@ class Transformer(nn.Module):
         else:
             pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)  # [B, T]
             cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [B, 1, T, D]
-        mask = self._mask(starts, t)
+        mask = None if invariant_rows else self._mask(starts, t)  # the row-by-row path needs none
         x = self.embed(tokens)  # [B, T, hidden]
         for i in range(self.config.num_layers) if layers is None else layers:
             x = self.layers[i](x, i, cache, slots, starts, cos, sin, mask, invariant_rows)
