@@ -9,7 +9,8 @@ from typing import Sequence
 import torch
 
 from specdecode.models.config import ModelConfig
-from specdecode.models.transformer import Transformer, _expected_names
+from specdecode.models.config import expected_tensor_shapes
+from specdecode.models.transformer import Transformer
 
 
 def tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
@@ -21,26 +22,29 @@ def tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+# Draw order of the random weights (kept stable so that seeded tiny models stay the same models).
+_GLOBAL = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+_PER_LAYER = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight",
+              "down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight", "q_proj.bias",
+              "k_proj.bias", "v_proj.bias")
+
+
+def _draw_rank(name: str) -> tuple[int, int]:
+    if name in _GLOBAL:
+        return -1, _GLOBAL.index(name)
+    layer = int(name.split(".")[2])
+    return layer, next(i for i, leaf in enumerate(_PER_LAYER) if name.endswith(leaf))
+
+
 def random_hf_tensors(config: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict[str, torch.Tensor]:
     """HF-named float32 weights drawn from N(0, scale); norms near 1 so activations stay sane."""
     g = torch.Generator().manual_seed(seed)
-    c = config
-    shapes = {"q_proj": (c.num_heads * c.head_dim, c.hidden_size), "k_proj": (c.num_kv_heads * c.head_dim, c.hidden_size),
-              "v_proj": (c.num_kv_heads * c.head_dim, c.hidden_size), "o_proj": (c.hidden_size, c.num_heads * c.head_dim),
-              "gate_proj": (c.intermediate_size, c.hidden_size), "up_proj": (c.intermediate_size, c.hidden_size),
-              "down_proj": (c.hidden_size, c.intermediate_size)}
+    shapes = expected_tensor_shapes(config)
     out = {}
-    for name in _expected_names(config):
-        leaf = name.split(".")[-2]
-        if name.endswith("norm.weight") or "layernorm" in name:
-            shape, base = (c.hidden_size,), 1.0
-        elif name.endswith(".bias"):
-            shape, base = (shapes[leaf][0],), 0.0
-        elif leaf in shapes:
-            shape, base = shapes[leaf], 0.0
-        else:  # embed_tokens, lm_head
-            shape, base = (c.vocab_size, c.hidden_size), 0.0
-        out[name] = base + scale * torch.randn(shape, generator=g) * (4.0 if base == 0.0 and "embed" in name else 1.0)
+    for name in sorted(shapes, key=_draw_rank):
+        base = 1.0 if "norm" in name else 0.0
+        boost = 4.0 if "embed" in name else 1.0
+        out[name] = base + scale * torch.randn(shapes[name], generator=g) * boost
     return out
 
 

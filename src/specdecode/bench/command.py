@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specdecode.engine import MAX_GAMMA
 from specdecode.argtypes import ngram_sizes, positive_int
 from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
 
@@ -36,9 +37,9 @@ def _gammas(value: str) -> tuple[int | str, ...]:
         try:
             g = int(v)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected integers 1..64 (or 'agreement'), got {v!r}") from None
-        if not 1 <= g <= 64:
-            raise argparse.ArgumentTypeError(f"gamma must be in 1..64, got {g}")
+            raise argparse.ArgumentTypeError(f"expected integers 1..{MAX_GAMMA} (or 'agreement'), got {v!r}") from None
+        if not 1 <= g <= MAX_GAMMA:
+            raise argparse.ArgumentTypeError(f"gamma must be in 1..{MAX_GAMMA}, got {g}")
         out.append(g)
     if not out:
         raise argparse.ArgumentTypeError("give at least one gamma")

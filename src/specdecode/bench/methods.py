@@ -27,8 +27,6 @@ from specdecode.sampling import SamplingParams
 OUR_FAMILIES = ("none", "ngram", "draft", "layerskip")
 PEER_FAMILIES = ("hf", "hf-assisted", "hf-lookup", "llamacpp", "llamacpp-lookup")
 FAMILIES = OUR_FAMILIES + PEER_FAMILIES
-# Families that draft, and so run once per requested gamma.
-GAMMA_FAMILIES = ("ngram", "draft", "layerskip")
 # Families that need a separate draft model (--draft-model).
 DRAFT_MODEL_FAMILIES = ("draft", "hf-assisted")
 

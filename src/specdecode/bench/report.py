@@ -21,10 +21,11 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from specdecode.bench.methods import OUR_FAMILIES
+
 SCHEMA_VERSION = 1
 ROUND = 4
 BASELINES = ("hf", "none")
-_OUR_FAMILIES = ("none", "ngram", "draft", "layerskip")
 
 
 def _r(x: float | None) -> float | None:
@@ -161,7 +162,7 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
     methods = []
     for m in result.methods:
         f = figs[m.name]
-        ours = m.family in _OUR_FAMILIES
+        ours = m.family in OUR_FAMILIES
         entry = {"name": m.name, "family": m.family, "kind": "ours" if ours else "peer", "gamma": m.gamma,
                  "params": m.params, "status": "failed" if m.name in result.failed else "ok",
                  "error": result.failed.get(m.name), "overall": f["overall"], "by_category": f["by_category"],
@@ -172,7 +173,7 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
     built = {m.name for m in result.methods}
     for name, error in result.failed.items():  # peers that could not even be built
         if name not in built:
-            methods.append({"name": name, "family": name, "kind": "ours" if name in _OUR_FAMILIES else "peer",
+            methods.append({"name": name, "family": name, "kind": "ours" if name in OUR_FAMILIES else "peer",
                             "gamma": None, "params": {}, "status": "failed", "error": error,
                             "overall": empty_figures(), "by_category": {c: empty_figures() for c in categories},
                             "identical_to_none": None, "compared_to_none": None, "rss_mb": None})

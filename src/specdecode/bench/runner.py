@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
+from specdecode.engine import MAX_GAMMA
 from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method,
                                       build_hf_model, engine_method, hf_method, llamacpp_available,
                                       llamacpp_method)
@@ -70,8 +71,8 @@ class BenchConfig:
         if not self.gammas:
             raise ValueError("--gammas: give at least one gamma")
         for g in self.gammas:
-            if g != "agreement" and not (isinstance(g, int) and 1 <= g <= 64):
-                raise ValueError(f"--gammas: {g!r} is not an integer in 1..64 or 'agreement'")
+            if g != "agreement" and not (isinstance(g, int) and 1 <= g <= MAX_GAMMA):
+                raise ValueError(f"--gammas: {g!r} is not an integer in 1..{MAX_GAMMA} or 'agreement'")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.repeats < 1:

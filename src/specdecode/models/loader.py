@@ -25,7 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from specdecode.models import registry
-from specdecode.models.config import ModelConfig
+from specdecode.models.config import ModelConfig, expected_tensor_shapes
 from specdecode.models.fetch import fetch
 from specdecode.models.tokenizer import Tokenizer
 
@@ -384,36 +384,6 @@ def load_gguf(path: str | os.PathLike[str], progress: Progress | None = None) ->
 
 # ----------------------------------------------------------------------------------------------
 # HF folders and hub ids
-
-def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of ``config`` must provide, with its shape, under HF names.
-
-    Args:
-        config: the architecture.
-    """
-    c = config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "self_attn.q_proj.weight": (q, c.hidden_size),
-            p + "self_attn.k_proj.weight": (kv, c.hidden_size),
-            p + "self_attn.v_proj.weight": (kv, c.hidden_size),
-            p + "self_attn.o_proj.weight": (c.hidden_size, q),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-        })
-        if c.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-    return shapes
-
 
 def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Raises LoadError unless ``tensors`` holds exactly the expected names with the expected shapes.

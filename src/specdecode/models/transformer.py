@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.kv.cache import CacheConfig, KVCache
-from specdecode.models.config import ModelConfig
+from specdecode.models.config import ModelConfig, expected_tensor_shapes
 
 Logits = Literal["all", "last", "none"]
 
@@ -232,7 +232,7 @@ class Transformer(nn.Module):
         """
         with torch.device("meta"):
             model = cls(config)
-        missing = [n for n in _expected_names(config) if n not in tensors]
+        missing = [n for n in expected_tensor_shapes(config) if n not in tensors]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
         state = {"embed.weight": tensors["model.embed_tokens.weight"], "norm": tensors["model.norm.weight"]}
@@ -254,17 +254,3 @@ class Transformer(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         model.inv_freq = rope_inv_freq(config)
         return model.eval().requires_grad_(False)
-
-
-def _expected_names(config: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        names += [f"{p}self_attn.{n}_proj.weight" for n in "qkvo"]
-        names += [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
-        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
-        if config.attention_bias:
-            names += [f"{p}self_attn.{n}_proj.bias" for n in "qkv"]
-    return names
