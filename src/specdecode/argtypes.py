@@ -16,6 +16,17 @@ def positive_int(value: str) -> int:
     return n
 
 
+def nonnegative_int(value: str) -> int:
+    """An integer >= 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
 def ngram_sizes(value: str) -> tuple[int, int]:
     """'min,max' n-gram sizes with 1 <= min <= max."""
     try:

@@ -285,14 +285,30 @@ class Engine:
         Measured after the request, then rolled back, so it never affects the request's own timings or
         output; cached per power-of-two context length, since attention cost grows with the context.
         """
-        held = self.cache.lengths[0]
-        bucket = held.bit_length()
+        bucket = self.cache.lengths[0].bit_length()
         if bucket not in self._step_s:
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                self._verify([0], Draft([]), SamplingParams(), None)
-                times.append(time.perf_counter() - t0)
-                self.cache.trim(0, held)
-            self._step_s[bucket] = statistics.median(times)
+            self._step_s[bucket] = statistics.median(self.verify_seconds(0) for _ in range(repeats))
         return self._step_s[bucket]
+
+    @torch.inference_mode()
+    def verify_seconds(self, k: int) -> float:
+        """Seconds of one verification of ``k`` drafted tokens (0: a plain decode step) at the current
+        context, rolled back afterwards so that it never changes what the engine generates next."""
+        if self.cache is None or self.cache.lengths[0] == 0:
+            raise RuntimeError("verify_seconds needs a context: run a request first")
+        held = self.cache.lengths[0]
+        start = time.perf_counter()
+        self._verify([0], Draft([0] * k), SamplingParams(), None)
+        seconds = time.perf_counter() - start
+        self.cache.trim(0, held)
+        return seconds
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What this configuration holds: target and draft weights, and their KV caches."""
+        draft = getattr(self.drafter, "model", None)
+        own_draft = draft is not None and draft is not self.target
+        draft_cache = getattr(self.drafter, "cache", None)
+        return {"target_weights": self.target.weight_nbytes,
+                "target_kv": self.cache.nbytes if self.cache is not None else 0,
+                "draft_weights": draft.weight_nbytes if own_draft else 0,
+                "draft_kv": draft_cache.nbytes if draft_cache is not None and draft_cache is not self.cache else 0}

@@ -47,7 +47,7 @@ def _base_args(models, prompt_file):
 def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
     out_json, report = tmp_path / "bench.json", tmp_path / "report"
     args = _base_args(tiny_model_dirs, prompt_file) + [
-        "--draft-model", str(tiny_model_dirs[1]), "--skip-layers", "1,2", "--gammas", "2",
+        "--draft-model", str(tiny_model_dirs[1]), "--skip-layers", "1,2", "--gammas", "2", "--cost-curve", "3",
         "--methods", "none,ngram,draft,layerskip,hf,hf-assisted,hf-lookup,llamacpp,llamacpp-lookup",
         "--json", str(out_json)]
     if matplotlib_available():
@@ -84,6 +84,14 @@ def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
     assert doc["prompts"]["count"] == 4 and doc["prompts"]["categories"] == ["alpha", "beta"]
     assert len(doc["samples"]) == len(doc["methods"]) * 4
     assert doc["memory"]["peak_rss_mb"] > 0
+    assert by_name["none"]["memory_mb"]["target_weights"] > 0 and by_name["none"]["memory_mb"]["target_kv"] > 0
+    assert by_name["none"]["memory_mb"]["draft_weights"] == 0 < by_name["draft:g2"]["memory_mb"]["draft_weights"]
+    assert by_name["layerskip:g2"]["memory_mb"]["draft_kv"] == 0  # drafts in the target's own cache
+    assert by_name["hf"]["memory_mb"] is None
+    # the verification cost curve of the target and of the draft model, k = 0..3
+    assert [len(c["v"]) for c in doc["cost_curves"]] == [4, 4] and all(c["v"][0] == 1.0 for c in doc["cost_curves"])
+    assert all(ms > 0 for c in doc["cost_curves"] for ms in c["verify_ms"])
+    assert "verification cost v(k) of" in captured.out
     if not bench_methods.llamacpp_available():
         assert {s["name"] for s in doc["skipped"]} == {"llamacpp", "llamacpp-lookup"}
         assert "note: llama-cpp-python is not installed: skipped llamacpp, llamacpp-lookup" in captured.out
@@ -94,7 +102,7 @@ def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
 
     if matplotlib_available():
         assert json.loads((report / "results.json").read_text()) == doc
-        for name in ("speedup_by_category.png", "acceptance_by_position.png", "gamma_sweep.png"):
+        for name in ("speedup_by_category.png", "acceptance_by_position.png", "gamma_sweep.png", "verification_cost.png"):
             data = (report / name).read_bytes()
             assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
         md = (report / "report.md").read_text()

@@ -93,6 +93,7 @@ def _doc(samples):
     figs = aggregate(samples, ["none", "ngram:g2", "hf"], ["x", "y"], {"x": ["p1", "p2"], "y": ["p3"]}, identity=True)
     methods = [{"name": n, "family": n.split(":")[0], "kind": "peer" if n == "hf" else "ours", "gamma": None,
                 "params": {}, "status": "ok", "error": None, "rss_mb": 100.0, **figs[n],
+                "memory_mb": None if n == "hf" else {"target_weights": 50.0, "target_kv": 10.0},
                 "identical_to_none": figs[n]["overall"]["identical_to_none"],
                 "compared_to_none": figs[n]["overall"]["compared_to_none"]} for n in figs]
     return {"config": {"model": "m", "model_source": "m", "torch_dtype": "float32", "repeats": 2,
@@ -100,16 +101,21 @@ def _doc(samples):
             "environment": {}, "prompts": {"count": 3, "categories": ["x", "y"]}, "methods": methods,
             "identical_outputs": 2, "identity_comparisons": 4, "identity_note": None,
             "identity_mismatches": [{"method": "ngram:g2", "prompt_id": "p3", "repeat": 0, "first_difference": 0}],
-            "skipped": [], "failed": [], "notes": ["a note"], "memory": {"peak_rss_mb": 123.4}}
+            "skipped": [], "failed": [], "notes": ["a note"], "memory": {"peak_rss_mb": 123.4},
+            "cost_curves": [{"model": "/x/m.gguf", "context": 200, "repeats": 3, "step_ms": 20.0,
+                             "verify_ms": [20.0, 21.0, 22.0], "v": [1.0, 1.05, 1.1]}]}
 
 
 def test_text_outputs_flag_mismatches(samples):
     doc = _doc(samples)
     table = format_table(doc)
     assert "MISMATCH" in table and "2/4 !!" in table and "note: a note" in table
+    assert "v(k) of m.gguf at 200 tokens (decode step 20.0 ms): 1:1.05 2:1.10" in table
     md = markdown(doc, plots=[])
     assert "**MISMATCH" in md and "## Output mismatches" in md
-    assert "| `ngram:g2` | 20.0 | 2.0 [1.5, 4.0] | 2.0 [1.5, 4.0] | 2.1 | 0.55 | 2.0 | 1.85 | 2/4 | 100.0 |" in md
+    assert "| `ngram:g2` | 20.0 | 2.0 [1.5, 4.0] | 2.0 [1.5, 4.0] | 2.1 | 0.55 | 2.0 | 1.85 | 2/4 | 60.0 | 100.0 |" in md
+    assert "| `hf` |" in md and "| - | 100.0 |" in md  # peers hold no accounted memory
+    assert "## Verification cost v(k): m.gguf" in md and "| v(k) | 1.05 | 1.1 |" in md
 
 
 def test_progress_bar_on_a_plain_stream_prints_one_summary(tmp_path):

@@ -13,7 +13,8 @@ import torch
 
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.config import ModelConfig
-from specdecode.models.transformer import Transformer, rope_inv_freq
+from specdecode.models.linear import can_pack
+from specdecode.models.transformer import Transformer, apply_rope, causal_hidden, grouped_attention, rope_inv_freq
 from tiny_models import random_hf_tensors, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -307,3 +308,64 @@ def test_mistral_sliding_window_matches_transformers():
     torch.testing.assert_close(torch.cat([head, *steps, tail]), reference, atol=1e-4, rtol=0)
     unwindowed = Transformer.from_hf_tensors(tiny_config("mistral", tie_word_embeddings=False), tensors)
     assert not torch.allclose(unwindowed(ids, unwindowed.new_cache(CacheConfig(max_len=32)))[0], reference, atol=1e-3)
+
+
+def test_rope_roll_equals_rotate_half_bitwise():
+    """The roll with a pre-negated sine half is the rotate-half formula, to the bit."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 5, 3, 8, generator=g).to(torch.bfloat16)  # [B, T, H, D]
+    angles = torch.randn(5, 4, generator=g)
+    cos = torch.cat((angles, angles), -1).cos().to(torch.bfloat16)[None, :, None]  # [1, T, 1, D]
+    sin = torch.cat((angles, angles), -1).sin().to(torch.bfloat16)[None, :, None]
+    rotated = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+    signed_sin = torch.cat((-sin[..., :4], sin[..., 4:]), dim=-1)
+    assert torch.equal(apply_rope(x, cos, signed_sin), x * cos + rotated * sin)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64)])  # SmolLM2, Qwen 1.5B / 0.5B
+def test_grouped_attention_rows_do_not_depend_on_the_call(heads, kv_heads, head_dim):
+    """Each new token's attention equals, bitwise, a call with only that token over only its keys.
+
+    This is what lets one verification forward reproduce token-by-token decoding exactly (bf16).
+    """
+    g = torch.Generator().manual_seed(heads)
+    for start, t in [(5, 2), (63, 5), (200, 9), (700, 17)]:
+        keys = torch.randn(1, kv_heads, start + t, head_dim, generator=g).to(torch.bfloat16)
+        values = torch.randn(1, kv_heads, start + t, head_dim, generator=g).to(torch.bfloat16)
+        q = torch.randn(1, heads, t, head_dim, generator=g).to(torch.bfloat16)
+        batched = grouped_attention(q, keys, values, causal_hidden(t, start + t, heads // kv_heads))
+        for i in range(t):
+            alone = grouped_attention(q[:, :, i:i + 1], keys[:, :, :start + i + 1], values[:, :, :start + i + 1])
+            assert torch.equal(batched[:, :, i:i + 1], alone), (start, t, i)
+
+
+def test_causal_hidden_mask():
+    hidden = causal_hidden(2, 4, group=2)  # new tokens at positions 2, 3
+    expected = torch.tensor([[False, False, False, True], [False, False, False, False]])
+    assert torch.equal(hidden, torch.cat([expected, expected]))
+    assert causal_hidden(1, 4, group=3) is None  # one new token sees everything
+    windowed = causal_hidden(1, 6, group=1, window=3)  # position 5 sees 3..5
+    assert windowed.tolist() == [[True, True, True, False, False, False]]
+
+
+@pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="needs oneDNN bf16 on CPU")
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", False)])
+def test_packed_model_gives_the_same_logits(arch, tied):
+    config = tiny_config(arch, tie_word_embeddings=tied)
+    tensors = random_hf_tensors(config, seed=3, scale=0.2)
+    plain = Transformer.from_hf_tensors(config, tensors, dtype=torch.bfloat16)
+    packed = Transformer.from_hf_tensors(config, tensors, dtype=torch.bfloat16)
+    before = packed.weight_nbytes
+    assert packed.pack_weights() and packed.pack_weights()  # idempotent
+    head = config.vocab_size * config.hidden_size * 2
+    assert packed.weight_nbytes == before + (head if tied else 0)  # a tied head gains a packed copy
+    ids = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = plain(ids, plain.new_cache(CacheConfig(max_len=16)))
+        got = packed(ids, packed.new_cache(CacheConfig(max_len=16)))
+    assert torch.equal(got, want)
+
+
+def test_pack_weights_is_a_no_op_in_float32():
+    model = tiny_model("llama")
+    assert model.weight_nbytes > 0 and not model.pack_weights()

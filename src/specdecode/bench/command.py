@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.engine import MAX_GAMMA
-from specdecode.argtypes import ngram_sizes, positive_int
+from specdecode.argtypes import ngram_sizes, nonnegative_int, positive_int
 from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
 
 
@@ -77,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON ('-' = stdout, no table)")
     p.add_argument("--report", default=None, metavar="DIR", help="write report.md, results.json and PNG plots into DIR")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    p.add_argument("--cost-curve", type=nonnegative_int, default=16, metavar="K",
+                   help="also time verifying 0..K drafted tokens, v(k) (default 16; 0 = skip)")
+    p.add_argument("--no-pack", dest="pack", action="store_false",
+                   help="do not pre-pack our decoder's weights for oneDNN (the slower F.linear path)")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -96,14 +100,15 @@ def run_command(args: argparse.Namespace) -> int:
     config = BenchConfig(model=args.model, draft_model=args.draft_model, families=families, gammas=args.gammas,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          dtype=args.dtype, seed=args.seed, skip_layers=args.skip_layers, ngram_sizes=args.ngram,
-                         gamma_max=args.gamma_max, chat=args.chat)
+                         gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, pack=args.pack)
     result = run_bench(config, prompts, progress=args.progress)
     echo: dict[str, Any] = {
         "model": args.model, "draft_model": args.draft_model, "methods": list(families),
         "gammas": list(args.gammas), "gamma_max": args.gamma_max, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "dtype": args.dtype,
         "prompts_file": args.prompts, "categories": categories, "limit": args.limit, "skip_layers": args.skip_layers,
-        "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None)}
+        "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None),
+        "cost_curve": args.cost_curve, "pack": args.pack}
     doc = build_document(result, echo, environment())
     text = json.dumps(doc, indent=1)
     if args.json == "-":

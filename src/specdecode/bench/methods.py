@@ -61,6 +61,7 @@ class Method:
         run: ``(prompt_ids, seed) -> Output``.
         gamma: the draft length (int), ``"agreement"``, or None for methods that do not draft.
         params: settings worth recording in the JSON (draft sizes, peer options).
+        memory: bytes the configuration holds (weights and KV caches by part), for our engine.
     """
 
     name: str
@@ -68,6 +69,7 @@ class Method:
     run: Callable[[list[int], int], Output]
     gamma: int | str | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    memory: Callable[[], dict[str, int]] | None = None
 
     @property
     def kind(self) -> str:
@@ -119,7 +121,7 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         params["draft_model"] = draft_model.source
     if gamma == "agreement":
         params["gamma_max"] = gamma_max
-    return Method(method_name(family, gamma), family, run, gamma, params)
+    return Method(method_name(family, gamma), family, run, gamma, params, memory=engine.memory_bytes)
 
 
 # ----------------------------------------------------------------------------------------------

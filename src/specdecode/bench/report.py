@@ -168,7 +168,8 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
                  "error": result.failed.get(m.name), "overall": f["overall"], "by_category": f["by_category"],
                  "identical_to_none": f["overall"]["identical_to_none"],
                  "compared_to_none": f["overall"]["compared_to_none"],
-                 "rss_mb": _r(result.rss_mb.get(m.name))}
+                 "rss_mb": _r(result.rss_mb.get(m.name)),
+                 "memory_mb": {k: _r(v / 2**20) for k, v in m.memory().items()} if m.memory else None}
         methods.append(entry)
     built = {m.name for m in result.methods}
     for name, error in result.failed.items():  # peers that could not even be built
@@ -176,7 +177,8 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
             methods.append({"name": name, "family": name, "kind": "ours" if name in OUR_FAMILIES else "peer",
                             "gamma": None, "params": {}, "status": "failed", "error": error,
                             "overall": empty_figures(), "by_category": {c: empty_figures() for c in categories},
-                            "identical_to_none": None, "compared_to_none": None, "rss_mb": None})
+                            "identical_to_none": None, "compared_to_none": None, "rss_mb": None,
+                            "memory_mb": None})
     identity_checked = greedy and "none" in names
     ours_compared = [e for e in methods if e["kind"] == "ours" and e["name"] != "none" and e["compared_to_none"]]
     identical = sum(e["identical_to_none"] for e in ours_compared) if identity_checked else None
@@ -208,6 +210,7 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
         "notes": list(result.notes),
         "memory": {"peak_rss_mb": _r(result.peak_rss_mb), "rss_after_load_mb": _r(result.rss_after_load_mb)},
         "timing": {"load_s": _r(result.load_s), "run_s": _r(result.run_s)},
+        "cost_curves": [c.to_dict() for c in result.cost_curves],
         "samples": samples,
     }
 
@@ -232,15 +235,28 @@ def _identity_cell(entry: dict[str, Any]) -> str:
     return f"{entry['identical_to_none']}/{entry['compared_to_none']}{mark}"
 
 
+def memory_total(entry: dict[str, Any]) -> float | None:
+    """MB a configuration holds (weights + KV caches), or None for peers."""
+    return None if entry.get("memory_mb") is None else sum(entry["memory_mb"].values())
+
+
+def cost_curve_line(curve: dict[str, Any]) -> str:
+    """One line: a model's decode step and v(k) for k = 1..K."""
+    vs = " ".join(f"{k}:{v:.2f}" for k, v in enumerate(curve["v"]) if k)
+    return (f"verification cost v(k) of {Path(curve['model']).name} at {curve['context']} tokens "
+            f"(decode step {curve['step_ms']:.1f} ms): {vs}")
+
+
 def format_table(doc: dict[str, Any]) -> str:
     """The human summary printed on stdout."""
-    rows = [("method", "tok/s", "vs hf (min-max)", "vs none (min-max)", "tau", "accept", "pred", "same", "RSS MB")]
+    rows = [("method", "tok/s", "vs hf (min-max)", "vs none (min-max)", "tau", "accept", "pred", "same", "mem MB",
+             "RSS MB")]
     for e in doc["methods"]:
         f = e["overall"]
         name = e["name"] + (" [FAILED]" if e["status"] == "failed" else "")
         rows.append((name, _x(f["tokens_per_s"]), _range(f, "speedup_vs_hf"), _range(f, "speedup_vs_none"),
                      _x(f["mean_accepted_length"]), _x(f["acceptance_rate"]), _x(f["predicted_speedup"]),
-                     _identity_cell(e), _x(e["rss_mb"], 0)))
+                     _identity_cell(e), _x(memory_total(e), 0), _x(e["rss_mb"], 0)))
     lines = [_columns(rows), ""]
     cats = doc["prompts"]["categories"]
     grid = [("speedup vs none", *cats, "overall")]
@@ -260,6 +276,8 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(f"identity {doc['identity_note']}")
     for fl in doc["failed"]:
         lines.append(f"FAILED {fl['name']}: {fl['error']}")
+    for curve in doc.get("cost_curves", []):
+        lines.append(cost_curve_line(curve))
     lines += [f"note: {n}" for n in doc["notes"]]  # skipped methods are among the notes
     return "\n".join(lines)
 
@@ -278,7 +296,7 @@ def _columns(rows: Sequence[Sequence[str]]) -> str:
 # ----------------------------------------------------------------------------------------------
 # Markdown report and plots
 
-PLOTS = ("speedup_by_category.png", "acceptance_by_position.png", "gamma_sweep.png")
+PLOTS = ("speedup_by_category.png", "acceptance_by_position.png", "gamma_sweep.png", "verification_cost.png")
 
 
 def matplotlib_available() -> bool:
@@ -333,9 +351,19 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
                      _n(f["mean_accepted_length"]), _n(f["acceptance_rate"]), _n(f["mean_gamma"]),
                      _n(f["predicted_speedup"]),
                      "-" if e["compared_to_none"] is None else f"{e['identical_to_none']}/{e['compared_to_none']}",
-                     _n(e["rss_mb"])])
+                     _n(memory_total(e)), _n(e["rss_mb"])])
     out += [_md_table(["method", "tokens/s", "vs hf", "vs none", "tau", "acceptance", "mean gamma", "predicted",
-                       "identical", "RSS MB"], rows), ""]
+                       "identical", "memory MB", "RSS MB"], rows), "",
+            "memory MB: what the configuration holds (weights, packed copies included, and KV caches); "
+            "RSS MB: the whole process after the method's calls (every method's weights are loaded at once).", ""]
+    for curve in doc.get("cost_curves", []):
+        width = len(curve["v"]) - 1
+        out += [f"## Verification cost v(k): {Path(curve['model']).name}", "",
+                f"One forward over k drafted tokens relative to a plain decode step ({_n(curve['step_ms'])} ms), "
+                f"at {curve['context']} tokens of context, median of {curve['repeats']}.", "",
+                _md_table(["k", *(str(k) for k in range(1, width + 1))],
+                          [["v(k)", *(_n(v) for v in curve["v"][1:])],
+                           ["ms", *(_n(m) for m in curve["verify_ms"][1:])]]), ""]
     for title, key in (("Speedup vs `none` by category", "speedup_vs_none"),
                        ("Speedup vs transformers `generate` by category", "speedup_vs_hf"),
                        ("Tokens/s by category", "tokens_per_s"), ("tau by category", "mean_accepted_length")):
@@ -461,6 +489,22 @@ def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
     ax2.set_ylabel("tokens/s")
     fig.tight_layout()
     written.append(_save(fig, folder / "gamma_sweep.png", plt))
+
+    # 4. verification cost curves
+    if doc.get("cost_curves"):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for curve in doc["cost_curves"]:
+            ax.plot(range(len(curve["v"])), curve["v"], marker="o",
+                    label=f"{Path(curve['model']).name} (step {curve['step_ms']:.1f} ms)")
+        ax.plot([0, len(doc["cost_curves"][0]["v"]) - 1], [1, len(doc["cost_curves"][0]["v"])], color="grey",
+                linestyle=":", label="linear: k+1 steps")
+        ax.set_ylim(0, max(3.0, max(max(c["v"]) for c in doc["cost_curves"]) * 1.1))
+        ax.set_xlabel("drafted tokens verified (k)")
+        ax.set_ylabel("v(k): cost / one decode step")
+        ax.set_title("Verification cost curve")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(_save(fig, folder / "verification_cost.png", plt))
     return written
 
 

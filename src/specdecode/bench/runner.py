@@ -21,6 +21,7 @@ from specdecode.engine import MAX_GAMMA
 from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method,
                                       build_hf_model, engine_method, hf_method, llamacpp_available,
                                       llamacpp_method)
+from specdecode.bench.costs import CostCurve, measure_cost_curve
 from specdecode.bench.prompts import Prompt, render
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.models.build import LoadedModel, from_checkpoint, resolve_dtype
@@ -48,6 +49,8 @@ class BenchConfig:
         ngram_sizes: (min, max) n-gram sizes of our ngram drafter (max is also HF lookup's).
         gamma_max: upper bound of the agreement controller.
         chat: wrap plain prompts in the chat template when the model has one.
+        cost_curve: time verification of 0..cost_curve drafted tokens (0: no curve).
+        pack: pre-pack our decoder's weights for oneDNN (``--no-pack`` turns it off).
     """
 
     model: str
@@ -63,6 +66,8 @@ class BenchConfig:
     ngram_sizes: tuple[int, int] = (1, 3)
     gamma_max: int = 8
     chat: bool = True
+    cost_curve: int = 16
+    pack: bool = True
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES]
@@ -147,6 +152,7 @@ class RunResult:
     torch_dtype: str
     load_s: float
     run_s: float
+    cost_curves: list[CostCurve] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,7 +272,7 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
         nonlocal hf_error
         log(f"loading {role} {source} ...")
         ckpt = load_checkpoint(source, progress=log)
-        ours = from_checkpoint(ckpt, torch_dtype)
+        ours = from_checkpoint(ckpt, torch_dtype, pack=config.pack)
         peer = None
         if hf and hf_error is None:
             try:
@@ -456,6 +462,11 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
                     peer_agreement[method.name] = (same + (got == reference), total + 1)
     bar.close()
     run_s = time.perf_counter() - t_run
+    curves = []
+    if config.cost_curve:
+        for model in filter(None, (loaded.target, loaded.draft)):
+            log(f"timing verification of 0..{config.cost_curve} drafted tokens on {model.source} ...")
+            curves.append(measure_cost_curve(model, rendered[longest.id], config.cost_curve))
     return RunResult(
         config=config, prompts=prompts, prompt_tokens={pid: len(ids) for pid, ids in rendered.items()},
         methods=methods, samples=samples, skipped=skipped, failed=failed, notes=notes,
@@ -463,7 +474,7 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
         identity_comparisons=comparisons, identity_mismatches=mismatches, peer_agreement=peer_agreement,
         rss_mb=rss, peak_rss_mb=peak_rss_mb(), rss_after_load_mb=rss_after_load,
         model_source=loaded.target.source, draft_source=loaded.draft.source if loaded.draft else None,
-        torch_dtype=str(loaded.torch_dtype).replace("torch.", ""), load_s=load_s, run_s=run_s)
+        torch_dtype=str(loaded.torch_dtype).replace("torch.", ""), load_s=load_s, run_s=run_s, cost_curves=curves)
 
 
 def environment() -> dict[str, Any]:

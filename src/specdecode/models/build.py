@@ -61,7 +61,7 @@ class LoadedModel:
 
 
 def load_model(source: str, dtype: str = "auto", device: str = "cpu",
-               progress: Callable[[str], None] | None = None) -> LoadedModel:
+               progress: Callable[[str], None] | None = None, pack: bool = True) -> LoadedModel:
     """Loads a model by registry name, ``.gguf`` path, HF folder or hub id.
 
     Args:
@@ -69,12 +69,22 @@ def load_model(source: str, dtype: str = "auto", device: str = "cpu",
         dtype: "auto", "bfloat16", "float32" or "float16".
         device: torch device string.
         progress: called with one-line status messages (fetching, loading).
+        pack: pre-pack the projections for oneDNN where possible (CPU bf16; same numbers, faster).
     """
     torch_dtype = resolve_dtype(dtype, device)
-    return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, device)
+    return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, device, pack=pack)
 
 
-def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
-    """Builds our decoder from loaded weights (the checkpoint's tensors stay usable, e.g. for a peer)."""
+def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", pack: bool = True) -> LoadedModel:
+    """Builds our decoder from loaded weights (the checkpoint's tensors stay usable, e.g. for a peer).
+
+    Args:
+        ckpt: the loaded checkpoint.
+        dtype: parameter dtype.
+        device: torch device string.
+        pack: pre-pack the projections for oneDNN where possible (see ``Transformer.pack_weights``).
+    """
     model = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=dtype).to(device)
+    if pack:
+        model.pack_weights()
     return LoadedModel(model, ckpt.tokenizer, ckpt.source)

@@ -12,6 +12,7 @@ trim the cache after a forward when draft tokens are rejected.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Literal, Mapping, Sequence
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 
 from specdecode.kv.cache import CacheConfig, KVCache
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
+from specdecode.models.linear import PackedLinear, can_pack
 
 Logits = Literal["all", "last", "none"]
 
@@ -47,31 +49,64 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x [B, H, T, D]`` by angles given as ``cos``/``sin [B, 1, T, D]`` (rotate-half layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotates ``x [B, T, H, D]`` by angles given as ``cos``/``sin [B, T, 1, D]`` (rotate-half layout).
+
+    ``sin`` comes with its first half negated (see ``Transformer._rope``), so the rotation is one roll:
+    ``x * cos + roll(x, D/2) * sin`` equals ``x * cos + cat(-x2, x1) * sin`` bitwise.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Attention of one query per row over all given keys, as two small matmuls.
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of the T newest tokens over the given keys, as two batched matmuls per call.
 
-    For a single query the fused CPU kernel costs several times more than the arithmetic; this
-    computes scores in the model dtype and the softmax in float32, like transformers' eager attention.
+    The query heads sharing a key head are stacked as rows of one matmul, so no key is repeated. Scores
+    are computed in the model dtype and the softmax in float32, like transformers' eager attention.
+    On x86 CPUs each row's result is bitwise independent of how many rows share the call and of masked
+    keys past its own position (tests/models/test_transformer.py checks it against one call per row),
+    which is what lets a verification reproduce one-token decoding exactly.
 
     Args:
-        q: ``[B, H, 1, D]``.
+        q: ``[B, H, T, D]``, the queries of the last T positions of ``keys``.
         keys: ``[B, Hkv, L, D]`` (H a multiple of Hkv: query heads h*G..h*G+G-1 share key head h).
         values: ``[B, Hkv, L, D]``.
+        hidden: ``[G*T, L]`` bool, True where a key is not visible to a query row (rows ordered
+            group member-major, then position), or None when every key is visible.
 
     Returns:
-        ``[B, H, 1, D]``.
+        ``[B, H, T, D]``.
     """
-    b, h, _, d = q.shape
-    grouped = q.view(b, keys.shape[1], h // keys.shape[1], d)  # [B, Hkv, G, D]
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * d ** -0.5  # [B, Hkv, G, L]
+    b, h, t, d = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(b, kv_heads, (h // kv_heads) * t, d)  # [B, Hkv, G*T, D]
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * d ** -0.5  # [B, Hkv, G*T, L]
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
     probs = scores.float().softmax(-1).to(values.dtype)
-    return torch.matmul(probs, values).view(b, h, 1, d)
+    return torch.matmul(probs, values).view(b, h, t, d)
+
+
+@lru_cache(maxsize=8)  # every layer of a forward asks for the same mask
+def causal_hidden(t: int, length: int, group: int, window: int | None = None,
+                  device: torch.device | None = None) -> torch.Tensor | None:
+    """Mask for ``grouped_attention``: new token i (of T, the last T of L keys) sees keys 0..L-T+i.
+
+    Args:
+        t: new tokens.
+        length: keys L, the new ones included.
+        group: query heads per key head (rows are repeated per group member).
+        window: Mistral's sliding window: a query also hides keys at or before its position - window.
+        device: where the mask lives.
+    """
+    key_pos = torch.arange(length, device=device)
+    query_pos = torch.arange(length - t, length, device=device)[:, None]  # [T, 1]
+    hidden = key_pos > query_pos  # [T, L]
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
+    if not hidden.any():
+        return None
+    return hidden.repeat(group, 1)  # [G*T, L]
 
 
 class Block(nn.Module):
@@ -90,32 +125,20 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def _first(self, end: int) -> int:
-        """First key position a query at position ``end - 1`` may see (Mistral's sliding window)."""
-        return 0 if self.window is None else max(0, end - self.window)
-
     def forward(self, x: torch.Tensor, layer: int, cache: KVCache, slots: Sequence[int], starts: Sequence[int],
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, invariant_rows: bool) -> torch.Tensor:
         b, t, _ = x.shape
         h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
-        qkv = self.wqkv(h)
-        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                             self.kv_heads * self.head_dim], dim=-1)
-        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.wqkv(h).view(b, t, self.heads + 2 * self.kv_heads, self.head_dim)  # [B, T, H + 2 Hkv, D]
+        qk = apply_rope(qkv[:, :, :self.heads + self.kv_heads], cos, sin)  # queries and keys in one go
+        q = qk[:, :, :self.heads].transpose(1, 2)  # [B, H, T, D]
+        k = qk[:, :, self.heads:].transpose(1, 2)  # [B, Hkv, T, D]
+        v = qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)
         keys, values = cache.update(layer, slots, starts, k, v)  # [B, Hkv, L, D]
-        if invariant_rows and t > 1:
-            # One call per new token over exactly the keys it sees: the same kernel, shapes and summation
-            # order as one-token decoding, so a verified token's numbers do not depend on the draft length.
-            ends = [starts[0] + 1 + i for i in range(t)]
-            attn = torch.cat([one_query_attention(q[:, :, i:i + 1], keys[:, :, self._first(e):e],
-                                                  values[:, :, self._first(e):e]) for i, e in enumerate(ends)],
-                             dim=2)  # [1, H, T, D]
-        elif mask is None:  # one new token per row, all rows equally long (the window, if any, is a slice)
-            first = self._first(keys.shape[2])
-            attn = one_query_attention(q, keys[:, :, first:], values[:, :, first:])
+        if invariant_rows or mask is None:
+            # Single sequence (or rows of equal length with one token each): batched and row-invariant.
+            hidden = causal_hidden(t, keys.shape[2], self.heads // self.kv_heads, self.window, keys.device)
+            attn = grouped_attention(q, keys, values, hidden)
         else:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=self.heads != self.kv_heads)
@@ -139,6 +162,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_head: PackedLinear | None = None  # set by pack_weights(); a tied head gets its own copy
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
@@ -160,8 +184,10 @@ class Transformer(nn.Module):
         if self._rope_cache is None or self._rope_cache[0] < length:
             n = max(length, 2 * self._rope_cache[0] if self._rope_cache else 256)
             angles = torch.outer(torch.arange(n, dtype=torch.float32, device=self.device), self.inv_freq)
-            angles = torch.cat((angles, angles), dim=-1)  # [n, D]
-            self._rope_cache = (n, angles.cos().to(self.dtype), angles.sin().to(self.dtype))
+            sin = angles.sin()
+            # Halves of one frequency: the sine's first half is negated for apply_rope's roll.
+            self._rope_cache = (n, torch.cat((angles, angles), dim=-1).cos().to(self.dtype),
+                                torch.cat((-sin, sin), dim=-1).to(self.dtype))  # [n, D]
         return self._rope_cache[1], self._rope_cache[2]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, slots: Sequence[int] = (0,),
@@ -190,11 +216,11 @@ class Transformer(nn.Module):
         starts = [cache.lengths[s] for s in slots]
         cos_table, sin_table = self._rope(max(starts) + t)
         if b == 1:
-            cos = cos_table[starts[0]:starts[0] + t][None, None]  # [1, 1, T, D]
-            sin = sin_table[starts[0]:starts[0] + t][None, None]
+            cos = cos_table[starts[0]:starts[0] + t][None, :, None]  # [1, T, 1, D]
+            sin = sin_table[starts[0]:starts[0] + t][None, :, None]
         else:
             pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)  # [B, T]
-            cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [B, 1, T, D]
+            cos, sin = cos_table[pos][:, :, None], sin_table[pos][:, :, None]  # [B, T, 1, D]
         mask = None if invariant_rows else self._mask(starts, t)  # the row-by-row path needs none
         x = self.embed(tokens)  # [B, T, hidden]
         for i in range(self.config.num_layers) if layers is None else layers:
@@ -205,8 +231,38 @@ class Transformer(nn.Module):
         if logits == "last":
             x = x[:, -1:]
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        if self.packed_head is not None:
+            return self.packed_head(x).float()
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
+
+    def pack_weights(self) -> bool:
+        """Swaps every projection for a oneDNN pre-packed copy (CPU bf16); a no-op elsewhere.
+
+        A tied output head keeps the embedding table for lookups and gains a packed copy, which costs
+        ``vocab_size * hidden_size`` elements more (see ``weight_nbytes``).
+
+        Returns:
+            Whether the weights are now packed.
+        """
+        if self.packed_head is not None:
+            return True
+        if not can_pack(self.embed.weight):
+            return False
+        for block in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                setattr(block, name, PackedLinear.from_linear(getattr(block, name)))
+        if self.lm_head is None:
+            self.packed_head = PackedLinear(self.embed.weight)
+        else:
+            self.packed_head, self.lm_head = PackedLinear.from_linear(self.lm_head), None
+        return True
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes held by the weights, packed copies included."""
+        plain = sum(p.numel() * p.element_size() for p in self.parameters())
+        return plain + sum(m.nbytes for m in self.modules() if isinstance(m, PackedLinear))
 
     def _mask(self, starts: list[int], t: int) -> torch.Tensor | None:
         """Boolean attention mask ``[B, 1, T, L]``: query i of row b sees keys at positions <= starts[b] + i."""
