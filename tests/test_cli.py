@@ -405,3 +405,18 @@ def test_smollm2_chat_json_and_drafter_none_agree(smollm2_path):
     assert 1 <= doc["stats"]["tokens_generated"] == len(doc["token_ids"]) <= 24
     assert docs["none"]["token_ids"] == doc["token_ids"]
     assert docs["none"]["stats"]["drafted_tokens"] == 0
+
+
+def test_draft_quant_needs_a_draft_model(capsys):
+    assert main(["generate", "--drafter", "ngram", "--draft-quant", "int8", "hello"]) == 2
+    assert "--draft-quant applies to a draft model (--drafter draft), not ngram" in capsys.readouterr().err
+
+
+def test_generate_with_an_int8_draft_model_matches_plain(tiny, capsys):
+    target, draft = tiny["target"], tiny["draft"]
+    base = ["generate", "--model", str(target), "--dtype", "bfloat16", "--max-new-tokens", "12", "--json"]
+    assert main(base + ["--gamma", "0", "7 8 9"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--draft-model", str(draft), "--draft-quant", "int8", "--gamma", "3", "7 8 9"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["drafted_tokens"] > 0

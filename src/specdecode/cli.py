@@ -20,7 +20,7 @@ from specdecode.drafters import DRAFTERS, make_drafter
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
 from specdecode.engine import Engine, SpeculativeConfig
-from specdecode.models.build import LoadedModel, load_model
+from specdecode.models.build import DRAFT_QUANT, LoadedModel, load_model
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.sampling import SamplingParams
 
@@ -50,6 +50,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="weights and activations; auto = bf16 where the CPU computes it natively, else fp32")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--no-pack", dest="pack", action="store_false",
+                   help="do not pre-pack bf16 weights for oneDNN (same numbers, slower; for comparisons)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(g)
     g.add_argument("prompt", help="the prompt; '-' reads it from stdin")
     g.add_argument("--draft-model", default=None, help="draft model for --drafter draft (same vocabulary as --model)")
+    g.add_argument("--draft-quant", choices=DRAFT_QUANT, default="none",
+                   help="int8 = int8 weight-only draft model: cheaper drafts, output still exact (default none)")
     g.add_argument("--drafter", choices=DRAFTERS, default=None,
                    help="how to draft (default: draft when --draft-model is given, else ngram)")
     g.add_argument("--gamma", type=_gamma, default=4, help="tokens drafted per step (0 = off) or 'agreement'")
@@ -116,6 +120,8 @@ def _drafter_kind(args: argparse.Namespace) -> str:
         raise UsageError("--drafter draft needs --draft-model NAME|PATH")
     if kind != "draft" and args.draft_model:
         raise UsageError(f"--draft-model is only used by --drafter draft, not {kind}")
+    if kind != "draft" and args.draft_quant != "none":
+        raise UsageError(f"--draft-quant applies to a draft model (--drafter draft), not {kind}")
     return kind
 
 
@@ -124,7 +130,7 @@ def _engine_for(args: argparse.Namespace, target: LoadedModel, spec: Speculative
     draft_model = skip = None
     if drafter_kind == "draft":
         _log(f"loading draft model {args.draft_model} ...")
-        draft = load_model(args.draft_model, args.dtype, progress=_log)
+        draft = load_model(args.draft_model, args.dtype, progress=_log, pack=args.pack, quantize=args.draft_quant)
         check_draft_pair(target, draft)
         draft_model = draft.model
     if drafter_kind == "layerskip":
@@ -140,7 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     spec = SpeculativeConfig(args.gamma, args.gamma_max)  # validated before any model is loaded
     _drafter_kind(args)
-    target = load_model(args.model, args.dtype, progress=_log)
+    target = load_model(args.model, args.dtype, progress=_log, pack=args.pack)
     if args.chat:
         if not target.tokenizer.chat_template:
             raise UsageError(f"model {args.model} has no chat template; drop --chat")
@@ -182,7 +188,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    target = load_model(args.model, args.dtype, progress=_log)
+    target = load_model(args.model, args.dtype, progress=_log, pack=args.pack)
     result = calibrate_and_store(target, args.dtype, gamma=args.gamma, new_tokens=args.new_tokens, progress=_log)
     if args.json:
         print(json.dumps({"model": target.source, "skip": list(result.skip), "agreement": result.agreement,

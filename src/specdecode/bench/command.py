@@ -15,6 +15,7 @@ from typing import Any
 from specdecode.engine import MAX_GAMMA
 from specdecode.argtypes import ngram_sizes, nonnegative_int, positive_int
 from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
+from specdecode.models.build import DRAFT_QUANT
 
 
 def _families(value: str) -> tuple[str, ...]:
@@ -79,8 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
     p.add_argument("--cost-curve", type=nonnegative_int, default=16, metavar="K",
                    help="also time verifying 0..K drafted tokens, v(k) (default 16; 0 = skip)")
-    p.add_argument("--no-pack", dest="pack", action="store_false",
-                   help="do not pre-pack our decoder's weights for oneDNN (the slower F.linear path)")
+    p.add_argument("--draft-quant", choices=DRAFT_QUANT, default="none",
+                   help="int8: our draft model with int8 weight-only projections (peers keep bf16)")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -100,7 +101,8 @@ def run_command(args: argparse.Namespace) -> int:
     config = BenchConfig(model=args.model, draft_model=args.draft_model, families=families, gammas=args.gammas,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          dtype=args.dtype, seed=args.seed, skip_layers=args.skip_layers, ngram_sizes=args.ngram,
-                         gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, pack=args.pack)
+                         gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, pack=args.pack,
+                         draft_quant=args.draft_quant)
     result = run_bench(config, prompts, progress=args.progress)
     echo: dict[str, Any] = {
         "model": args.model, "draft_model": args.draft_model, "methods": list(families),
@@ -108,7 +110,7 @@ def run_command(args: argparse.Namespace) -> int:
         "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "dtype": args.dtype,
         "prompts_file": args.prompts, "categories": categories, "limit": args.limit, "skip_layers": args.skip_layers,
         "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None),
-        "cost_curve": args.cost_curve, "pack": args.pack}
+        "cost_curve": args.cost_curve, "pack": args.pack, "draft_quant": args.draft_quant}
     doc = build_document(result, echo, environment())
     text = json.dumps(doc, indent=1)
     if args.json == "-":

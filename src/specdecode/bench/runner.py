@@ -51,6 +51,7 @@ class BenchConfig:
         chat: wrap plain prompts in the chat template when the model has one.
         cost_curve: time verification of 0..cost_curve drafted tokens (0: no curve).
         pack: pre-pack our decoder's weights for oneDNN (``--no-pack`` turns it off).
+        draft_quant: "int8" quantizes our draft model's projections (weight-only), "none" keeps them.
     """
 
     model: str
@@ -68,6 +69,7 @@ class BenchConfig:
     chat: bool = True
     cost_curve: int = 16
     pack: bool = True
+    draft_quant: str = "none"
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES]
@@ -75,6 +77,8 @@ class BenchConfig:
             raise ValueError(f"--methods: unknown method families {unknown}; expected some of {', '.join(FAMILIES)}")
         if not self.gammas:
             raise ValueError("--gammas: give at least one gamma")
+        if self.draft_quant != "none" and not self.draft_model:
+            raise ValueError(f"--draft-quant {self.draft_quant} needs --draft-model NAME|PATH")
         for g in self.gammas:
             if g != "agreement" and not (isinstance(g, int) and 1 <= g <= MAX_GAMMA):
                 raise ValueError(f"--gammas: {g!r} is not an integer in 1..{MAX_GAMMA} or 'agreement'")
@@ -268,11 +272,11 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
     wants_hf = transformers_available() and any(f.startswith("hf") for f in config.families)
     hf_error = None
 
-    def load(source: str, role: str, hf: bool) -> tuple[LoadedModel, Any]:
+    def load(source: str, role: str, hf: bool, quantize: str = "none") -> tuple[LoadedModel, Any]:
         nonlocal hf_error
         log(f"loading {role} {source} ...")
         ckpt = load_checkpoint(source, progress=log)
-        ours = from_checkpoint(ckpt, torch_dtype, pack=config.pack)
+        ours = from_checkpoint(ckpt, torch_dtype, pack=config.pack, quantize=quantize)
         peer = None
         if hf and hf_error is None:
             try:
@@ -285,7 +289,7 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
     target, hf_target = load(config.model, "target", wants_hf)
     draft = hf_draft = None
     if config.draft_model and any(f in DRAFT_MODEL_FAMILIES for f in config.families):
-        draft, hf_draft = load(config.draft_model, "draft model", "hf-assisted" in config.families)
+        draft, hf_draft = load(config.draft_model, "draft model", "hf-assisted" in config.families, config.draft_quant)
         check_draft_pair(target, draft)
     return _Loaded(target, draft, hf_target, hf_draft, hf_error, torch_dtype)
 

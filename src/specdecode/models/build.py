@@ -17,6 +17,7 @@ from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.transformer import Transformer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DRAFT_QUANT = ("none", "int8")  # weight-only quantization offered for draft models
 
 
 @lru_cache(maxsize=1)
@@ -61,7 +62,8 @@ class LoadedModel:
 
 
 def load_model(source: str, dtype: str = "auto", device: str = "cpu",
-               progress: Callable[[str], None] | None = None, pack: bool = True) -> LoadedModel:
+               progress: Callable[[str], None] | None = None, pack: bool = True,
+               quantize: str = "none") -> LoadedModel:
     """Loads a model by registry name, ``.gguf`` path, HF folder or hub id.
 
     Args:
@@ -70,12 +72,17 @@ def load_model(source: str, dtype: str = "auto", device: str = "cpu",
         device: torch device string.
         progress: called with one-line status messages (fetching, loading).
         pack: pre-pack the projections for oneDNN where possible (CPU bf16; same numbers, faster).
+        quantize: "int8" for int8 weight-only projections (draft models; different numbers), or "none".
     """
     torch_dtype = resolve_dtype(dtype, device)
-    return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, device, pack=pack)
+    if quantize not in DRAFT_QUANT:
+        raise ValueError(f"quantize {quantize!r} is not one of {', '.join(DRAFT_QUANT)}")
+    return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, device, pack=pack,
+                           quantize=quantize)
 
 
-def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", pack: bool = True) -> LoadedModel:
+def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", pack: bool = True,
+                    quantize: str = "none") -> LoadedModel:
     """Builds our decoder from loaded weights (the checkpoint's tensors stay usable, e.g. for a peer).
 
     Args:
@@ -83,8 +90,11 @@ def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", p
         dtype: parameter dtype.
         device: torch device string.
         pack: pre-pack the projections for oneDNN where possible (see ``Transformer.pack_weights``).
+        quantize: "int8" replaces the projections with int8 weight-only ones (then nothing is packed).
     """
     model = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=dtype).to(device)
-    if pack:
+    if quantize == "int8":
+        model.quantize_weights()
+    elif pack:
         model.pack_weights()
     return LoadedModel(model, ckpt.tokenizer, ckpt.source)

@@ -1,12 +1,17 @@
-"""Linear layers with weights pre-packed once for oneDNN (CPU).
+"""Linear layers for CPU decoding: weights pre-packed once for oneDNN, or int8 weight-only.
 
 ``F.linear`` on a CPU in bf16 reorders the whole weight matrix into oneDNN's blocked layout on every
 call; for the 1-17 rows of a decode or verification step that reorder costs more than the product
 itself (a SmolLM2 gate/up projection: 122 us plain, 55 us pre-packed). Packing once at load time
 gives bitwise the same results as ``F.linear`` in bf16 (tests/models/test_linear.py checks it).
 
-This module does not quantize, fuse or choose kernels beyond that one switch; the packed weight is an
-opaque oneDNN tensor, so a packed layer cannot be saved, moved to another device or trained.
+``Int8Linear`` stores weights as int8 with one scale per output row and multiplies with torch's
+int8 weight-only kernel: half the bytes of bf16 to stream per step, and different numbers. It is
+meant for draft models, whose output only has to be a good guess (verification keeps the result
+exact); a target quantized this way is a different model.
+
+This module does not fuse or choose kernels beyond those switches; the packed weight is an opaque
+oneDNN tensor, so a packed layer cannot be saved, moved to another device or trained.
 """
 
 from __future__ import annotations
@@ -50,8 +55,35 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-def linear_nbytes(layer: nn.Module) -> int:
-    """Bytes of a linear layer's weight and bias, packed or not."""
-    if isinstance(layer, PackedLinear):
-        return layer.nbytes + (0 if layer.bias is None else layer.bias.numel() * layer.bias.element_size())
-    return sum(p.numel() * p.element_size() for p in layer.parameters())
+class Int8Linear(nn.Module):
+    """``y = x (s * Q)^T + b`` with Q int8 ``[out, in]`` and s one scale per output row (symmetric).
+
+    Args:
+        weight: ``[out_features, in_features]`` float weight to quantize.
+        bias: ``[out_features]`` or None (kept in the activation dtype).
+        dtype: activation dtype the layer will be called with.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
+        self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, layer: nn.Module, dtype: torch.dtype) -> "Int8Linear":
+        weight = layer.weight
+        return cls(weight, getattr(layer, "bias", None), dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight this layer computes with, ``s * Q`` (for tests and error bounds)."""
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # the kernel takes [M, in]
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+

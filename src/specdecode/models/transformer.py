@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Literal, Mapping, Sequence
+from typing import Callable, Literal, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from torch import nn
 
 from specdecode.kv.cache import CacheConfig, KVCache
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
-from specdecode.models.linear import PackedLinear, can_pack
+from specdecode.models.linear import Int8Linear, PackedLinear, can_pack
 
 Logits = Literal["all", "last", "none"]
 
@@ -109,6 +109,13 @@ def causal_hidden(t: int, length: int, group: int, window: int | None = None,
     return hidden.repeat(group, 1)  # [G*T, L]
 
 
+class _HeadView(NamedTuple):
+    """A tied output head seen as a bias-free linear layer over the embedding table."""
+
+    weight: torch.Tensor
+    bias: None = None
+
+
 class Block(nn.Module):
     """One pre-norm decoder layer: attention with GQA, then a SwiGLU MLP."""
 
@@ -162,7 +169,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.packed_head: PackedLinear | None = None  # set by pack_weights(); a tied head gets its own copy
+        # Set by pack_weights() / quantize_weights(); a tied head then gets its own copy.
+        self.head_layer: PackedLinear | Int8Linear | None = None
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
@@ -231,8 +239,8 @@ class Transformer(nn.Module):
         if logits == "last":
             x = x[:, -1:]
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
-        if self.packed_head is not None:
-            return self.packed_head(x).float()
+        if self.head_layer is not None:
+            return self.head_layer(x).float()
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 
@@ -245,24 +253,34 @@ class Transformer(nn.Module):
         Returns:
             Whether the weights are now packed.
         """
-        if self.packed_head is not None:
+        if isinstance(self.head_layer, PackedLinear):
             return True
-        if not can_pack(self.embed.weight):
+        if not can_pack(self.embed.weight) or self.head_layer is not None:
             return False
+        self._swap_projections(lambda layer: PackedLinear(layer.weight, layer.bias))
+        return True
+
+    def quantize_weights(self) -> None:
+        """Replaces every projection (and the output head) with int8 weight-only copies.
+
+        Meant for draft models: about half the bytes per step of bf16, and different numbers (see
+        ``models/linear.py``). The embedding table stays in the model dtype.
+        """
+        if self.head_layer is not None:
+            raise ValueError("quantize_weights() needs plain weights (this model is already packed or quantized)")
+        self._swap_projections(lambda layer: Int8Linear(layer.weight, layer.bias, self.dtype))
+
+    def _swap_projections(self, make: Callable[[nn.Linear], nn.Module]) -> None:
         for block in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                setattr(block, name, PackedLinear.from_linear(getattr(block, name)))
-        if self.lm_head is None:
-            self.packed_head = PackedLinear(self.embed.weight)
-        else:
-            self.packed_head, self.lm_head = PackedLinear.from_linear(self.lm_head), None
-        return True
+                setattr(block, name, make(getattr(block, name)))
+        self.head_layer, self.lm_head = make(self.lm_head or _HeadView(self.embed.weight)), None
 
     @property
     def weight_nbytes(self) -> int:
-        """Bytes held by the weights, packed copies included."""
-        plain = sum(p.numel() * p.element_size() for p in self.parameters())
-        return plain + sum(m.nbytes for m in self.modules() if isinstance(m, PackedLinear))
+        """Bytes held by the weights, packed and quantized copies included."""
+        held = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
+        return held + sum(m.nbytes for m in self.modules() if isinstance(m, PackedLinear))
 
     def _mask(self, starts: list[int], t: int) -> torch.Tensor | None:
         """Boolean attention mask ``[B, 1, T, L]``: query i of row b sees keys at positions <= starts[b] + i."""
