@@ -58,6 +58,8 @@ class RequestStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    # Seconds in the gamma controller's decisions; its early-stop calls are also inside draft_s.
+    control_s: float = 0.0
     wall_s: float = 0.0
     # One single-token target forward, measured by the engine; needed for the predicted speedup.
     decode_step_s: float | None = None
