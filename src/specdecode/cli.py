@@ -17,6 +17,7 @@ import torch
 from specdecode.bench.command import add_arguments as add_bench_arguments
 from specdecode.argtypes import gamma, ngram_sizes, positive_int
 from specdecode.control import GAMMA_POLICIES
+from specdecode.control.model_file import load_controller_file
 from specdecode.drafters import DRAFTERS, make_drafter
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
@@ -138,6 +139,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("the prompt is empty")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)  # validated before any model is loaded
+    if args.gamma in ("confidence", "adaptive"):
+        load_controller_file(args.controller_file)
     _drafter_kind(args)
     target = load_model(args.model, args.dtype, progress=_log)
     if args.chat:

@@ -85,9 +85,12 @@ def run_command(args: argparse.Namespace) -> int:
     from specdecode.bench.prompts import default_prompts, load_prompts, select
     from specdecode.bench.report import build_document, format_table, matplotlib_available, write_report
     from specdecode.bench.runner import BenchConfig, environment, run_bench
+    from specdecode.control.model_file import load_controller_file
 
     if args.report and not matplotlib_available():
         raise ValueError("--report needs matplotlib, which is not installed: pip install 'specdecode[bench]'")
+    if any(g in ("confidence", "adaptive") for g in args.gammas):
+        load_controller_file(args.controller_file)  # a damaged or mismatched file fails before any model loads
     prompts = load_prompts(args.prompts) if args.prompts else default_prompts()
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = select(prompts, categories, args.limit)

@@ -1,8 +1,8 @@
 """The acceptance model of the ``confidence`` and ``adaptive`` controllers, and its JSON file.
 
 A logistic model predicts, from the draft's own signals for one token (e.g. top-1 probability and
-entropy), its position and the context (context used, KV compression), the chance that the target
-accepts that token given that it accepts the tokens before it. One model per drafter, in one file:
+entropy), its position and the KV compression setting, the chance that the target accepts that token
+given that it accepts the tokens before it. One model per drafter, in one file:
 
     {"format": "specdecode-controller", "schema_version": 1,
      "entries": {DRAFTER: {"features": [...], "weights": [...], "bias": b, "models": [...],
@@ -11,6 +11,9 @@ accepts that token given that it accepts the tokens before it. One model per dra
 
 Loading checks everything (JSON, format, version, checksum, numbers, the feature set) and fails with
 an error that names the file and the problem. This module does not fit models (see ``fit.py``).
+
+Memory pressure is not a model input: the recorded contexts span too narrow a range to fit it (a fit
+learns the prompts' lengths, and extrapolates wildly); it acts through ``base.memory_cap`` instead.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ FORMAT = "specdecode-controller"
 SCHEMA_VERSION = 1
 DEFAULT_FILE = Path(__file__).parent / "data" / "default.json"
 # Context features of every model, after the drafter's own signals.
-CONTEXT_FEATURES = ("position", "context_used", "kv_int8", "kv_int4", "kv_window")
+CONTEXT_FEATURES = ("position", "kv_int8", "kv_int4", "kv_window")
 
 
 class ControllerFileError(ValueError):
@@ -43,7 +46,7 @@ def feature_names(signal_names: Sequence[str]) -> tuple[str, ...]:
 def feature_row(signal: Signal, position: int, ctx: StepContext) -> list[float]:
     """The inputs for the draft token at ``position`` (0-based), in :func:`feature_names` order."""
     kv = ctx.kv
-    return [*signal, position + 1.0, ctx.context_used, float(kv == "int8"), float(kv == "int4"), float(kv == "window")]
+    return [*signal, position + 1.0, float(kv == "int8"), float(kv == "int4"), float(kv == "window")]
 
 
 def sigmoid(z: float) -> float:
