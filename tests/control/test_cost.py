@@ -98,6 +98,20 @@ def test_off_switch_probes_and_recovers():
     assert gammas[-1] >= 4
 
 
+def test_catching_up_after_an_off_stretch_is_not_taken_for_draft_cost():
+    c = CostGamma(gamma_max=8)
+    _run(c, 20, accept_share=0.0, draft_per_token=0.3 * VERIFY)
+    per_token = c.costs.draft_per_token
+    while c.next_gamma(ctx()) == 0:
+        c.update(record(0, 0, verify_s=VERIFY, requested=0))
+    # The probe's draft also fed 60 missed tokens to the draft model: 10x the usual drafting time.
+    c.update(record(2, 2, draft_s=20 * per_token, verify_s=VERIFY))
+    assert c.costs.draft_per_token == pytest.approx(per_token)
+    c.next_gamma(ctx())
+    c.update(record(2, 2, draft_s=4 * per_token, verify_s=VERIFY))  # the next step's drafting is timed again
+    assert c.costs.draft_per_token > per_token
+
+
 def test_probes_of_a_free_drafter_come_often():
     c = CostGamma(gamma_max=8)
     _run(c, 20, accept_share=0.0, draft_per_token=0.0001 * VERIFY)

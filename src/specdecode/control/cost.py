@@ -78,6 +78,7 @@ class CostGamma:
     def __post_init__(self) -> None:
         self.acceptance = self.acceptance or PositionAcceptance(self.gamma_max)
         self.costs = StepCosts(self.gamma_max)
+        self._drafted_before = True  # the drafter is prefilled with the prompt: nothing to catch up on
 
     def next_gamma(self, ctx: StepContext) -> int:
         cap = min(memory_cap(ctx, self.gamma_max), ctx.remaining - 1)
@@ -94,4 +95,6 @@ class CostGamma:
         if self.off.probing and record.drafted:
             self.acceptance.forget(self.probe_forget)
         self.acceptance.update(record.drafted, record.accepted)
-        self.costs.update(record.drafted, record.draft_s, record.verify_s)
+        # After steps without a draft, a draft model first catches up on the tokens it missed: not a draft cost.
+        self.costs.update(record.drafted, record.draft_s, record.verify_s, draft_timed=self._drafted_before)
+        self._drafted_before = record.requested > 0

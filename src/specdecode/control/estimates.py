@@ -101,12 +101,14 @@ class StepCosts:
         """Both a draft and a verification have been timed."""
         return self.base is not None and self.draft_per_token is not None
 
-    def update(self, drafted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, drafted: int, draft_s: float, verify_s: float, draft_timed: bool = True) -> None:
+        """Learns from one step; ``draft_timed`` False leaves the draft cost out (a step whose drafting
+        time includes catching up on tokens the drafter missed while speculation was off)."""
         k = min(drafted, self.gamma_max)
         seen = verify_s / self.shape[k]
         self.base = seen if self.base is None else self.base + self.smoothing * (seen - self.base)
         self.shape[k] += self.shape_smoothing * (verify_s / self.base - self.shape[k])
-        if drafted:
+        if drafted and draft_timed:
             per = draft_s / drafted
             self.draft_per_token = per if self.draft_per_token is None else (
                 self.draft_per_token + self.smoothing * (per - self.draft_per_token))
