@@ -229,10 +229,11 @@ class Engine:
         kv = str(self.target.dtype).removeprefix("torch.")  # the cache stores the target's dtype, uncompressed
 
         def timed_stop(position: int, signal: tuple[float, ...]) -> bool:
-            t = time.perf_counter()
+            tick = time.perf_counter()
             done = controller.stop(position, signal)
-            stats.control_s += time.perf_counter() - t
+            stats.control_s += time.perf_counter() - tick
             return done
+
         seq = list(prompt_ids)
         self.generated = generated = []
         start = time.perf_counter()
@@ -244,12 +245,12 @@ class Engine:
         finish = "length"
         while len(generated) < max_new_tokens:
             remaining = max_new_tokens - len(generated)
-            t = time.perf_counter()
+            tick = time.perf_counter()
             ctx = StepContext(remaining, len(seq), limit, None, kv)  # None: the cache has no memory budget
             # Drafting past the budget is wasted work: the extra tokens would be cut anyway.
             k = min(controller.next_gamma(ctx), remaining - 1)
             t0 = time.perf_counter()
-            stats.control_s += t0 - t
+            stats.control_s += t0 - tick
             # Signals are computed only for a controller that stops early, or for the step records.
             watch = timed_stop if controller.early_stop or self.on_step is not None else None
             draft = self.drafter.propose(seq, k, sampling, generator, watch) if k > 0 else Draft([])
@@ -272,9 +273,9 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.commit(seq)
             record = StepRecord(ctx, k, len(draft.tokens), verdict.accepted, t1 - t0, t2 - t1, draft.signals)
-            t = time.perf_counter()
+            tick = time.perf_counter()
             controller.update(record)
-            stats.control_s += time.perf_counter() - t
+            stats.control_s += time.perf_counter() - tick
             if self.on_step is not None:
                 self.on_step(record)
             stats.record_step(len(draft.tokens), verdict.accepted, len(new))

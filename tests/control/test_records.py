@@ -37,6 +37,7 @@ def _line(**change):
     (json.dumps(_line(signals=[[0.5]])), r"1 signals for 2 drafted tokens"),
     (json.dumps(_line(signals=[[0.5], [0.1, 0.2]])), r"is not 1 finite numbers"),
     (json.dumps(_line(model=None)), r"'model' must be a string"),
+    (json.dumps(_line(cache_fill=1.5)), r"'cache_fill' must be null or a number in 0..1, got 1.5"),
 ])
 def test_bad_lines_are_named_by_file_and_line(tmp_path, line, message):
     path = tmp_path / "steps.jsonl"

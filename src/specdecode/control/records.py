@@ -50,6 +50,9 @@ def _check(line: dict[str, Any]) -> str | None:
             return f"{key!r} must be a number >= 0, got {v!r}"
     if line["accepted"] > line["drafted"] or line["max_context"] < 1:
         return "accepted exceeds drafted, or max_context < 1"
+    fill = line.get("cache_fill")
+    if fill is not None and (isinstance(fill, bool) or not isinstance(fill, (int, float)) or not 0 <= fill <= 1):
+        return f"'cache_fill' must be null or a number in 0..1, got {fill!r}"
     names, signals = line.get("signal_names"), line.get("signals")
     if not isinstance(names, list) or not isinstance(signals, list):
         return "'signal_names' and 'signals' must be lists"
