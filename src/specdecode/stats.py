@@ -1,7 +1,7 @@
 """Per-request counters and the figures derived from them.
 
 It only counts and derives; it does not time anything itself (the engine passes durations in) and it
-does not choose gamma (see ``control.py``).
+does not choose gamma (see ``control/``).
 """
 
 from __future__ import annotations
