@@ -138,6 +138,9 @@ def test_greedy_output_is_identical_across_drafters(tiny, capsys):
         "layerskip-agreement": ["--drafter", "layerskip", "--skip-layers", "1,2", "--gamma", "agreement"],
         "draft": ["--drafter", "draft", "--draft-model", str(tiny["draft"])],
         "draft-implied": ["--draft-model", str(tiny["draft"]), "--gamma", "agreement", "--gamma-max", "5"],
+        "ngram-cost": ["--drafter", "ngram", "--gamma", "cost"],
+        "layerskip-confidence": ["--drafter", "layerskip", "--skip-layers", "1", "--gamma", "confidence"],
+        "draft-adaptive": ["--draft-model", str(tiny["draft"]), "--gamma", "adaptive"],
     }
     docs = {name: generate_json(capsys, tiny["target"], "--max-new-tokens", "24", *flags) for name, flags in runs.items()}
     reference = docs["none"]["token_ids"]
@@ -158,7 +161,9 @@ def test_greedy_output_is_identical_across_drafters(tiny, capsys):
     (["--model", "nosuchmodel"], ["nosuchmodel", "not a registered model", DEFAULT_MODEL]),
     (["--model", "/nonexistent/dir/model.gguf"], ["not found", "/nonexistent/dir/model.gguf"]),
     (["--gamma", "-1"], ["--gamma", ">= 0", "-1"]),
-    (["--gamma", "bogus"], ["--gamma", "'bogus'"]),
+    (["--gamma", "bogus"], ["--gamma", "'bogus'", "agreement, confidence, cost, adaptive"]),
+    (["--gamma", "adaptive", "--controller-file", "/nonexistent/c.json"], ["cannot read controller file",
+                                                                            "/nonexistent/c.json"]),
     (["--gamma-max", "0"], ["--gamma-max", ">= 1"]),
     (["--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
     (["--max-new-tokens", "-3"], ["--max-new-tokens", ">= 1"]),

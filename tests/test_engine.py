@@ -17,7 +17,7 @@ from tiny_models import random_hf_tensors, tiny_config
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW_TOKENS = 24
-GAMMAS = [1, 2, 4, 7, "agreement"]
+GAMMAS = [1, 2, 4, 7, "agreement", "cost", "confidence", "adaptive"]
 PROMPTS = [
     [1, 2, 3, 4, 5],
     [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9],  # repetitive: n-gram lookup proposes from the first token on
@@ -362,13 +362,65 @@ def test_a_bare_stop_string_is_one_stop_string_not_its_characters(target, plain)
 @pytest.mark.parametrize("kwargs, message", [
     (dict(gamma=-1), r"SpeculativeConfig\.gamma must be in 0\.\.64, got -1"),
     (dict(gamma=65), r"SpeculativeConfig\.gamma must be in 0\.\.64, got 65"),
-    (dict(gamma="bogus"), r"SpeculativeConfig\.gamma='bogus': expected an integer 0\.\.64 or one of \('agreement',\)"),
+    (dict(gamma="bogus"), r"SpeculativeConfig\.gamma='bogus': expected an integer 0\.\.64 or one of \('agreement', "
+                          r"'confidence', 'cost', 'adaptive'\)"),
     (dict(gamma_max=0), r"SpeculativeConfig\.gamma_max must be in 1\.\.64, got 0"),
     (dict(gamma="agreement", gamma_max=65), r"SpeculativeConfig\.gamma_max must be in 1\.\.64, got 65"),
 ])
 def test_speculative_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft-truncated", "layerskip"])
+def test_step_records_carry_each_drafted_tokens_signal(target, models, kind):
+    drafter = _drafter(kind, target, models)
+    records = []
+    engine = Engine(target, drafter=drafter, spec=SpeculativeConfig(gamma=4), on_step=records.append)
+    result = engine.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS)
+    s = result.stats
+    assert len(records) == s.target_forwards
+    assert sum(r.drafted for r in records) == s.drafted_tokens and sum(r.accepted for r in records) == s.accepted_tokens
+    assert sum(r.draft_s for r in records) == pytest.approx(s.draft_s)
+    assert sum(r.verify_s for r in records) == pytest.approx(s.verify_s)
+    for r in records:
+        assert len(r.signals) == r.drafted <= r.requested <= 4
+        assert all(len(sig) == len(drafter.signal_names) for sig in r.signals)
+        assert r.ctx.kv == "float32" and r.ctx.max_context == target.config.max_position_embeddings
+    assert [r.ctx.remaining for r in records][0] == NEW_TOKENS and records[0].ctx.context_len == len(PROMPTS[1])
+    if kind != "ngram":  # top-1 probability and entropy of the draft's own distribution
+        assert all(0 < top1 <= 1 and entropy >= 0 for r in records for top1, entropy in r.signals)
+    assert s.control_s > 0 and s.control_s < 0.05 * s.wall_s
+
+
+class _StopAfter:
+    """A controller that asks for 6 tokens and stops each draft after ``n``."""
+
+    early_stop = True
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, []
+
+    def next_gamma(self, ctx) -> int:
+        return 6
+
+    def stop(self, position, signal) -> bool:
+        self.calls.append(position)
+        return position + 1 >= self.n
+
+    def update(self, record) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft-same", "layerskip"])
+def test_an_early_stop_shortens_drafts_and_keeps_the_output(target, models, plain, kind):
+    controller = _StopAfter(2)
+    engine = Engine(target, drafter=_drafter(kind, target, models), spec=SpeculativeConfig(gamma=6))
+    engine._new_controller = lambda: controller
+    result = engine.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == plain[tuple(PROMPTS[1])]
+    assert len(result.stats.drafted_by_position) <= 2 and result.stats.drafted_tokens > 0
+    assert set(controller.calls) <= {0, 1}
 
 
 def test_speculative_config_max_draft():

@@ -26,7 +26,8 @@ def plain(smollm2, prompts):
     return [engine.generate(p, max_new_tokens=NEW_TOKENS, eos_token_ids=()).token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("kind,gamma", [("ngram", 4), ("ngram", "agreement"), ("layerskip", 3)])
+@pytest.mark.parametrize("kind,gamma", [("ngram", 4), ("ngram", "agreement"), ("ngram", "adaptive"), ("layerskip", 3),
+                                        ("layerskip", "confidence")])
 def test_greedy_speculation_is_identical_to_plain(smollm2, prompts, plain, kind, gamma):
     model = smollm2.model
     # Any skip set must give identical output; this one drafts with 2/3 of the layers.

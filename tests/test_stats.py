@@ -78,7 +78,7 @@ def test_to_dict_has_raw_and_derived_keys_and_is_json():
     d = s.to_dict()
     raw = {"prompt_tokens", "tokens_generated", "target_forwards", "drafted_tokens", "accepted_tokens",
            "rejections", "drafted_by_position", "accepted_by_position", "prefill_s", "draft_s", "verify_s",
-           "wall_s", "decode_step_s"}
+           "control_s", "wall_s", "decode_step_s"}
     derived = {"acceptance_rate", "token_acceptance", "mean_accepted_length", "mean_gamma", "acceptance_by_position",
                "tokens_per_s", "predicted_speedup"}
     assert set(d) == raw | derived

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from specdecode.control import GAMMA_POLICIES
+
 
 def positive_int(value: str) -> int:
     """An integer >= 1."""
@@ -25,6 +27,20 @@ def nonnegative_int(value: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
     return n
+
+
+def gamma(value: str) -> int | str:
+    """A fixed gamma (an integer >= 0; 0 = speculation off) or a controller name from GAMMA_POLICIES."""
+    if value in GAMMA_POLICIES:
+        return value
+    try:
+        g = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or one of {', '.join(GAMMA_POLICIES)}, "
+                                         f"got {value!r}") from None
+    if g < 0:
+        raise argparse.ArgumentTypeError(f"gamma must be >= 0, got {g}")
+    return g
 
 
 def ngram_sizes(value: str) -> tuple[int, int]:

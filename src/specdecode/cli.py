@@ -1,4 +1,4 @@
-"""Command line: ``specdecode generate | bench | models | calibrate-layerskip``.
+"""Command line: ``specdecode generate | bench | models | calibrate-layerskip | fit-controller``.
 
 Parsing, loading and printing only; the loop lives in ``engine.py``. Every user error ends with one
 line ``specdecode: error: ...`` on stderr and exit status 2.
@@ -15,7 +15,9 @@ from typing import Sequence
 import torch
 
 from specdecode.bench.command import add_arguments as add_bench_arguments
-from specdecode.argtypes import ngram_sizes, positive_int
+from specdecode.argtypes import gamma, ngram_sizes, positive_int
+from specdecode.control import GAMMA_POLICIES
+from specdecode.control.model_file import load_controller_file
 from specdecode.drafters import DRAFTERS, make_drafter
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
@@ -31,18 +33,6 @@ class UsageError(Exception):
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def _gamma(value: str) -> int | str:
-    if value == "agreement":
-        return value
-    try:
-        gamma = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'agreement', got {value!r}") from None
-    if gamma < 0:
-        raise argparse.ArgumentTypeError(f"gamma must be >= 0, got {gamma}")
-    return gamma
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -66,8 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8 = int8 weight-only draft model: cheaper drafts, output still exact (default none)")
     g.add_argument("--drafter", choices=DRAFTERS, default=None,
                    help="how to draft (default: draft when --draft-model is given, else ngram)")
-    g.add_argument("--gamma", type=_gamma, default=4, help="tokens drafted per step (0 = off) or 'agreement'")
-    g.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound for adaptive gamma")
+    g.add_argument("--gamma", type=gamma, default=4,
+                   help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)}")
+    g.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
+    g.add_argument("--controller-file", default=None, metavar="FILE",
+                   help="acceptance models for --gamma confidence|adaptive (from fit-controller; default: the shipped one)")
     g.add_argument("--skip-layers", default="auto",
                    help="layers layerskip skips, e.g. '4,6,8-12'; 'auto' uses (or runs) the stored calibration")
     g.add_argument("--ngram", type=ngram_sizes, default=(1, 3), help="min,max n-gram sizes for ngram lookup (default 1,3)")
@@ -92,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gamma", type=positive_int, default=4, help="draft length the prediction assumes")
     c.add_argument("--new-tokens", type=positive_int, default=48, help="reference tokens per calibration prompt")
     c.add_argument("--json", action="store_true")
+
+    f = sub.add_parser("fit-controller", help="fit the confidence controller's acceptance models from step records")
+    f.add_argument("records", nargs="+", metavar="RECORDS.jsonl", help="files from `specdecode bench --record-steps`")
+    f.add_argument("--out", required=True, metavar="FILE", help="the controller file to write (JSON)")
+    f.add_argument("--alias", action="append", default=[], metavar="DRAFTER=FROM",
+                   help="give DRAFTER the model fitted for FROM (same signals), e.g. draft=layerskip (repeatable)")
+    f.add_argument("--l2", type=float, default=1.0, help="L2 penalty on the standardised weights (default 1)")
     return parser
 
 
@@ -144,7 +144,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    spec = SpeculativeConfig(args.gamma, args.gamma_max)  # validated before any model is loaded
+    spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)  # validated before any model is loaded
+    if args.gamma in ("confidence", "adaptive"):
+        load_controller_file(args.controller_file)
     _drafter_kind(args)
     target = load_model(args.model, args.dtype, progress=_log, pack=args.pack)
     if args.chat:
@@ -200,13 +202,37 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit_controller(args: argparse.Namespace) -> int:
+    from specdecode.control.fit import fit_controller
+    from specdecode.control.model_file import save_controller_file
+    from specdecode.control.records import read_records
+
+    aliases = {}
+    for item in args.alias:
+        name, sep, source = item.partition("=")
+        if not sep or not name or not source:
+            raise UsageError(f"--alias {item!r}: expected DRAFTER=FROM, e.g. draft=layerskip")
+        aliases[name] = source
+    entries = fit_controller(read_records(args.records), aliases, args.l2)
+    save_controller_file(entries, args.out)
+    for name, m in sorted(entries.items()):
+        v = m.validation
+        held = (f"held-out log loss {v['log_loss']}, accuracy {v['accuracy']} (base rate {v['base_rate']}, "
+                f"{v['samples']} tokens)" if v else "no held-out split (too few records)")
+        source = "" if m.fitted_on_drafter == name else f" (the {m.fitted_on_drafter} fit)"
+        _log(f"{name}{source}: {m.samples} tokens from {', '.join(m.models)}; {held}")
+    _log(f"wrote {args.out}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.command import run_command
 
     return run_command(args)
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "models": cmd_models, "calibrate-layerskip": cmd_calibrate}
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "models": cmd_models, "calibrate-layerskip": cmd_calibrate,
+            "fit-controller": cmd_fit_controller}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from specdecode.control import make_controller
+from specdecode.control import GAMMA_POLICIES, StepContext, StepRecord, controller_factory
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.kv.cache import CacheConfig, KVCache
 from specdecode.models.transformer import Transformer
@@ -22,7 +22,6 @@ from specdecode.sampling import SamplingParams, probs_from_logits
 from specdecode.stats import RequestStats
 from specdecode.verify import Verdict, verify_greedy, verify_stochastic
 
-GAMMA_POLICIES = ("agreement",)
 MAX_GAMMA = 64
 
 
@@ -33,10 +32,13 @@ class SpeculativeConfig:
     Args:
         gamma: tokens drafted per step (0 = speculation off), or the name of a controller in GAMMA_POLICIES.
         gamma_max: upper bound for controllers.
+        controller_file: the acceptance models of the ``confidence`` and ``adaptive`` controllers
+            (written by ``specdecode fit-controller``); None = the file shipped with the package.
     """
 
     gamma: int | str = 4
     gamma_max: int = 8
+    controller_file: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.gamma, str):
@@ -117,14 +119,21 @@ class Engine:
         tokenizer: turns text into ids and back (needed for text prompts, stop strings and text output).
         drafter: proposes tokens; None means plain decoding.
         spec: gamma policy.
+        on_step: called with every step's record (draft signals included), e.g. to gather training data
+            for the ``confidence`` controller.
     """
 
     def __init__(self, target: Transformer, tokenizer=None, drafter: Drafter | None = None,
-                 spec: SpeculativeConfig = SpeculativeConfig()) -> None:
+                 spec: SpeculativeConfig = SpeculativeConfig(),
+                 on_step: Callable[[StepRecord], None] | None = None) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.spec = spec if drafter is not None else SpeculativeConfig(gamma=0)
+        self.on_step = on_step
+        self._new_controller = controller_factory(
+            self.spec.gamma, self.spec.gamma_max, drafter.name if drafter is not None else None,
+            drafter.signal_names if drafter is not None else (), self.spec.controller_file)
         self.cache: KVCache | None = None
         self.generated: list[int] = []
         self._eos: frozenset[int] = frozenset()
@@ -214,8 +223,17 @@ class Engine:
         self._eos = eos = frozenset(eos_token_ids if eos_token_ids is not None
                                     else (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()))
         generator = sampling.generator()
-        controller = make_controller(self.spec.gamma, self.spec.gamma_max)
+        controller = self._new_controller()
         stats = RequestStats(prompt_tokens=len(prompt_ids))
+        limit = self.target.config.max_position_embeddings
+        kv = str(self.target.dtype).removeprefix("torch.")  # the cache stores the target's dtype, uncompressed
+
+        def timed_stop(position: int, signal: tuple[float, ...]) -> bool:
+            tick = time.perf_counter()
+            done = controller.stop(position, signal)
+            stats.control_s += time.perf_counter() - tick
+            return done
+
         seq = list(prompt_ids)
         self.generated = generated = []
         start = time.perf_counter()
@@ -227,14 +245,20 @@ class Engine:
         finish = "length"
         while len(generated) < max_new_tokens:
             remaining = max_new_tokens - len(generated)
+            tick = time.perf_counter()
+            ctx = StepContext(remaining, len(seq), limit, None, kv)  # None: the cache has no memory budget
             # Drafting past the budget is wasted work: the extra tokens would be cut anyway.
-            k = min(controller.next_gamma(), remaining - 1)
+            k = min(controller.next_gamma(ctx), remaining - 1)
             t0 = time.perf_counter()
-            draft = self.drafter.propose(seq, k, sampling, generator) if k > 0 else Draft([])
+            stats.control_s += t0 - tick
+            # Signals are computed only for a controller that stops early, or for the step records.
+            watch = timed_stop if controller.early_stop or self.on_step is not None else None
+            draft = self.drafter.propose(seq, k, sampling, generator, watch) if k > 0 else Draft([])
             t1 = time.perf_counter()
             verdict = self._verify(seq, draft, sampling, generator)
+            t2 = time.perf_counter()
             stats.draft_s += t1 - t0
-            stats.verify_s += time.perf_counter() - t1
+            stats.verify_s += t2 - t1
             new = verdict.tokens[:remaining]
             cut = next((i for i, t in enumerate(new) if t in eos), None)
             if cut is not None:
@@ -248,7 +272,12 @@ class Engine:
             generated += new
             if self.drafter is not None:
                 self.drafter.commit(seq)
-            controller.update(len(draft.tokens), verdict.accepted)
+            record = StepRecord(ctx, k, len(draft.tokens), verdict.accepted, t1 - t0, t2 - t1, draft.signals)
+            tick = time.perf_counter()
+            controller.update(record)
+            stats.control_s += time.perf_counter() - tick
+            if self.on_step is not None:
+                self.on_step(record)
             stats.record_step(len(draft.tokens), verdict.accepted, len(new))
             yield new
             if finish != "length":

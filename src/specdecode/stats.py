@@ -1,7 +1,7 @@
 """Per-request counters and the figures derived from them.
 
 It only counts and derives; it does not time anything itself (the engine passes durations in) and it
-does not choose gamma (see ``control.py``).
+does not choose gamma (see ``control/``).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class RequestStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    # Seconds in the gamma controller's decisions; its early-stop calls are also inside draft_s.
+    control_s: float = 0.0
     wall_s: float = 0.0
     # One single-token target forward, measured by the engine; needed for the predicted speedup.
     decode_step_s: float | None = None

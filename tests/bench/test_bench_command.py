@@ -121,6 +121,39 @@ def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
         assert f"**{doc['identical_outputs']} / {doc['identity_comparisons']}**" in md
 
 
+def test_every_controller_runs_and_record_steps_writes_valid_jsonl(tiny_model_dirs, prompt_file, tmp_path):
+    from specdecode.control import GAMMA_POLICIES
+    from specdecode.control.records import read_records
+
+    out_json, steps = tmp_path / "bench.json", tmp_path / "steps.jsonl"
+    args = _base_args(tiny_model_dirs, prompt_file) + [
+        "--draft-model", str(tiny_model_dirs[1]), "--skip-layers", "1,2", "--methods", "none,ngram,draft,layerskip",
+        "--gammas", "2,cost,confidence,adaptive", "--limit", "1", "--json", str(out_json), "--record-steps", str(steps)]
+    assert main(args) == 0
+    doc = json.loads(out_json.read_text())
+    controllers = [g for g in GAMMA_POLICIES]
+    want = ["none"] + [f"{f}:{g}" for f in ("ngram", "draft", "layerskip") for g in ["g2", *controllers[1:], "agreement"]]
+    assert sorted(m["name"] for m in doc["methods"]) == sorted(want)
+    assert doc["identical_outputs"] == doc["identity_comparisons"] == (len(want) - 1) * 2
+    assert doc["config"]["record_steps"] == str(steps)
+    by_name = {m["name"]: m for m in doc["methods"]}
+    assert by_name["layerskip:confidence"]["params"] == {"skip_layers": [1, 2], "gamma_max": 8, "controller_file": None}
+    for m in doc["methods"]:
+        if m["name"] != "none":
+            # a share of the wall time (tiny models make steps so cheap that only the range is checkable here)
+            assert 0 <= m["overall"]["control_share"] < 1, m["name"]
+
+    lines = read_records([steps])  # every line passes the checks fit-controller makes
+    timed = {(s["method"], s["prompt_id"]) for s in doc["samples"] if s["method"] != "none"}
+    assert {(line["method"], line["prompt_id"]) for line in lines} <= timed
+    assert {line["drafter"] for line in lines} == {"ngram", "draft", "layerskip"}
+    for line in lines:
+        assert line["model"] == str(tiny_model_dirs[0]) and line["kv"] == "float32"
+        assert len(line["signals"]) == line["drafted"]
+        assert line["signal_names"] == (["match_len", "occurrences", "agree"] if line["drafter"] == "ngram"
+                                        else ["top1", "entropy"])
+
+
 def test_sampled_run_skips_the_identity_check(tiny_model_dirs, prompt_file, tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     args = _base_args(tiny_model_dirs, prompt_file) + ["--methods", "ngram,hf", "--gammas", "2", "--limit", "1",
@@ -191,6 +224,11 @@ def test_usage_errors(tiny_model_dirs, prompt_file, capsys):
     with pytest.raises(SystemExit):
         main(base + ["--gammas", "0"])
     assert "gamma must be in 1..64" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--gammas", "4,fastest"])
+    assert "expected an integer >= 0 or one of agreement, confidence, cost, adaptive, got 'fastest'" in capsys.readouterr().err
+    assert main(base + ["--gammas", "confidence", "--controller-file", str(prompt_file)]) == 2
+    assert "is not valid JSON (truncated or corrupt?)" in capsys.readouterr().err
 
 
 def test_report_without_matplotlib_says_so_before_running(tiny_model_dirs, prompt_file, tmp_path, capsys, monkeypatch):

@@ -11,7 +11,7 @@ from specdecode.bench.runner import ProgressBar, Sample
 def _stats(generated: int, forwards: int, drafted: list[int], accepted: list[int], predicted: float) -> dict:
     return {"tokens_generated": generated, "target_forwards": forwards, "drafted_tokens": sum(drafted),
             "accepted_tokens": sum(accepted), "drafted_by_position": drafted, "accepted_by_position": accepted,
-            "predicted_speedup": predicted}
+            "predicted_speedup": predicted, "control_s": 0.001 * forwards, "wall_s": 0.1 * forwards}
 
 
 def _s(method, pid, cat, tokens, seconds, repeat=0, stats=None, ids=None):
@@ -56,6 +56,7 @@ def test_aggregate(samples):
     assert o["acceptance_by_position"] == [round(18 / 20, 4), round(4 / 18, 4), 0.0]
     assert o["mean_gamma"] == 2.0
     assert o["predicted_speedup"] == 1.85  # median of 1.5, 1.7, 2.0, 3.0
+    assert o["control_share"] == 0.01  # 1 ms of decisions per 100 ms step, pooled
     # identity: p1 (both repeats) identical, p2 longer -> differs, p3 other tokens -> differs
     assert (o["identical_to_none"], o["compared_to_none"]) == (2, 4)
 

@@ -180,3 +180,30 @@ def test_reset_prefills_the_prompt_so_drafting_feeds_only_the_last_token():
     fresh.reset(model.new_cache(CacheConfig(max_len=32)))
     draw = lambda d: d.propose([1, 2, 3, 4, 5], 3, SamplingParams(), torch.Generator()).tokens  # noqa: E731
     assert draw(drafter) == draw(fresh)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_signals_are_the_drafts_top1_and_entropy_and_a_stop_ends_the_draft(draft_model, sampling):
+    seq = [3, 9, 27, 81, 4]
+    full = _drafter(draft_model).propose(seq, 5, sampling, torch.Generator().manual_seed(0))
+    assert full.signals == []  # computed only when asked for (with a stop rule)
+    seen = []
+
+    def stop(position, signal):
+        seen.append((position, signal))
+        return position == 2
+
+    drafter = _drafter(draft_model)
+    draft = drafter.propose(seq, 5, sampling, torch.Generator().manual_seed(0), stop=stop)
+    assert draft.tokens == full.tokens[:3] and [p for p, _ in seen] == [0, 1, 2]
+    assert draft.signals == [s for _, s in seen]
+    if sampling is SAMPLED:
+        assert draft.q.shape[0] == 3
+    # The draft's own next-token distributions (temperature 1), one forward per kept token and no more.
+    assert drafter.cache.lengths[0] == len(seq) + 2
+    cache = draft_model.new_cache(CacheConfig(max_len=16))
+    logits = draft_model(torch.tensor([seq + draft.tokens[:2]]), cache)[0, len(seq) - 1:]
+    for (top1, entropy), row in zip(draft.signals, logits):
+        p = torch.softmax(row.float(), -1)
+        assert top1 == pytest.approx(float(p.max()), abs=1e-4)
+        assert entropy == pytest.approx(float(-(p * p.log()).sum()), abs=1e-3)

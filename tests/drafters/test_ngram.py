@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdecode.drafters import make_drafter
-from specdecode.drafters.ngram import NgramDrafter, lookup
+from specdecode.drafters.ngram import NgramDrafter, find_match, lookup, match_signals
 from specdecode.sampling import SamplingParams
 
 
@@ -76,3 +76,17 @@ def test_make_drafter_passes_sizes():
     assert make_drafter("none", target=None) is None
     with pytest.raises(ValueError, match="unknown drafter 'bogus'"):
         make_drafter("bogus", target=None)
+
+
+def test_signals_give_match_length_occurrences_and_agreement():
+    #      0  1  2  3  4  5  6  7  8  9 10 11
+    seq = [1, 2, 5, 6, 9, 1, 2, 5, 7, 3, 1, 2]
+    # Tail [1, 2] occurred at 5 (then 5, 7, 3) and at 0 (then 5, 6, 9): they agree on the first token only.
+    n, starts = find_match(seq, 1, 3, limit=16)
+    assert (n, starts) == (2, [5, 0])
+    assert match_signals(seq, [5, 7, 3], n, starts) == [(2.0, 2.0, 1.0), (2.0, 2.0, 0.5), (2.0, 2.0, 0.5)]
+    calls = []
+    draft = NgramDrafter().propose(seq, 3, SamplingParams(), None, stop=lambda i, s: calls.append(i) or s[2] < 1.0)
+    assert draft.tokens == [5, 7] and draft.signals == [(2.0, 2.0, 1.0), (2.0, 2.0, 0.5)] and calls == [0, 1]
+    assert NgramDrafter().propose(seq, 3, SamplingParams(), None).signals == []
+    assert NgramDrafter().propose([1, 2, 3], 3, SamplingParams(), None, stop=lambda i, s: False).tokens == []

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.engine import MAX_GAMMA
-from specdecode.argtypes import ngram_sizes, nonnegative_int, positive_int
+from specdecode.argtypes import gamma, ngram_sizes, nonnegative_int, positive_int
+from specdecode.control import GAMMA_POLICIES
 from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
 from specdecode.models.build import DRAFT_QUANT
 
@@ -32,14 +33,8 @@ def _gammas(value: str) -> tuple[int | str, ...]:
     for v in (v.strip() for v in value.split(",")):
         if not v:
             continue
-        if v == "agreement":
-            out.append(v)
-            continue
-        try:
-            g = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected integers 1..{MAX_GAMMA} (or 'agreement'), got {v!r}") from None
-        if not 1 <= g <= MAX_GAMMA:
+        g = gamma(v)
+        if isinstance(g, int) and not 1 <= g <= MAX_GAMMA:
             raise argparse.ArgumentTypeError(f"gamma must be in 1..{MAX_GAMMA}, got {g}")
         out.append(g)
     if not out:
@@ -57,8 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma list of method families: {','.join(FAMILIES)} (default: all that apply; "
                         "draft and hf-assisted only with --draft-model; 'none' always runs as the reference)")
     p.add_argument("--gammas", type=_gammas, default=_gammas("1,2,4,8"),
-                   help="draft lengths of every drafting method (default 1,2,4,8); 'agreement' always runs too")
-    p.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the agreement controller")
+                   help=f"draft lengths and controllers ({','.join(GAMMA_POLICIES)}) of every drafting method "
+                        "(default 1,2,4,8); 'agreement' always runs too")
+    p.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
+    p.add_argument("--controller-file", default=None, metavar="FILE",
+                   help="acceptance models for the confidence and adaptive controllers (default: the shipped one)")
+    p.add_argument("--record-steps", default=None, metavar="FILE.jsonl",
+                   help="write every step of our drafting methods' timed calls (draft signals, verdicts, costs) as "
+                        "JSON lines, for `specdecode fit-controller`")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="token budget of every method (default 128)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default; outputs checked token-identical to 'none'); > 0 samples, seeded per prompt")
@@ -89,9 +90,12 @@ def run_command(args: argparse.Namespace) -> int:
     from specdecode.bench.prompts import default_prompts, load_prompts, select
     from specdecode.bench.report import build_document, format_table, matplotlib_available, write_report
     from specdecode.bench.runner import BenchConfig, environment, run_bench
+    from specdecode.control.model_file import load_controller_file
 
     if args.report and not matplotlib_available():
         raise ValueError("--report needs matplotlib, which is not installed: pip install 'specdecode[bench]'")
+    if any(g in ("confidence", "adaptive") for g in args.gammas):
+        load_controller_file(args.controller_file)  # a damaged or mismatched file fails before any model loads
     prompts = load_prompts(args.prompts) if args.prompts else default_prompts()
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = select(prompts, categories, args.limit)
@@ -102,7 +106,8 @@ def run_command(args: argparse.Namespace) -> int:
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          dtype=args.dtype, seed=args.seed, skip_layers=args.skip_layers, ngram_sizes=args.ngram,
                          gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, pack=args.pack,
-                         draft_quant=args.draft_quant)
+                         draft_quant=args.draft_quant, controller_file=args.controller_file,
+                         record_steps=args.record_steps)
     result = run_bench(config, prompts, progress=args.progress)
     echo: dict[str, Any] = {
         "model": args.model, "draft_model": args.draft_model, "methods": list(families),
@@ -110,7 +115,8 @@ def run_command(args: argparse.Namespace) -> int:
         "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "dtype": args.dtype,
         "prompts_file": args.prompts, "categories": categories, "limit": args.limit, "skip_layers": args.skip_layers,
         "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None),
-        "cost_curve": args.cost_curve, "pack": args.pack, "draft_quant": args.draft_quant}
+        "cost_curve": args.cost_curve, "pack": args.pack, "draft_quant": args.draft_quant,
+        "controller_file": args.controller_file, "record_steps": args.record_steps}
     doc = build_document(result, echo, environment())
     text = json.dumps(doc, indent=1)
     if args.json == "-":
@@ -120,6 +126,8 @@ def run_command(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(text)
             print(f"wrote {args.json}", file=sys.stderr)
+    if args.record_steps:
+        print(f"wrote {args.record_steps}", file=sys.stderr)
     if args.report:
         files = write_report(doc, args.report)
         print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from specdecode.control import StepRecord
 from specdecode.drafters import make_drafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.models.build import LoadedModel
@@ -43,12 +44,14 @@ class Output:
         seconds: wall time of the whole call (prefill included).
         stats: ``RequestStats.to_dict()`` for our engine, None for peers.
         finish: "eos" or "length" (or our engine's finish reason).
+        steps: our engine's step records, when the method records them.
     """
 
     token_ids: list[int]
     seconds: float
     stats: dict[str, Any] | None = None
     finish: str = ""
+    steps: list[StepRecord] = field(default_factory=list)
 
 
 @dataclass
@@ -59,9 +62,10 @@ class Method:
         name: e.g. ``none``, ``ngram:g4``, ``ngram:agreement``, ``hf-lookup``.
         family: one of FAMILIES.
         run: ``(prompt_ids, seed) -> Output``.
-        gamma: the draft length (int), ``"agreement"``, or None for methods that do not draft.
+        gamma: the draft length (int), a controller name, or None for methods that do not draft.
         params: settings worth recording in the JSON (draft sizes, peer options).
         memory: bytes the configuration holds (weights and KV caches by part), for our engine.
+        signal_names: names of the drafter's per-token signals in step records (our drafting methods).
     """
 
     name: str
@@ -70,6 +74,7 @@ class Method:
     gamma: int | str | None = None
     params: dict[str, Any] = field(default_factory=dict)
     memory: Callable[[], dict[str, int]] | None = None
+    signal_names: tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -94,23 +99,26 @@ def _cut_at_eos(ids: list[int], eos: frozenset[int]) -> list[int]:
 def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sampling: SamplingParams,
                   max_new_tokens: int, draft_model: LoadedModel | None = None,
                   skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
-                  gamma_max: int = 8) -> Method:
+                  gamma_max: int = 8, controller_file: str | None = None, record: bool = False) -> Method:
     """Our engine with one drafter (or none) and one gamma policy.
 
     Each method gets its own Engine (own KV cache, own drafter state); the target weights are shared.
-    Timed from outside ``Engine.generate``: nothing benchmark-specific runs inside the decode loop.
+    Timed from outside ``Engine.generate``: nothing benchmark-specific runs inside the decode loop, except,
+    with ``record``, keeping each step's record (which also makes the drafter compute its signals).
     """
     drafter = make_drafter(family, target.model, draft_model.model if draft_model else None, skip_layers,
                            ngram_sizes=ngram_sizes)
-    spec = SpeculativeConfig(gamma if gamma is not None else 0, gamma_max)
-    engine = Engine(target.model, target.tokenizer, drafter, spec)
+    spec = SpeculativeConfig(gamma if gamma is not None else 0, gamma_max, controller_file)
+    steps: list[StepRecord] = []
+    engine = Engine(target.model, target.tokenizer, drafter, spec, on_step=steps.append if record else None)
 
     def run(prompt_ids: list[int], seed: int) -> Output:
         params = replace(sampling, seed=seed)
+        steps.clear()
         start = time.perf_counter()
         result = engine.generate(prompt_ids, params, max_new_tokens)
         seconds = time.perf_counter() - start
-        return Output(result.token_ids, seconds, result.stats.to_dict(), result.finish_reason)
+        return Output(result.token_ids, seconds, result.stats.to_dict(), result.finish_reason, list(steps))
 
     params: dict[str, Any] = {}
     if family == "ngram":
@@ -119,9 +127,12 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         params["skip_layers"] = list(skip_layers or ())
     if family == "draft" and draft_model is not None:
         params["draft_model"] = draft_model.source
-    if gamma == "agreement":
+    if isinstance(gamma, str):
         params["gamma_max"] = gamma_max
-    return Method(method_name(family, gamma), family, run, gamma, params, memory=engine.memory_bytes)
+    if gamma in ("confidence", "adaptive"):
+        params["controller_file"] = controller_file
+    return Method(method_name(family, gamma), family, run, gamma, params, memory=engine.memory_bytes,
+                  signal_names=drafter.signal_names if drafter is not None else ())
 
 
 # ----------------------------------------------------------------------------------------------

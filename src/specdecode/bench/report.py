@@ -5,8 +5,9 @@ Aggregation rules (per method, per category and overall):
   tokens/s = median over its prompts (min and max are reported too).
 - speedup vs a baseline = per prompt, the method's tokens/s / the baseline's tokens/s; then median,
   min and max over the prompts.
-- tau, acceptance rate, acceptance by draft position and mean gamma pool the engine's counters over
-  every call of the group (ratios of sums); predicted speedup = median over calls of RequestStats'
+- tau, acceptance rate, acceptance by draft position, mean gamma and the controller's share of the
+  time (control seconds / wall seconds) pool the engine's counters over every call of the group
+  (ratios of sums); predicted speedup = median over calls of RequestStats'
   prediction (compare with the measured speedup vs ``none``).
 - identity (greedy only): each call of our speculative methods is compared with ``none``'s output on
   the same prompt and repeat.
@@ -61,7 +62,7 @@ def empty_figures() -> dict[str, Any]:
     for b in BASELINES:
         keys += [f"speedup_vs_{b}", f"speedup_vs_{b}_min", f"speedup_vs_{b}_max"]
     keys += ["mean_accepted_length", "acceptance_rate", "acceptance_by_position", "mean_gamma", "predicted_speedup",
-             "identical_to_none", "compared_to_none"]
+             "control_share", "identical_to_none", "compared_to_none"]
     out: dict[str, Any] = {k: None for k in keys}
     out.update(prompts=0, samples=0, tokens=0, seconds=0.0)
     return out
@@ -105,11 +106,13 @@ def figures(samples: Sequence[Any], tps: dict[str, float], baselines: dict[str, 
                 d_pos[i] += d
                 a_pos[i] += a
         predicted = [st["predicted_speedup"] for st in stats if st.get("predicted_speedup") is not None]
+        wall = sum(st["wall_s"] for st in stats)
         out.update(mean_accepted_length=_r(generated / forwards) if forwards else None,
                    acceptance_rate=_r(accepted / drafted) if drafted else None,
                    acceptance_by_position=[_r(a / d) for a, d in zip(a_pos, d_pos) if d],
                    mean_gamma=_r(drafted / forwards) if forwards else None,
-                   predicted_speedup=_r(_median(predicted)))
+                   predicted_speedup=_r(_median(predicted)),
+                   control_share=_r(sum(st["control_s"] for st in stats) / wall) if wall > 0 else None)
     if reference is not None:
         out["identical_to_none"], out["compared_to_none"] = _identity(samples, reference)
     return out
@@ -297,6 +300,8 @@ def _columns(rows: Sequence[Sequence[str]]) -> str:
 # Markdown report and plots
 
 PLOTS = ("speedup_by_category.png", "acceptance_by_position.png", "gamma_sweep.png", "verification_cost.png")
+# Line styles of the controllers in the gamma sweep (dashed is taken by the none/hf references).
+CONTROLLER_LINES = {"agreement": ":", "cost": "-.", "confidence": (0, (3, 1, 1, 1, 1, 1)), "adaptive": (0, (6, 2))}
 
 
 def matplotlib_available() -> bool:
@@ -351,9 +356,9 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
                      _n(f["mean_accepted_length"]), _n(f["acceptance_rate"]), _n(f["mean_gamma"]),
                      _n(f["predicted_speedup"]),
                      "-" if e["compared_to_none"] is None else f"{e['identical_to_none']}/{e['compared_to_none']}",
-                     _n(memory_total(e)), _n(e["rss_mb"])])
+                     _n(memory_total(e)), _n(e["rss_mb"]), _n(f["control_share"])])
     out += [_md_table(["method", "tokens/s", "vs hf", "vs none", "tau", "acceptance", "mean gamma", "predicted",
-                       "identical", "memory MB", "RSS MB"], rows), "",
+                       "identical", "memory MB", "RSS MB", "control share"], rows), "",
             "memory MB: what the configuration holds (weights, packed copies included, and KV caches); "
             "RSS MB: the whole process after the method's calls (every method's weights are loaded at once).", ""]
     for curve in doc.get("cost_curves", []):
@@ -470,13 +475,14 @@ def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=color, label=fam)
             for e in ok:
-                if e["family"] == fam and e["gamma"] == "agreement" and e["overall"][key] is not None:
-                    ax.axhline(e["overall"][key], color=color, linestyle=":", label=f"{fam}:agreement")
+                if e["family"] == fam and isinstance(e["gamma"], str) and e["overall"][key] is not None:
+                    ax.axhline(e["overall"][key], color=color, linestyle=CONTROLLER_LINES.get(e["gamma"], ":"),
+                               label=e["name"])
     for e in ok:
         if e["name"] in ("none", "hf") and e["overall"]["tokens_per_s"] is not None:
             ax2.axhline(e["overall"]["tokens_per_s"], color="black" if e["name"] == "none" else "grey",
                         linestyle="--", label=e["name"])
-    ax1.set_title("tau (tokens per target forward) vs gamma")
+    ax1.set_title("tau (tokens per target forward) vs gamma; controllers as flat lines")
     ax2.set_title("tokens/s (median over prompts) vs gamma")
     gammas = sorted({e["gamma"] for e in ok if isinstance(e["gamma"], int) and e["kind"] == "ours"})
     for ax in (ax1, ax2):

@@ -8,6 +8,7 @@ This module does not aggregate or format (see ``report.py``).
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -17,6 +18,8 @@ from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
+from specdecode.control import GAMMA_POLICIES
+from specdecode.control.records import record_json
 from specdecode.engine import MAX_GAMMA
 from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method,
                                       build_hf_model, engine_method, hf_method, llamacpp_available,
@@ -39,7 +42,7 @@ class BenchConfig:
         model: target source (registry name, .gguf, HF folder, hub id).
         draft_model: draft source for ``draft`` and ``hf-assisted``, or None.
         families: method families to run (``none`` is always added: it is the reference).
-        gammas: draft lengths, plus ``"agreement"`` for the adaptive controller.
+        gammas: draft lengths and controller names (GAMMA_POLICIES).
         max_new_tokens: the budget of every method.
         temperature: 0 = greedy (identity check on); > 0 samples with seed ``seed + prompt index``.
         repeats: timed runs of each method on each prompt.
@@ -47,11 +50,13 @@ class BenchConfig:
         seed: base seed.
         skip_layers: "auto" (stored calibration, or calibrate now) or a layer list like "4,6,8-12".
         ngram_sizes: (min, max) n-gram sizes of our ngram drafter (max is also HF lookup's).
-        gamma_max: upper bound of the agreement controller.
+        gamma_max: upper bound of the controllers.
         chat: wrap plain prompts in the chat template when the model has one.
         cost_curve: time verification of 0..cost_curve drafted tokens (0: no curve).
         pack: pre-pack our decoder's weights for oneDNN (``--no-pack`` turns it off).
         draft_quant: "int8" quantizes our draft model's projections (weight-only), "none" keeps them.
+        controller_file: acceptance models of the confidence and adaptive controllers (None: shipped).
+        record_steps: a JSONL file to write every step of our drafting methods' timed calls to, or None.
     """
 
     model: str
@@ -70,6 +75,8 @@ class BenchConfig:
     cost_curve: int = 16
     pack: bool = True
     draft_quant: str = "none"
+    controller_file: str | None = None
+    record_steps: str | None = None
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES]
@@ -80,8 +87,8 @@ class BenchConfig:
         if self.draft_quant != "none" and not self.draft_model:
             raise ValueError(f"--draft-quant {self.draft_quant} needs --draft-model NAME|PATH")
         for g in self.gammas:
-            if g != "agreement" and not (isinstance(g, int) and 1 <= g <= MAX_GAMMA):
-                raise ValueError(f"--gammas: {g!r} is not an integer in 1..{MAX_GAMMA} or 'agreement'")
+            if g not in GAMMA_POLICIES and not (isinstance(g, int) and 1 <= g <= MAX_GAMMA):
+                raise ValueError(f"--gammas: {g!r} is not an integer in 1..{MAX_GAMMA} or one of {GAMMA_POLICIES}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.repeats < 1:
@@ -321,7 +328,8 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
                 skip = _skip_layers(config, target, log)  # a bad --skip-layers is a usage error
             for g in gammas:
                 methods.append(engine_method(family, g, target, sampling, config.max_new_tokens, loaded.draft, skip,
-                                             config.ngram_sizes, config.gamma_max))
+                                             config.ngram_sizes, config.gamma_max, config.controller_file,
+                                             record=config.record_steps is not None and family != "none"))
         elif family.startswith("hf"):
             if not transformers_available():
                 skipped.append((family, "transformers is not installed"))
@@ -429,6 +437,7 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
         bar.update(f"warm-up {method.name}")
 
     samples: list[Sample] = []
+    records = open(config.record_steps, "w") if config.record_steps else None
     mismatches: list[Mismatch] = []
     comparisons = 0
     peer_agreement: dict[str, tuple[int, int]] = {}
@@ -446,6 +455,10 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
                 outputs[method.name] = out
                 samples.append(Sample(method.name, prompt.id, prompt.category, repeat, len(out.token_ids), out.seconds,
                                       out.stats, out.finish, list(out.token_ids)))
+                for step, record in enumerate(out.steps if records else ()):
+                    records.write(json.dumps(record_json(
+                        record, method.signal_names, model=config.model, method=method.name, drafter=method.family,
+                        prompt_id=prompt.id, category=prompt.category, repeat=repeat, step=step)) + "\n")
             if not config.greedy or "none" not in outputs:
                 continue
             reference = outputs["none"].token_ids
@@ -465,6 +478,8 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
                     same, total = peer_agreement.get(method.name, (0, 0))
                     peer_agreement[method.name] = (same + (got == reference), total + 1)
     bar.close()
+    if records:
+        records.close()
     run_s = time.perf_counter() - t_run
     curves = []
     if config.cost_curve:

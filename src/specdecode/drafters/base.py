@@ -1,18 +1,24 @@
-"""The drafter protocol: propose k tokens, then be told what was kept.
+"""The drafter protocol: propose k tokens (with a confidence signal per token), then be told what was kept.
 
 A drafter never verifies and never touches the target's output; it only proposes. It may keep its own
-state (a KV cache of a draft model) and must roll that state back in ``commit``.
+state (a KV cache of a draft model) and must roll that state back in ``commit``. It does not decide how
+far to draft: it drafts k tokens unless the ``stop`` it is handed says enough (see ``control/``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from specdecode.kv.cache import KVCache
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
+
+Signal = tuple[float, ...]
+# Called after each drafted token with its position (0-based) and signal; True ends the draft there.
+StopRule = Callable[[int, Signal], bool]
+MODEL_SIGNALS = ("top1", "entropy")
 
 
 @dataclass
@@ -23,21 +29,38 @@ class Draft:
         tokens: up to k token ids (fewer, even none, when the drafter has nothing to say).
         q: ``[len(tokens), V]`` the distributions the tokens were drawn from, processed like the
             target's (same temperature/top-k/top-p); None when the drafter is deterministic (one-hot q).
+        signals: per token, the drafter's confidence signals (named by ``Drafter.signal_names``);
+            filled only when ``propose`` was given a stop rule.
     """
 
     tokens: list[int]
     q: torch.Tensor | None = None
+    signals: list[Signal] = field(default_factory=list)
 
 
 class Drafter(Protocol):
+    """``name`` identifies the drafter (and its model in a controller file); ``signal_names`` names the
+    floats of each token's signal."""
+
     name: str
+    signal_names: tuple[str, ...]
 
     def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
         """Starts a new request (timed as prefill): ``target_cache`` is the cache the target verifies
         with, ``prompt`` the request's token ids, for drafters that prefill their own state."""
 
-    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
-        """Proposes up to ``k`` tokens to follow ``seq`` (prompt + accepted tokens)."""
+    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
+                stop: StopRule | None = None) -> Draft:
+        """Proposes up to ``k`` tokens to follow ``seq`` (prompt + accepted tokens).
+
+        Args:
+            seq: prompt + accepted tokens.
+            k: most tokens to propose.
+            sampling: the request's sampling parameters.
+            generator: the request's random generator.
+            stop: when given, the drafter computes each token's signal, calls ``stop(position, signal)``
+                after it and ends the draft (that token included) when it returns True.
+        """
 
     def commit(self, seq: list[int]) -> None:
         """Told the sequence after verification (the previous seq + accepted draft + one target token)."""
@@ -53,8 +76,15 @@ def draw(logits: torch.Tensor, sampling: SamplingParams,
     return int(sample(q[None], generator)), q
 
 
+def confidence(logits: torch.Tensor) -> Signal:
+    """MODEL_SIGNALS of one ``logits [V]`` row at temperature 1: top-1 probability and entropy (nats)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    p = logp.exp()
+    return float(p.max()), float(-(p * logp).sum())
+
+
 def model_draft(model, cache: KVCache, fed: list[int], k: int, sampling: SamplingParams,
-                generator: torch.Generator, layers=None) -> Draft:
+                generator: torch.Generator, layers=None, stop: StopRule | None = None) -> Draft:
     """Autoregressive drafting with a transformer over its cache.
 
     Args:
@@ -65,13 +95,18 @@ def model_draft(model, cache: KVCache, fed: list[int], k: int, sampling: Samplin
         sampling: the request's sampling parameters.
         generator: the request's random generator.
         layers: layers to run (None = all).
+        stop: the early-stop rule (see ``Drafter.propose``); signals are MODEL_SIGNALS.
     """
-    tokens, qs = [], []
+    tokens, qs, signals = [], [], []
     logits = model(torch.tensor([fed]), cache, layers=layers, logits="last")[0, -1]
     for i in range(k):
         token, q = draw(logits, sampling, generator)
         tokens.append(token)
         qs.append(q)
+        if stop is not None:
+            signals.append(confidence(logits))
+            if stop(i, signals[-1]):
+                break
         if i + 1 < k:
             logits = model(torch.tensor([[token]]), cache, layers=layers, logits="last")[0, -1]
-    return Draft(tokens, None if sampling.greedy else torch.stack(qs))
+    return Draft(tokens, None if sampling.greedy else torch.stack(qs), signals)

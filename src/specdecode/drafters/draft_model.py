@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import Draft, model_draft
+from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, model_draft
 from specdecode.kv.cache import CacheConfig, KVCache
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
@@ -58,6 +58,7 @@ class DraftModelDrafter:
     """
 
     name = "draft"
+    signal_names = MODEL_SIGNALS
 
     def __init__(self, model: Transformer, target: Transformer | None = None) -> None:
         if target is not None and target.config.vocab_size != model.config.vocab_size:
@@ -75,9 +76,10 @@ class DraftModelDrafter:
         if len(prompt) > 1:  # prefill here, so that drafting time counts drafting only
             self.model(torch.tensor([list(prompt[:-1])], device=self.model.device), self.cache, logits="none")
 
-    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
+    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
+                stop: StopRule | None = None) -> Draft:
         # Feed whatever the draft has not seen: the whole prompt first time, then 1-2 tokens a step.
-        return model_draft(self.model, self.cache, seq[self.cache.lengths[0]:], k, sampling, generator)
+        return model_draft(self.model, self.cache, seq[self.cache.lengths[0]:], k, sampling, generator, stop=stop)
 
     def commit(self, seq: list[int]) -> None:
         # Cached entries past len(seq) - 1 are rejected drafts (or the token still to be fed): drop them.

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from specdecode.drafters.base import Draft, model_draft
+from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, model_draft
 from specdecode.kv.cache import CacheConfig, KVCache
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
@@ -46,6 +46,7 @@ class LayerSkipDrafter:
     """
 
     name = "layerskip"
+    signal_names = MODEL_SIGNALS
 
     def __init__(self, model: Transformer, skip: Sequence[int]) -> None:
         n = model.config.num_layers
@@ -59,9 +60,10 @@ class LayerSkipDrafter:
     def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
         self.cache = target_cache
 
-    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
+    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
+                stop: StopRule | None = None) -> Draft:
         start = self.cache.lengths[0]
-        draft = model_draft(self.model, self.cache, seq[start:], k, sampling, generator, layers=self.layers)
+        draft = model_draft(self.model, self.cache, seq[start:], k, sampling, generator, layers=self.layers, stop=stop)
         self.cache.trim(0, start)  # leave the target's cache as found; verification rewrites these slots
         return draft
 

@@ -11,14 +11,23 @@ from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, StopRule
 from specdecode.kv.cache import KVCache
 from specdecode.sampling import SamplingParams
+
+
+NGRAM_SIGNALS = ("match_len", "occurrences", "agree")
+# Earlier occurrences of the tail looked at for the signals (the latest ones).
+MAX_OCCURRENCES = 16
 
 
 @dataclass
 class NgramDrafter:
     """Prompt-lookup drafting over prompt + generated text.
+
+    Its signals (NGRAM_SIGNALS), per proposed token: the matched tail's length, how many earlier
+    occurrences of it were found (at most MAX_OCCURRENCES), and the share of those whose continuation
+    agrees with the proposal up to this token. They cost one more scan of the sequence.
 
     Args:
         max_ngram: longest tail to match (tried first, because longer matches predict better).
@@ -28,6 +37,7 @@ class NgramDrafter:
     max_ngram: int = 3
     min_ngram: int = 1
     name: str = "ngram"
+    signal_names = NGRAM_SIGNALS
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -36,18 +46,53 @@ class NgramDrafter:
     def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
         pass
 
-    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
-        return Draft(lookup(seq, k, self.min_ngram, self.max_ngram))
+    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
+                stop: StopRule | None = None) -> Draft:
+        n, starts = find_match(seq, self.min_ngram, self.max_ngram, 1 if stop is None else MAX_OCCURRENCES)
+        tokens = continuation(seq, starts[0] + n, k) if starts else []
+        if stop is None or not tokens:
+            return Draft(tokens)
+        signals = match_signals(seq, tokens, n, starts)
+        end = next((i + 1 for i, signal in enumerate(signals) if stop(i, signal)), len(tokens))
+        return Draft(tokens[:end], signals=signals[:end])
 
     def commit(self, seq: list[int]) -> None:
         pass
 
 
-def lookup(seq: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
-    """Tokens that followed the most recent earlier match of the longest matching tail of ``seq``.
+def find_match(seq: list[int], min_ngram: int, max_ngram: int, limit: int = 1) -> tuple[int, list[int]]:
+    """The longest tail of ``seq`` (``min_ngram``..``max_ngram`` tokens) that occurred earlier.
 
-    When the continuation runs into the end of ``seq`` (the text repeats with a short period), it is
-    extended by copying with overlap, as LZ77 does: the repetition is assumed to go on.
+    Returns:
+        (its length, the starts of its latest ``limit`` earlier occurrences, latest first); (0, []) when
+        no tail matches.
+    """
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        tail = seq[-n:]
+        starts: list[int] = []
+        # Scan right to left: the latest occurrence tends to continue the way the text goes now.
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start:start + n] == tail:
+                starts.append(start)
+                if len(starts) == limit:
+                    break
+        if starts:
+            return n, starts
+    return 0, []
+
+
+def continuation(seq: list[int], start: int, k: int) -> list[int]:
+    """``k`` tokens of ``seq`` from ``start`` on; past the end of ``seq`` they are copied with overlap, as
+    LZ77 does: the repetition is assumed to go on."""
+    out: list[int] = []
+    for i in range(start, start + k):
+        out.append(seq[i] if i < len(seq) else out[i - len(seq)])
+    return out
+
+
+def lookup(seq: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
+    """Tokens that followed the most recent earlier match of the longest matching tail of ``seq``
+    (see :func:`find_match` and :func:`continuation`).
 
     Args:
         seq: the token sequence so far.
@@ -55,13 +100,24 @@ def lookup(seq: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
         min_ngram: shortest tail length tried.
         max_ngram: longest tail length tried.
     """
-    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
-        tail = seq[-n:]
-        # Scan right to left: the latest occurrence tends to continue the way the text goes now.
-        for start in range(len(seq) - n - 1, -1, -1):
-            if seq[start:start + n] == tail:
-                out: list[int] = []
-                for i in range(start + n, start + n + k):
-                    out.append(seq[i] if i < len(seq) else out[i - len(seq)])
-                return out
-    return []
+    n, starts = find_match(seq, min_ngram, max_ngram)
+    return continuation(seq, starts[0] + n, k) if starts else []
+
+
+def match_signals(seq: list[int], tokens: list[int], n: int, starts: list[int]) -> list[tuple[float, ...]]:
+    """NGRAM_SIGNALS for each proposed token.
+
+    Args:
+        seq: the sequence the proposal continues.
+        tokens: the proposal (the continuation of ``starts[0]``, which agrees with itself by definition).
+        n: the matched tail's length.
+        starts: the occurrences found, latest first.
+    """
+    agreeing = [1] * len(tokens)
+    for s in starts[1:]:
+        j = 0
+        while j < len(tokens) and s + n + j < len(seq) and seq[s + n + j] == tokens[j]:
+            agreeing[j] += 1
+            j += 1
+    count = float(len(starts))
+    return [(float(n), count, a / count) for a in agreeing]

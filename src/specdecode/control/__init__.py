@@ -1,0 +1,62 @@
+"""Gamma controllers: how many tokens to draft at the next step, and when to stop a draft early.
+
+``fixed`` (an integer), ``agreement`` (the original document's formula, the baseline), ``cost``
+(maximise expected tokens/s from measured costs; turns speculation off where it does not pay),
+``confidence`` (stop drafting when the draft's own signals predict a rejection) and ``adaptive``
+(``cost``'s on/off with confidence-based draft lengths). State is per request: the engine makes a fresh
+controller for each one. Controllers do not draft, verify or time anything.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from specdecode.control.adaptive import AdaptiveGamma
+from specdecode.control.agreement import AgreementGamma, agreement_gamma
+from specdecode.control.base import FixedGamma, GammaController, StepContext, StepRecord, memory_cap
+from specdecode.control.confidence import ConfidenceGamma
+from specdecode.control.cost import CostGamma
+from specdecode.control.model_file import ControllerFileError, load_controller_file
+
+GAMMA_POLICIES = ("agreement", "confidence", "cost", "adaptive")
+
+
+def controller_factory(gamma: int | str, gamma_max: int, drafter: str | None = None,
+                       signal_names: Sequence[str] = (),
+                       controller_file: str | None = None) -> Callable[[], GammaController]:
+    """A function that makes a fresh controller for each request.
+
+    The controller file (``confidence`` and ``adaptive``) is read and checked here, once.
+
+    Args:
+        gamma: a fixed gamma or a name in GAMMA_POLICIES.
+        gamma_max: upper bound of the named controllers.
+        drafter: the drafter's name (its model in the controller file).
+        signal_names: the drafter's signal names (checked against the model's features).
+        controller_file: a file written by ``specdecode fit-controller``; None = the one shipped.
+
+    Raises:
+        ControllerFileError: the file is damaged, of another version, or has no fitting model
+            (``confidence`` needs one; ``adaptive`` without one for this drafter acts as ``cost``).
+    """
+    if isinstance(gamma, int):
+        return lambda: FixedGamma(gamma)
+    if gamma == "agreement":
+        return lambda: AgreementGamma(gamma_max=gamma_max)
+    if gamma == "cost":
+        return lambda: CostGamma(gamma_max=gamma_max)
+    if gamma not in GAMMA_POLICIES:
+        raise ValueError(f"unknown gamma controller {gamma!r}; expected an integer or one of {GAMMA_POLICIES}")
+    if drafter is None:
+        raise ValueError(f"gamma controller {gamma!r} needs a drafter")
+    models = load_controller_file(controller_file)
+    if gamma == "confidence":
+        model = models.model_for(drafter, signal_names)
+        return lambda: ConfidenceGamma(model, gamma_max=gamma_max)
+    model = models.model_for(drafter, signal_names) if drafter in models.entries else None
+    return lambda: AdaptiveGamma(model, gamma_max=gamma_max)
+
+
+__all__ = ["GAMMA_POLICIES", "AdaptiveGamma", "AgreementGamma", "ConfidenceGamma", "ControllerFileError", "CostGamma",
+           "FixedGamma", "GammaController", "StepContext", "StepRecord", "agreement_gamma", "controller_factory",
+           "memory_cap"]

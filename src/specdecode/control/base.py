@@ -1,0 +1,120 @@
+"""What every gamma controller sees and says: the per-step context, the step record and the protocol.
+
+Besides the protocol it holds only the fixed gamma and the memory cap shared by the adaptive
+controllers. It does not draft, verify or time anything: the engine measures and passes the numbers in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from specdecode.drafters.base import Signal
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the engine knows before a step.
+
+    Args:
+        remaining: tokens still allowed by ``max_new_tokens`` (>= 1).
+        context_len: tokens in the sequence so far (prompt + generated).
+        max_context: the model's context length.
+        cache_fill: share of the KV cache's memory budget in use (0..1), None when the cache has no budget.
+        kv: the KV cache's storage setting: its dtype ("bfloat16", "float32") or a compression
+            ("int8", "int4", "window").
+    """
+
+    remaining: int
+    context_len: int
+    max_context: int
+    cache_fill: float | None = None
+    kv: str = "bfloat16"
+
+    @property
+    def context_used(self) -> float:
+        """Share of the model's context the sequence fills."""
+        return self.context_len / self.max_context
+
+    @property
+    def pressure(self) -> float:
+        """Memory pressure in 0..1: the larger of the cache fill and the share of the context used."""
+        return self.context_used if self.cache_fill is None else max(self.context_used, self.cache_fill)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did, as the engine measured it.
+
+    Args:
+        ctx: the context the step was decided in.
+        requested: the gamma the engine asked the drafter for (after its budget cap).
+        drafted: tokens the drafter proposed (fewer than requested when it stopped early or had nothing).
+        accepted: drafted tokens the target accepted.
+        draft_s: seconds spent drafting (early-stop decisions included).
+        verify_s: seconds of the verification forward.
+        signals: per drafted token, the drafter's confidence signals (see ``Drafter.signal_names``).
+    """
+
+    ctx: StepContext
+    requested: int
+    drafted: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+    signals: Sequence[Signal] = ()
+
+
+class GammaController(Protocol):
+    """Chooses how far to speculate. One instance serves one request; its calls must cost microseconds.
+
+    ``early_stop`` says whether the engine should pass :meth:`stop` to the drafter.
+    """
+
+    early_stop: bool
+
+    def next_gamma(self, ctx: StepContext) -> int:
+        """Tokens to draft next (an upper bound when ``early_stop``); 0 turns speculation off for that step."""
+
+    def stop(self, position: int, signal: Signal) -> bool:
+        """Called after each drafted token (``position`` 0-based) with its signal: True ends the draft there."""
+
+    def update(self, record: StepRecord) -> None:
+        """Learns from the step that just ran."""
+
+
+@dataclass
+class FixedGamma:
+    """Always the same gamma (0 = plain decoding through the same loop)."""
+
+    gamma: int
+    early_stop = False
+
+    def next_gamma(self, ctx: StepContext) -> int:
+        return self.gamma
+
+    def stop(self, position: int, signal: Signal) -> bool:
+        return False
+
+    def update(self, record: StepRecord) -> None:
+        pass
+
+
+def memory_cap(ctx: StepContext, gamma_max: int, taper_from: float = 0.8) -> int:
+    """The longest draft memory allows: ``gamma_max`` up to ``taper_from`` pressure, then linearly shorter,
+    down to 1 when the cache budget (or the context) is full.
+
+    Drafted tokens take cache slots until they are verified; near the budget a long draft is the first
+    thing to give up.
+
+    Args:
+        ctx: the step's context (its ``pressure``).
+        gamma_max: the cap without pressure.
+        taper_from: pressure at which drafts start to shorten.
+    """
+    pressure = ctx.pressure
+    if pressure <= taper_from:
+        return gamma_max
+    # The epsilon keeps exact fractions (0.1 / 0.2) from flooring one too low through rounding.
+    return max(1, math.floor(gamma_max * (1.0 - pressure) / (1.0 - taper_from) + 1e-9))

@@ -1,0 +1,100 @@
+"""``cost``: the gamma (0 included) with the most expected tokens per second, from costs measured online.
+
+Each step it maximises E(k) / (k * t_draft + t_verify(k)) over k (see ``estimates.best_gamma``), with
+per-position acceptance, draft cost and the verification curve all learnt from this request's own
+steps. When no k pays (low acceptance, a costly draft, the last tokens of the budget) speculation is
+off; a short probe now and then, spaced so that probing costs about ``probe_overhead`` of the time,
+turns it back on when it would pay again. It does not look at the draft's confidence (see
+``adaptive.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specdecode.control.base import Signal, StepContext, StepRecord, memory_cap
+from specdecode.control.estimates import PositionAcceptance, StepCosts, best_gamma
+
+
+@dataclass
+class OffSwitch:
+    """Counts the steps spent off and says when to probe.
+
+    Args:
+        probe_gamma: tokens drafted by a probe.
+        probe_overhead: share of the off time that probes may cost.
+        min_interval: fewest off steps between probes.
+        max_interval: most off steps between probes.
+    """
+
+    probe_gamma: int = 2
+    probe_overhead: float = 0.02
+    min_interval: int = 4
+    max_interval: int = 64
+    off_steps: int = field(default=0, init=False)
+    probing: bool = field(default=False, init=False)
+
+    def interval(self, costs: StepCosts) -> int:
+        """Off steps between probes: a probe's extra time over a plain step, divided by the overhead allowed."""
+        extra = (costs.step_s(self.probe_gamma) - costs.step_s(0)) / costs.step_s(0)
+        return min(self.max_interval, max(self.min_interval, math.ceil(extra / self.probe_overhead)))
+
+    def decide(self, best: int, cap: int, costs: StepCosts) -> int:
+        """The gamma to run when the cost model chose ``best`` (0 = off) and at most ``cap`` may be drafted."""
+        self.probing = False
+        if best > 0:
+            self.off_steps = 0
+            return best
+        self.off_steps += 1
+        if self.off_steps >= self.interval(costs):
+            self.off_steps = 0
+            self.probing = True
+            return min(self.probe_gamma, cap)
+        return 0
+
+
+@dataclass
+class CostGamma:
+    """Cost-based gamma with an off switch.
+
+    Args:
+        gamma_max: upper bound.
+        start_gamma: gamma until a draft and a verification have been timed.
+        probe_forget: share of older acceptance evidence kept when a probe's result arrives (a probe
+            speaks for now; the evidence that turned speculation off is old).
+        acceptance: per-position acceptance estimate.
+        off: the off switch and its probes.
+    """
+
+    gamma_max: int = 8
+    start_gamma: int = 4
+    probe_forget: float = 0.1
+    acceptance: PositionAcceptance | None = None
+    off: OffSwitch = field(default_factory=OffSwitch)
+    costs: StepCosts = field(init=False)
+    early_stop = False
+
+    def __post_init__(self) -> None:
+        self.acceptance = self.acceptance or PositionAcceptance(self.gamma_max)
+        self.costs = StepCosts(self.gamma_max)
+        self._drafted_before = True  # the drafter is prefilled with the prompt: nothing to catch up on
+
+    def next_gamma(self, ctx: StepContext) -> int:
+        cap = min(memory_cap(ctx, self.gamma_max), ctx.remaining - 1)
+        if cap <= 0:
+            return 0
+        if not self.costs.ready:
+            return min(self.start_gamma, cap)
+        return self.off.decide(best_gamma(self.acceptance.cumulative(cap), self.costs), cap, self.costs)
+
+    def stop(self, position: int, signal: Signal) -> bool:
+        return False
+
+    def update(self, record: StepRecord) -> None:
+        if self.off.probing and record.drafted:
+            self.acceptance.forget(self.probe_forget)
+        self.acceptance.update(record.drafted, record.accepted)
+        # After steps without a draft, a draft model first catches up on the tokens it missed: not a draft cost.
+        self.costs.update(record.drafted, record.draft_s, record.verify_s, draft_timed=self._drafted_before)
+        self._drafted_before = record.requested > 0

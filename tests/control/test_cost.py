@@ -1,0 +1,146 @@
+"""The cost controller: online estimates, the choice of gamma, the off switch and its recovery."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.control import CostGamma, memory_cap
+from specdecode.control.estimates import PositionAcceptance, StepCosts, best_gamma, verify_shape
+from control_helpers import ctx, record, step
+
+VERIFY = 0.04  # seconds of a plain step in these scripts
+
+
+def _run(controller, steps: int, accept_share: float, draft_per_token: float) -> list[int]:
+    return [step(controller, accept_share, draft_per_token, VERIFY) for _ in range(steps)]
+
+
+def test_position_acceptance_counts_judged_positions_only():
+    a = PositionAcceptance(gamma_max=4, decay=1.0, strength=0.0)
+    a.update(drafted=4, accepted=1)  # position 1 accepted, 2 rejected, 3 and 4 never judged
+    a.update(drafted=4, accepted=4)
+    assert a.seen == [2.0, 2.0, 1.0, 1.0]
+    assert a.hits == [2.0, 1.0, 1.0, 1.0]
+    assert a.cumulative(4) == pytest.approx([1.0, 0.5, 0.5, 0.5])
+    a.update(drafted=0, accepted=0)  # a step without a draft teaches nothing
+    assert a.seen == [2.0, 2.0, 1.0, 1.0]
+
+
+def test_position_acceptance_starts_at_the_prior_and_forgets():
+    a = PositionAcceptance(gamma_max=3, prior=0.6)
+    assert a.cumulative(3) == pytest.approx([0.6, 0.36, 0.216])
+    for _ in range(50):
+        a.update(drafted=3, accepted=0)
+    assert a.cumulative(1)[0] < 0.05
+    a.forget(0.0)
+    assert a.cumulative(1)[0] == pytest.approx(0.6)
+
+
+def test_step_costs_learn_the_draft_cost_and_the_verification_curve():
+    c = StepCosts(gamma_max=8, shape_smoothing=0.5)
+    assert not c.ready
+    for _ in range(40):
+        c.update(drafted=4, draft_s=4 * 0.01, verify_s=0.05)
+        c.update(drafted=0, draft_s=0.0, verify_s=0.04)
+    assert c.ready
+    assert c.draft_per_token == pytest.approx(0.01)
+    assert c.verify_s(4) == pytest.approx(0.05, rel=0.05)
+    assert c.verify_s(0) == pytest.approx(0.04, rel=0.05)
+    # An unmeasured k follows the prior shape relative to the measured base.
+    assert c.verify_s(8) == pytest.approx(c.base * verify_shape(8, c.verify_slope))
+    assert c.step_s(3) == pytest.approx(3 * 0.01 + c.verify_s(3))
+
+
+def test_best_gamma_maximises_expected_tokens_per_second():
+    costs = StepCosts(gamma_max=8)
+    costs.update(drafted=1, draft_s=0.3, verify_s=1.02)  # base 1.0, one draft token costs 0.3 of a step
+
+    def brute(p: float) -> int:
+        rates = [sum(p ** i for i in range(k + 1)) / costs.step_s(k) for k in range(9)]
+        return max(range(9), key=lambda k: (rates[k], -k))
+
+    for p in (0.0, 0.2, 0.5, 0.7, 0.9, 0.99):
+        cumulative = [p ** i for i in range(1, 9)]
+        assert best_gamma(cumulative, costs) == brute(p), p
+    assert best_gamma([0.1] * 8, costs) == 0
+    assert best_gamma([0.99 ** i for i in range(1, 9)], costs) == 8
+
+
+def test_cost_picks_zero_when_acceptance_is_low_and_more_when_it_is_high():
+    low = CostGamma(gamma_max=8)
+    assert _run(low, 30, accept_share=0.0, draft_per_token=0.3 * VERIFY)[-5:] == [0] * 5
+    high = CostGamma(gamma_max=8)
+    gammas = _run(high, 30, accept_share=1.0, draft_per_token=0.05 * VERIFY)
+    assert gammas[-5:] == [8] * 5
+    # A free drafter (n-gram lookup) pays even at modest acceptance; a costly one does not.
+    cheap, costly = CostGamma(gamma_max=8), CostGamma(gamma_max=8)
+    assert min(_run(cheap, 30, accept_share=0.5, draft_per_token=0.001 * VERIFY)[-5:]) > 0
+    assert _run(costly, 30, accept_share=0.5, draft_per_token=0.9 * VERIFY)[-5:].count(0) >= 4
+
+
+def test_off_switch_probes_and_recovers():
+    c = CostGamma(gamma_max=8)
+    draft = 0.3 * VERIFY
+    gammas = _run(c, 20, accept_share=0.0, draft_per_token=draft)
+    assert gammas[-1] == 0, gammas
+    interval = c.off.interval(c.costs)
+    # A probe's extra time is about 2 * 0.3 steps: spaced so that probes cost ~2% of the time off.
+    assert interval == pytest.approx(0.62 / c.off.probe_overhead, abs=2)
+    # Still bad: probes come every `interval` steps and are rejected; speculation stays off in between.
+    gammas = _run(c, 3 * interval, accept_share=0.0, draft_per_token=draft)
+    probes = [i for i, g in enumerate(gammas) if g > 0]
+    assert len(probes) == 3 and all(gammas[i] == c.off.probe_gamma for i in probes)
+    assert all(b - a == interval for a, b in zip(probes, probes[1:]))
+    # The draft got good: the next probe is accepted and speculation turns back on for good.
+    gammas = _run(c, interval + 10, accept_share=1.0, draft_per_token=draft)
+    first = next(i for i, g in enumerate(gammas) if g > 0)
+    assert first <= interval and all(g > 0 for g in gammas[first:]), gammas
+    assert gammas[-1] >= 4
+
+
+def test_catching_up_after_an_off_stretch_is_not_taken_for_draft_cost():
+    c = CostGamma(gamma_max=8)
+    _run(c, 20, accept_share=0.0, draft_per_token=0.3 * VERIFY)
+    per_token = c.costs.draft_per_token
+    while c.next_gamma(ctx()) == 0:
+        c.update(record(0, 0, verify_s=VERIFY, requested=0))
+    # The probe's draft also fed 60 missed tokens to the draft model: 10x the usual drafting time.
+    c.update(record(2, 2, draft_s=20 * per_token, verify_s=VERIFY))
+    assert c.costs.draft_per_token == pytest.approx(per_token)
+    c.next_gamma(ctx())
+    c.update(record(2, 2, draft_s=4 * per_token, verify_s=VERIFY))  # the next step's drafting is timed again
+    assert c.costs.draft_per_token > per_token
+
+
+def test_probes_of_a_free_drafter_come_often():
+    c = CostGamma(gamma_max=8)
+    _run(c, 20, accept_share=0.0, draft_per_token=0.0001 * VERIFY)
+    assert c.off.interval(c.costs) == c.off.min_interval
+
+
+def test_remaining_budget_caps_and_switches_off():
+    c = CostGamma(gamma_max=8)
+    _run(c, 30, accept_share=1.0, draft_per_token=0.05 * VERIFY)
+    assert c.next_gamma(ctx(remaining=1)) == 0  # the last token comes from the target alone
+    assert c.next_gamma(ctx(remaining=3)) == 2
+    assert c.next_gamma(ctx(remaining=50)) == 8
+
+
+def test_starts_with_start_gamma_until_costs_are_measured():
+    c = CostGamma(gamma_max=8, start_gamma=3)
+    assert c.next_gamma(ctx()) == 3
+    c.update(record(0, 0, verify_s=VERIFY))  # nothing drafted (n-gram lookup found no match): no draft cost yet
+    assert c.next_gamma(ctx()) == 3
+
+
+@pytest.mark.parametrize("pressure, want", [(0.0, 8), (0.8, 8), (0.9, 4), (0.95, 2), (0.99, 1), (1.0, 1)])
+def test_memory_cap_shortens_drafts_near_the_budget(pressure, want):
+    assert memory_cap(ctx(context_len=100, cache_fill=pressure), 8) == want
+    assert memory_cap(ctx(context_len=int(pressure * 1000), max_context=1000), 8) == want
+
+
+def test_cost_drafts_less_under_memory_pressure():
+    c = CostGamma(gamma_max=8)
+    _run(c, 30, accept_share=1.0, draft_per_token=0.05 * VERIFY)
+    assert c.next_gamma(ctx(cache_fill=0.5)) == 8
+    assert c.next_gamma(ctx(cache_fill=0.95)) == 2
