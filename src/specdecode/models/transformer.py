@@ -1,4 +1,4 @@
-"""A Llama/Qwen2/Mistral-family decoder that runs over a :class:`~specdecode.kv.cache.KVCache`.
+"""A Llama/Qwen2/Mistral-family decoder that runs over a KV cache (:class:`~specdecode.kv.cache.Cache`).
 
 One forward takes any number of new tokens per sequence (prefill, one decode step, or a draft to
 verify), writes their keys/values into the cache by index and can run a subset of its layers
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.kv.cache import CacheConfig, KVCache
+from specdecode.kv.cache import Cache, CacheConfig
+from specdecode.kv.factory import make_cache
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
 
 Logits = Literal["all", "last", "none"]
@@ -91,10 +92,11 @@ class Block(nn.Module):
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def _first(self, end: int) -> int:
-        """First key position a query at position ``end - 1`` may see (Mistral's sliding window)."""
+        """First returned entry a query at entry ``end - 1`` may see (Mistral's sliding window, counted in
+        the entries the cache returned: positions for a plain cache)."""
         return 0 if self.window is None else max(0, end - self.window)
 
-    def forward(self, x: torch.Tensor, layer: int, cache: KVCache, slots: Sequence[int], starts: Sequence[int],
+    def forward(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, invariant_rows: bool) -> torch.Tensor:
         b, t, _ = x.shape
         h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
@@ -109,7 +111,8 @@ class Block(nn.Module):
         if invariant_rows and t > 1:
             # One call per new token over exactly the keys it sees: the same kernel, shapes and summation
             # order as one-token decoding, so a verified token's numbers do not depend on the draft length.
-            ends = [starts[0] + 1 + i for i in range(t)]
+            # The new tokens are the last t entries the cache returned (a window may have dropped older ones).
+            ends = [keys.shape[2] - t + 1 + i for i in range(t)]
             attn = torch.cat([one_query_attention(q[:, :, i:i + 1], keys[:, :, self._first(e):e],
                                                   values[:, :, self._first(e):e]) for i, e in enumerate(ends)],
                              dim=2)  # [1, H, T, D]
@@ -150,10 +153,10 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_cache(self, config: CacheConfig) -> KVCache:
-        """A KV cache shaped for this model, in its dtype and on its device."""
+    def new_cache(self, config: CacheConfig) -> Cache:
+        """A KV cache of the kind ``config`` asks for, shaped for this model, in its dtype and on its device."""
         c = self.config
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, config, dtype=self.dtype, device=self.device)
+        return make_cache(c.num_layers, c.num_kv_heads, c.head_dim, config, dtype=self.dtype, device=self.device)
 
     def _rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Tables grow by doubling so that a long generation rebuilds them O(log n) times.
@@ -164,7 +167,7 @@ class Transformer(nn.Module):
             self._rope_cache = (n, angles.cos().to(self.dtype), angles.sin().to(self.dtype))
         return self._rope_cache[1], self._rope_cache[2]
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, slots: Sequence[int] = (0,),
+    def forward(self, tokens: torch.Tensor, cache: Cache, slots: Sequence[int] = (0,),
                 layers: Sequence[int] | None = None, logits: Logits = "all",
                 invariant_rows: bool = False) -> torch.Tensor | None:
         """Runs new tokens through the model, appending their keys/values to the cache.
@@ -195,7 +198,8 @@ class Transformer(nn.Module):
         else:
             pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)  # [B, T]
             cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [B, 1, T, D]
-        mask = None if invariant_rows else self._mask(starts, t)  # the row-by-row path needs none
+        seen = [cache.visible(s) for s in slots]  # entries update() returns before each row's new tokens
+        mask = None if invariant_rows else self._mask(seen, t)  # the row-by-row path needs none
         x = self.embed(tokens)  # [B, T, hidden]
         for i in range(self.config.num_layers) if layers is None else layers:
             x = self.layers[i](x, i, cache, slots, starts, cos, sin, mask, invariant_rows)
@@ -208,12 +212,12 @@ class Transformer(nn.Module):
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 
-    def _mask(self, starts: list[int], t: int) -> torch.Tensor | None:
-        """Boolean attention mask ``[B, 1, T, L]``: query i of row b sees keys at positions <= starts[b] + i."""
-        if t == 1 and len(set(starts)) == 1:
+    def _mask(self, seen: list[int], t: int) -> torch.Tensor | None:
+        """Boolean attention mask ``[B, 1, T, L]``: query i of row b sees returned entries <= seen[b] + i."""
+        if t == 1 and len(set(seen)) == 1:
             return None  # one new token per row, all rows equally long: every key is visible
-        end = max(starts) + t
-        query_pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)  # [B, T]
+        end = max(seen) + t
+        query_pos = torch.tensor(seen, device=self.device)[:, None] + torch.arange(t, device=self.device)  # [B, T]
         key_pos = torch.arange(end, device=self.device)
         visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, T, L]
         if self.config.sliding_window is not None:
