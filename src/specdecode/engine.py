@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Sequence
 
 import torch
 
 from specdecode.control import make_controller
 from specdecode.drafters.base import Draft, Drafter
-from specdecode.kv.cache import CacheConfig, KVCache
+from specdecode.kv.cache import Cache, CacheConfig
+from specdecode.kv.memory import KVMemory
+from specdecode.kv.prefill import prefill
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams, probs_from_logits
 from specdecode.stats import RequestStats
@@ -117,15 +119,18 @@ class Engine:
         tokenizer: turns text into ids and back (needed for text prompts, stop strings and text output).
         drafter: proposes tokens; None means plain decoding.
         spec: gamma policy.
+        cache: KV cache settings (dtype, window, sinks, budget, prefix cache); its size is set per request.
     """
 
     def __init__(self, target: Transformer, tokenizer=None, drafter: Drafter | None = None,
-                 spec: SpeculativeConfig = SpeculativeConfig()) -> None:
+                 spec: SpeculativeConfig = SpeculativeConfig(), cache: CacheConfig = CacheConfig()) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.spec = spec if drafter is not None else SpeculativeConfig(gamma=0)
-        self.cache: KVCache | None = None
+        self.cache_config = cache
+        self.memory = KVMemory(cache.budget, cache.prefix_cache)  # target + draft caches, prefix caches
+        self.cache: Cache | None = None
         self.generated: list[int] = []
         self._eos: frozenset[int] = frozenset()
         self._step_s: dict[int, float] = {}  # decode-step seconds by context length bucket
@@ -199,7 +204,8 @@ class Engine:
         # Room for the prompt, the budget, and one step's drafted lookahead beyond it.
         need = len(ids) + max_new_tokens + self.spec.max_draft + 1
         if self.cache is None or self.cache.max_len < need:
-            self.cache = self.target.new_cache(CacheConfig(max_len=-(-need // 256) * 256))
+            config = replace(self.cache_config, max_len=-(-need // 256) * 256)
+            self.cache = self.memory.new_cache("target", self.target, config)
         self.cache.reset(0)
         return ids
 
@@ -219,20 +225,22 @@ class Engine:
         seq = list(prompt_ids)
         self.generated = generated = []
         start = time.perf_counter()
-        if len(seq) > 1:
-            self.target(torch.tensor([seq[:-1]]), self.cache, logits="none")
+        prefix = self.memory.prefix_for(self.target, self.cache.config)
+        stats.prefix_hit_tokens = prefill(self.cache, 0, seq[:-1], self.target, prefix)
         if self.drafter is not None:
-            self.drafter.reset(self.cache, prompt_ids)
+            self.drafter.reset(self.cache, prompt_ids, self.memory)
         stats.prefill_s = time.perf_counter() - start
         finish = "length"
         while len(generated) < max_new_tokens:
             remaining = max_new_tokens - len(generated)
-            # Drafting past the budget is wasted work: the extra tokens would be cut anyway.
-            k = min(controller.next_gamma(), remaining - 1)
+            # Drafting past the budget is wasted work: the extra tokens would be cut anyway. Nor may a step
+            # reach past the cache's next compression step (it would show later rows an older cache state).
+            k = min(controller.next_gamma(), remaining - 1, self.cache.stable_rows(0) - 1)
             t0 = time.perf_counter()
             draft = self.drafter.propose(seq, k, sampling, generator) if k > 0 else Draft([])
             t1 = time.perf_counter()
             verdict = self._verify(seq, draft, sampling, generator)
+            self.cache.commit(0, self.cache.lengths[0])  # the fed token and the accepted drafts are verified
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
             new = verdict.tokens[:remaining]
@@ -254,6 +262,8 @@ class Engine:
             if finish != "length":
                 break
         stats.wall_s = time.perf_counter() - start
+        stats.kv_bytes, stats.kv_bytes_per_token = self.memory.usage("target")
+        stats.draft_kv_bytes, stats.draft_kv_bytes_per_token = self.memory.usage("draft")
         stats.decode_step_s = self._step_cost()
         text = self.generated_text()
         if finish == "stop":

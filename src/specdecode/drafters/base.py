@@ -11,7 +11,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from specdecode.kv.cache import KVCache
+from specdecode.kv.cache import Cache
+from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 
 
@@ -32,9 +33,10 @@ class Draft:
 class Drafter(Protocol):
     name: str
 
-    def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
         """Starts a new request (timed as prefill): ``target_cache`` is the cache the target verifies
-        with, ``prompt`` the request's token ids, for drafters that prefill their own state."""
+        with, ``prompt`` the request's token ids, for drafters that prefill their own state, ``memory`` the
+        engine's KV budget and prefix caches, where a drafter with a cache of its own allocates it."""
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator) -> Draft:
         """Proposes up to ``k`` tokens to follow ``seq`` (prompt + accepted tokens)."""
@@ -53,7 +55,7 @@ def draw(logits: torch.Tensor, sampling: SamplingParams,
     return int(sample(q[None], generator)), q
 
 
-def model_draft(model, cache: KVCache, fed: list[int], k: int, sampling: SamplingParams,
+def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingParams,
                 generator: torch.Generator, layers=None) -> Draft:
     """Autoregressive drafting with a transformer over its cache.
 
