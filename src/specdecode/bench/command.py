@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.engine import MAX_GAMMA
-from specdecode.argtypes import ngram_sizes, positive_int
+from specdecode.argtypes import add_kv_arguments, cache_configs, ngram_sizes, positive_int
 from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
 
 
@@ -77,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON ('-' = stdout, no table)")
     p.add_argument("--report", default=None, metavar="DIR", help="write report.md, results.json and PNG plots into DIR")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    add_kv_arguments(p)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -93,17 +94,20 @@ def run_command(args: argparse.Namespace) -> int:
     families = args.methods
     if families is None:
         families = tuple(f for f in FAMILIES if args.draft_model or f not in DRAFT_MODEL_FAMILIES)
+    cache, draft_cache = cache_configs(args, draft=bool(args.draft_model))
     config = BenchConfig(model=args.model, draft_model=args.draft_model, families=families, gammas=args.gammas,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          dtype=args.dtype, seed=args.seed, skip_layers=args.skip_layers, ngram_sizes=args.ngram,
-                         gamma_max=args.gamma_max, chat=args.chat)
+                         gamma_max=args.gamma_max, chat=args.chat, cache=cache, draft_cache=draft_cache)
     result = run_bench(config, prompts, progress=args.progress)
     echo: dict[str, Any] = {
         "model": args.model, "draft_model": args.draft_model, "methods": list(families),
         "gammas": list(args.gammas), "gamma_max": args.gamma_max, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "dtype": args.dtype,
         "prompts_file": args.prompts, "categories": categories, "limit": args.limit, "skip_layers": args.skip_layers,
-        "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None)}
+        "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None),
+        "kv_dtype": args.kv_dtype, "draft_kv_dtype": args.draft_kv_dtype, "kv_window": args.kv_window,
+        "kv_sinks": args.kv_sinks, "kv_budget": args.kv_budget, "prefix_cache": args.prefix_cache}
     doc = build_document(result, echo, environment())
     text = json.dumps(doc, indent=1)
     if args.json == "-":

@@ -23,6 +23,7 @@ from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILI
                                       llamacpp_method)
 from specdecode.bench.prompts import Prompt, render
 from specdecode.drafters.draft_model import check_draft_pair
+from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel, from_checkpoint, resolve_dtype
 from specdecode.models.loader import load_checkpoint
 from specdecode.sampling import SamplingParams
@@ -48,6 +49,8 @@ class BenchConfig:
         ngram_sizes: (min, max) n-gram sizes of our ngram drafter (max is also HF lookup's).
         gamma_max: upper bound of the agreement controller.
         chat: wrap plain prompts in the chat template when the model has one.
+        cache: our engine's KV cache settings (the same for every method of ours, ``none`` included).
+        draft_cache: the draft model's KV cache settings.
     """
 
     model: str
@@ -63,6 +66,8 @@ class BenchConfig:
     ngram_sizes: tuple[int, int] = (1, 3)
     gamma_max: int = 8
     chat: bool = True
+    cache: CacheConfig = CacheConfig()
+    draft_cache: CacheConfig = CacheConfig()
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES]
@@ -311,7 +316,7 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
                 skip = _skip_layers(config, target, log)  # a bad --skip-layers is a usage error
             for g in gammas:
                 methods.append(engine_method(family, g, target, sampling, config.max_new_tokens, loaded.draft, skip,
-                                             config.ngram_sizes, config.gamma_max))
+                                             config.ngram_sizes, config.gamma_max, config.cache, config.draft_cache))
         elif family.startswith("hf"):
             if not transformers_available():
                 skipped.append((family, "transformers is not installed"))
