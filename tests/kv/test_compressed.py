@@ -364,3 +364,15 @@ def test_model_over_a_compressed_cache():
         err[name] = (_decode(model, config, ids, 20) - plain).abs().max().item()
     assert 0 < err["int8"] < err["int4"] < 0.5
     assert err["window"] > err["int8"]
+
+
+def test_mistral_sliding_window_over_a_window_cache_sees_the_same_keys_as_over_a_plain_cache():
+    """The model's own window counts returned entries; a cache window of at least that many recent tokens
+    therefore leaves Mistral's attention exactly as it is over a plain cache."""
+    model = tiny_model("mistral", sliding_window=6, tie_word_embeddings=False, attention_bias=False)
+    ids = [(5 * i + 1) % 97 for i in range(50)]
+    plain = _decode(model, CacheConfig(max_len=64), ids, 20)
+    windowed = _decode(model, CacheConfig(max_len=64, window=8, sinks=3, evict_chunk=4), ids, 20)
+    assert torch.equal(windowed, plain)
+    too_small = _decode(model, CacheConfig(max_len=64, window=3, evict_chunk=1), ids, 20)
+    assert not torch.equal(too_small, plain)
