@@ -2,9 +2,9 @@
 
 The drafted tokens' keys/values are written into the target's own cache for the layers that run and
 then overwritten by the verification forward, so the drafter owns no cache (its KV memory is zero) and
-never touches the skipped layers' entries. Drafted tokens stay unverified, so a compressing target
-cache never quantizes or evicts them. Without training, a
-skip set must be chosen with care (see ``calibrate_skip_set``): plain early exit agrees poorly.
+never touches the skipped layers' entries. Drafted tokens stay unverified, so a compressing target cache
+never quantizes or evicts them. Without training, a skip set must be chosen with care (see
+``calibrate_skip_set``): plain early exit agrees poorly.
 """
 
 from __future__ import annotations

@@ -143,8 +143,7 @@ class CompressedCache:
             dequantized middle, the tail and the new tokens (the last T of ``visible(slot) + T``
             entries), shorter rows zero-padded to the longest.
         """
-        t = k.shape[2]
-        views = [self._update_one(layer, s, p, k[b], v[b], t) for b, (s, p) in enumerate(zip(slots, starts))]
+        views = [self._update_one(layer, s, p, k[b], v[b]) for b, (s, p) in enumerate(zip(slots, starts))]
         if len(views) == 1:
             return views[0]
         width = max(kv[0].shape[2] for kv in views)
@@ -155,8 +154,10 @@ class CompressedCache:
             values[b, :, :vb.shape[2]] = vb[0]
         return keys, values
 
-    def _update_one(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor,
-                    t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _update_one(self, layer: int, slot: int, start: int, k: torch.Tensor,
+                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row: ``k``/``v`` are ``[H, T, D]``; returns ``[1, H, visible + T, D]``."""
+        t = k.shape[1]
         if start != self.lengths[slot]:
             raise ValueError(f"a compressed cache appends at the slot's length {self.lengths[slot]}, not at {start}")
         if start + t > self.max_len:
