@@ -376,3 +376,23 @@ def test_mistral_sliding_window_over_a_window_cache_sees_the_same_keys_as_over_a
     assert torch.equal(windowed, plain)
     too_small = _decode(model, CacheConfig(max_len=64, window=3, evict_chunk=1), ids, 20)
     assert not torch.equal(too_small, plain)
+
+
+@pytest.mark.parametrize("config", [dict(window=6, sinks=2, evict_chunk=2), dict(kv_dtype="int8", group_size=4, residual=2)],
+                         ids=["window", "int8"])
+def test_a_batch_of_two_slots_over_a_compressed_cache_equals_the_single_slot_path(config):
+    """Rows hold different numbers of entries; the model masks each row by its own visible count."""
+    model = tiny_model("llama")
+    seqs, new = ([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28]), ([50, 51, 52], [60, 61, 62])
+    batch = model.new_cache(CacheConfig(max_len=32, slots=2, **config))
+    for slot, seq in enumerate(seqs):
+        batch.commit(slot, len(seq))
+        model(torch.tensor([seq]), batch, slots=(slot,), logits="none")
+    got = model(torch.tensor(list(new)), batch, slots=(0, 1))
+    for row, (seq, tokens) in enumerate(zip(seqs, new)):
+        single = model.new_cache(CacheConfig(max_len=32, **config))
+        single.commit(0, len(seq))
+        model(torch.tensor([seq]), single, logits="none")
+        torch.testing.assert_close(got[row:row + 1], model(torch.tensor([tokens]), single), atol=1e-4, rtol=0)
+    assert batch.evicted[0][0] > 2 or batch.flushed[0][0] > 0  # slot 0 really dropped or quantized something
+    assert (got[0] - got[1]).abs().max() > 1e-2
