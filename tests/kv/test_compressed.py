@@ -104,7 +104,7 @@ def test_speculative_decoding_pattern_gives_exact_views(name):
     p = prompt
     flushed_seen = evicted_seen = False
     while p < 150:
-        k, a = rng.randint(0, 6), None
+        k = rng.randint(0, 6)
         a = rng.randint(0, k)
         # Row 0 is the fed token (real), then a accepted drafts (real), then rejected ones (junk).
         rows_k = torch.cat([keys[:, :, p:p + 1 + a], junk[:, :, p + 1 + a:p + 1 + k]], dim=2)

@@ -5,7 +5,6 @@ window memory stays flat; KV bytes reach the stats; the budget is enforced."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
