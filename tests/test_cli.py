@@ -154,6 +154,26 @@ def test_greedy_output_is_identical_across_drafters(tiny, capsys):
         assert docs[name]["stats"]["drafted_tokens"] > 0, name  # speculation really ran
 
 
+@pytest.mark.parametrize("kv", [["--kv-dtype", "int8", "--kv-window", "40", "--kv-sinks", "4"],
+                                ["--kv-dtype", "int4", "--prefix-cache", "on", "--kv-budget", "4M"]])
+def test_greedy_output_is_identical_across_drafters_under_a_compressed_cache(tiny, capsys, kv):
+    runs = {"none": ["--drafter", "none"], "ngram": ["--drafter", "ngram"],
+            "layerskip": ["--drafter", "layerskip", "--skip-layers", "1"],
+            "draft": ["--draft-model", str(tiny["draft"]), "--draft-kv-dtype", kv[1]]}
+    docs = {name: generate_json(capsys, tiny["target"], "--max-new-tokens", "60", *kv, *flags)
+            for name, flags in runs.items()}
+    for name, doc in docs.items():
+        assert doc["token_ids"] == docs["none"]["token_ids"], name
+        stats = doc["stats"]
+        assert 0 < stats["kv_bytes_per_token"] < 1024, name  # fp32 would be 1024 bytes per token
+        assert (stats["draft_kv_bytes"] > 0) == (name == "draft"), name
+
+
+def test_a_budget_too_small_for_the_request_is_a_clean_error(tiny, capsys):
+    rc, out, err = run(capsys, "generate", "--model", tiny["target"], *FAST, "--kv-budget", "64K", PROMPT)
+    assert_usage_error(rc, out, err, "KV budget exceeded", "target cache", "65,536 bytes", "--kv-budget")
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input: exit 2, one clear line, no traceback
 
@@ -174,6 +194,17 @@ def test_greedy_output_is_identical_across_drafters(tiny, capsys):
     (["--threads", "0"], ["--threads"]),
     (["--dtype", "int8"], ["--dtype", "int8"]),
     (["--drafter", "medusa"], ["--drafter", "medusa"]),
+    (["--kv-dtype", "int2"], ["--kv-dtype", "int2"]),
+    (["--draft-kv-dtype", "fp8"], ["--draft-kv-dtype", "fp8"]),
+    (["--kv-window", "0"], ["--kv-window", ">= 1"]),
+    (["--kv-sinks", "-1"], ["--kv-sinks", ">= 0"]),
+    (["--kv-sinks", "4"], ["--kv-sinks 4 needs --kv-window"]),
+    (["--kv-budget", "12Q"], ["--kv-budget", "'12Q'", "512M"]),
+    (["--kv-budget", "0"], ["--kv-budget", "at least 1 byte"]),
+    (["--kv-budget", "inf"], ["--kv-budget", "finite"]),
+    (["--prefix-cache", "yes"], ["--prefix-cache", "'on' or 'off'"]),
+    (["--kv-dtype", "int8", "--kv-window", "16"], ["--kv-window 16", "32 recent tokens", "--kv-dtype int8"]),
+    (["--draft-kv-dtype", "int8"], ["--draft-kv-dtype is only used with a draft model"]),
 ])
 def test_bad_arguments_before_any_loading(tiny, capsys, flags, needles):
     # Tiny target unless the flags name another model; no case may get as far as loading the weights.

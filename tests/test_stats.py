@@ -78,12 +78,14 @@ def test_to_dict_has_raw_and_derived_keys_and_is_json():
     d = s.to_dict()
     raw = {"prompt_tokens", "tokens_generated", "target_forwards", "drafted_tokens", "accepted_tokens",
            "rejections", "drafted_by_position", "accepted_by_position", "prefill_s", "draft_s", "verify_s",
-           "control_s", "wall_s", "decode_step_s"}
+           "control_s", "wall_s", "decode_step_s", "kv_bytes", "kv_bytes_per_token", "draft_kv_bytes",
+           "draft_kv_bytes_per_token", "prefix_hit_tokens"}
     derived = {"acceptance_rate", "token_acceptance", "mean_accepted_length", "mean_gamma", "acceptance_by_position",
                "tokens_per_s", "predicted_speedup"}
     assert set(d) == raw | derived
     assert d["accepted_by_position"] == [1, 0] and d["acceptance_rate"] == 0.5
     assert d["rejections"] == 1 and d["token_acceptance"] == 0.5
+    assert d["kv_bytes"] == 0 and d["kv_bytes_per_token"] == 0.0 and d["prefix_hit_tokens"] == 0  # set by the engine
     assert json.loads(json.dumps(d)) == d
 
 

@@ -1,10 +1,11 @@
-"""argparse value types shared by the ``specdecode`` subcommands (each error names the bad value)."""
+"""argparse value types and flag groups shared by the ``specdecode`` subcommands (each error names the bad value)."""
 
 from __future__ import annotations
 
 import argparse
 
 from specdecode.control import GAMMA_POLICIES
+from specdecode.kv.cache import KV_DTYPES, CacheConfig
 
 
 def positive_int(value: str) -> int:
@@ -52,3 +53,75 @@ def ngram_sizes(value: str) -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"need 1 <= min <= max, got {value!r}")
     return lo, hi
+
+
+_BYTE_UNITS = {"": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}
+
+
+def byte_size(value: str) -> int:
+    """A byte count: '1000000', '512M', '1.5G', '64KiB' (K/M/G/T are powers of 1024; a trailing B or iB is allowed)."""
+    text = value.strip().lower().removesuffix("b").removesuffix("i")
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in _BYTE_UNITS else (text, "")
+    try:
+        n = float(number) * _BYTE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count like 1000000, 512M or 2G, got {value!r}") from None
+    if not 1 <= n < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite count of at least 1 byte, got {value!r}")
+    return int(n)
+
+
+def on_off(value: str) -> bool:
+    """'on' or 'off'."""
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected 'on' or 'off', got {value!r}")
+    return value == "on"
+
+
+def non_negative_int(value: str) -> int:
+    """An integer >= 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def add_kv_arguments(p: argparse.ArgumentParser) -> None:
+    """The KV cache flags shared by ``generate`` and ``bench``."""
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="target KV cache: auto (the model's dtype), bfloat16, float32, or int8/int4 (verified tokens "
+                        "quantized group-wise; recent ones stay full precision)")
+    p.add_argument("--draft-kv-dtype", choices=KV_DTYPES, default="auto", help="the draft model's KV cache, as --kv-dtype")
+    p.add_argument("--kv-window", type=positive_int, default=None,
+                   help="keep only the last N verified tokens (plus sinks and unverified ones): flat memory")
+    p.add_argument("--kv-sinks", type=non_negative_int, default=0, help="with --kv-window: also keep the first S tokens")
+    p.add_argument("--kv-budget", type=byte_size, default=None,
+                   help="bytes all KV caches and prefix caches may hold, e.g. 512M; a request that cannot fit fails")
+    p.add_argument("--prefix-cache", type=on_off, default=False, metavar="on|off",
+                   help="reuse the K/V of prompt prefixes seen in earlier requests (default off)")
+
+
+def cache_configs(args: argparse.Namespace, draft: bool) -> tuple[CacheConfig, CacheConfig]:
+    """Target and draft cache settings from the KV flags, checked before anything is loaded.
+
+    Args:
+        args: parsed flags (see :func:`add_kv_arguments`).
+        draft: whether a draft model will be used (``--draft-kv-dtype`` needs one).
+
+    Raises:
+        ValueError: a contradictory combination, naming the flags.
+    """
+    if args.kv_sinks and args.kv_window is None:
+        raise ValueError(f"--kv-sinks {args.kv_sinks} needs --kv-window N (sinks are kept besides a window)")
+    if args.draft_kv_dtype != "auto" and not draft:
+        raise ValueError("--draft-kv-dtype is only used with a draft model (--draft-model)")
+    common = dict(window=args.kv_window, sinks=args.kv_sinks, budget=args.kv_budget, prefix_cache=args.prefix_cache)
+    residual = CacheConfig().residual
+    for flag, kv_dtype in (("--kv-dtype", args.kv_dtype), ("--draft-kv-dtype", args.draft_kv_dtype)):
+        if kv_dtype in ("int8", "int4") and args.kv_window is not None and args.kv_window < residual:
+            raise ValueError(f"--kv-window {args.kv_window} is shorter than the {residual} recent tokens {flag} "
+                             f"{kv_dtype} keeps in full precision; use --kv-window {residual} or more")
+    return CacheConfig(kv_dtype=args.kv_dtype, **common), CacheConfig(kv_dtype=args.draft_kv_dtype, **common)

@@ -15,13 +15,14 @@ from typing import Sequence
 import torch
 
 from specdecode.bench.command import add_arguments as add_bench_arguments
-from specdecode.argtypes import gamma, ngram_sizes, positive_int
+from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, ngram_sizes, positive_int
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.model_file import load_controller_file
 from specdecode.drafters import DRAFTERS, make_drafter
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
 from specdecode.engine import Engine, SpeculativeConfig
+from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import DRAFT_QUANT, LoadedModel, load_model
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.sampling import SamplingParams
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_kv_arguments(g)
 
     b = sub.add_parser("bench", help="benchmark every method and its peers side by side on prompt suites")
     _model_args(b)
@@ -125,7 +127,8 @@ def _drafter_kind(args: argparse.Namespace) -> str:
     return kind
 
 
-def _engine_for(args: argparse.Namespace, target: LoadedModel, spec: SpeculativeConfig) -> Engine:
+def _engine_for(args: argparse.Namespace, target: LoadedModel, spec: SpeculativeConfig,
+                caches: tuple[CacheConfig, CacheConfig]) -> Engine:
     drafter_kind = _drafter_kind(args)
     draft_model = skip = None
     if drafter_kind == "draft":
@@ -135,8 +138,8 @@ def _engine_for(args: argparse.Namespace, target: LoadedModel, spec: Speculative
         draft_model = draft.model
     if drafter_kind == "layerskip":
         skip = resolve_skip_set(target, args.dtype, args.skip_layers, progress=_log)
-    drafter = make_drafter(drafter_kind, target.model, draft_model, skip, ngram_sizes=args.ngram)
-    return Engine(target.model, target.tokenizer, drafter, spec)
+    drafter = make_drafter(drafter_kind, target.model, draft_model, skip, ngram_sizes=args.ngram, draft_cache=caches[1])
+    return Engine(target.model, target.tokenizer, drafter, spec, cache=caches[0])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -147,13 +150,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)  # validated before any model is loaded
     if args.gamma in ("confidence", "adaptive"):
         load_controller_file(args.controller_file)
-    _drafter_kind(args)
+    caches = cache_configs(args, draft=_drafter_kind(args) == "draft")
     target = load_model(args.model, args.dtype, progress=_log, pack=args.pack)
     if args.chat:
         if not target.tokenizer.chat_template:
             raise UsageError(f"model {args.model} has no chat template; drop --chat")
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    engine = _engine_for(args, target, spec)
+    engine = _engine_for(args, target, spec, caches)
     engine.warmup()
     if args.json:
         result = engine.generate(prompt, sampling, args.max_new_tokens, args.stop)
@@ -169,7 +172,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     predicted = f"{s.predicted_speedup:.2f}x" if s.predicted_speedup is not None else "n/a"
     _log(f"[{s.tokens_generated} tokens, {s.tokens_per_s:.1f} tok/s, {s.target_forwards} target forwards, "
          f"tau {s.mean_accepted_length:.2f}, acceptance {s.acceptance_rate:.2f}, predicted speedup {predicted}, "
-         f"finish {stream.result.finish_reason}]")
+         f"KV {s.kv_bytes_per_token:.0f} B/token, finish {stream.result.finish_reason}]")
     return 0
 
 

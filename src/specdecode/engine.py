@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from specdecode.control import GAMMA_POLICIES, StepContext, StepRecord, controller_factory
 from specdecode.drafters.base import Draft, Drafter
-from specdecode.kv.cache import CacheConfig, KVCache
+from specdecode.kv.cache import Cache, CacheConfig
+from specdecode.kv.memory import KVMemory
+from specdecode.kv.prefill import prefill
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams, probs_from_logits
 from specdecode.stats import RequestStats
@@ -121,11 +123,12 @@ class Engine:
         spec: gamma policy.
         on_step: called with every step's record (draft signals included), e.g. to gather training data
             for the ``confidence`` controller.
+        cache: KV cache settings (dtype, window, sinks, budget, prefix cache); its size is set per request.
     """
 
     def __init__(self, target: Transformer, tokenizer=None, drafter: Drafter | None = None,
                  spec: SpeculativeConfig = SpeculativeConfig(),
-                 on_step: Callable[[StepRecord], None] | None = None) -> None:
+                 on_step: Callable[[StepRecord], None] | None = None, cache: CacheConfig = CacheConfig()) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -134,7 +137,9 @@ class Engine:
         self._new_controller = controller_factory(
             self.spec.gamma, self.spec.gamma_max, drafter.name if drafter is not None else None,
             drafter.signal_names if drafter is not None else (), self.spec.controller_file)
-        self.cache: KVCache | None = None
+        self.cache_config = cache
+        self.memory = KVMemory(cache.budget, cache.prefix_cache)  # target + draft caches, prefix caches
+        self.cache: Cache | None = None
         self.generated: list[int] = []
         self._eos: frozenset[int] = frozenset()
         self._step_s: dict[int, float] = {}  # decode-step seconds by context length bucket
@@ -208,7 +213,8 @@ class Engine:
         # Room for the prompt, the budget, and one step's drafted lookahead beyond it.
         need = len(ids) + max_new_tokens + self.spec.max_draft + 1
         if self.cache is None or self.cache.max_len < need:
-            self.cache = self.target.new_cache(CacheConfig(max_len=-(-need // 256) * 256))
+            config = replace(self.cache_config, max_len=-(-need // 256) * 256)
+            self.cache = self.memory.new_cache("target", self.target, config)
         self.cache.reset(0)
         return ids
 
@@ -226,7 +232,7 @@ class Engine:
         controller = self._new_controller()
         stats = RequestStats(prompt_tokens=len(prompt_ids))
         limit = self.target.config.max_position_embeddings
-        kv = str(self.target.dtype).removeprefix("torch.")  # the cache stores the target's dtype, uncompressed
+        kv = self._kv_setting()
 
         def timed_stop(position: int, signal: tuple[float, ...]) -> bool:
             tick = time.perf_counter()
@@ -237,18 +243,19 @@ class Engine:
         seq = list(prompt_ids)
         self.generated = generated = []
         start = time.perf_counter()
-        if len(seq) > 1:
-            self.target(torch.tensor([seq[:-1]]), self.cache, logits="none")
+        prefix = self.memory.prefix_for(self.target, self.cache.config)
+        stats.prefix_hit_tokens = prefill(self.cache, 0, seq[:-1], self.target, prefix)
         if self.drafter is not None:
-            self.drafter.reset(self.cache, prompt_ids)
+            self.drafter.reset(self.cache, prompt_ids, self.memory)
         stats.prefill_s = time.perf_counter() - start
         finish = "length"
         while len(generated) < max_new_tokens:
             remaining = max_new_tokens - len(generated)
             tick = time.perf_counter()
-            ctx = StepContext(remaining, len(seq), limit, None, kv)  # None: the cache has no memory budget
-            # Drafting past the budget is wasted work: the extra tokens would be cut anyway.
-            k = min(controller.next_gamma(ctx), remaining - 1)
+            ctx = StepContext(remaining, len(seq), limit, self._cache_fill(), kv)
+            # Drafting past the budget is wasted work: the extra tokens would be cut anyway. Nor may a step
+            # reach past the cache's next compression step (it would show later rows an older cache state).
+            k = min(controller.next_gamma(ctx), remaining - 1, self.cache.stable_rows(0) - 1)
             t0 = time.perf_counter()
             stats.control_s += t0 - tick
             # Signals are computed only for a controller that stops early, or for the step records.
@@ -257,6 +264,7 @@ class Engine:
             t1 = time.perf_counter()
             verdict = self._verify(seq, draft, sampling, generator)
             t2 = time.perf_counter()
+            self.cache.commit(0, self.cache.lengths[0])  # the fed token and the accepted drafts are verified
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
             new = verdict.tokens[:remaining]
@@ -283,6 +291,8 @@ class Engine:
             if finish != "length":
                 break
         stats.wall_s = time.perf_counter() - start
+        stats.kv_bytes, stats.kv_bytes_per_token = self.memory.usage("target")
+        stats.draft_kv_bytes, stats.draft_kv_bytes_per_token = self.memory.usage("draft")
         stats.decode_step_s = self._step_cost()
         text = self.generated_text()
         if finish == "stop":
@@ -307,6 +317,22 @@ class Engine:
         # Keep the last token and the accepted drafts; the emitted target token is fed next step.
         self.cache.trim(0, held + 1 + verdict.accepted)
         return verdict
+
+    def _kv_setting(self) -> str:
+        """The target cache's storage as the controllers see it: "int8", "int4", "window" or a dtype."""
+        c = self.cache_config
+        if c.kv_dtype in ("int8", "int4"):
+            return c.kv_dtype
+        if c.window is not None:
+            return "window"
+        return c.kv_dtype if c.kv_dtype != "auto" else str(self.target.dtype).removeprefix("torch.")
+
+    def _cache_fill(self) -> float | None:
+        """Share of the KV memory budget held by cached tokens and prefixes (None without a budget)."""
+        if self.memory.budget is None:
+            return None
+        held = sum(c.bytes_used() for c in self.memory.caches.values()) + self.memory.prefix_bytes
+        return held / self.memory.budget
 
     def _step_cost(self, repeats: int = 3) -> float:
         """Seconds of one plain decode step (median) at about this request's final context length.

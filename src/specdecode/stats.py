@@ -63,6 +63,13 @@ class RequestStats:
     wall_s: float = 0.0
     # One single-token target forward, measured by the engine; needed for the predicted speedup.
     decode_step_s: float | None = None
+    # KV memory at the end of the request (bytes held for the sequence, and per token it holds); the draft's
+    # figures count the drafter's own cache only (0 for ngram, and for layerskip, which writes into the target's).
+    kv_bytes: int = 0
+    kv_bytes_per_token: float = 0.0
+    draft_kv_bytes: int = 0
+    draft_kv_bytes_per_token: float = 0.0
+    prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
         """Counts one draft-verify step."""

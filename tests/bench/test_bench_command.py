@@ -59,8 +59,7 @@ def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
     ours = ["none", "ngram:g2", "ngram:agreement", "draft:g2", "draft:agreement", "layerskip:g2", "layerskip:agreement"]
     names = [m["name"] for m in doc["methods"]]
     assert names[:len(ours)] == ours
-    assert set(names[len(ours):]) == {"hf", "hf-assisted", "hf-lookup"} | (
-        {"llamacpp", "llamacpp-lookup"} if bench_methods.llamacpp_available() else set())
+    assert set(names[len(ours):]) == {"hf", "hf-assisted", "hf-lookup"}  # llama.cpp is skipped (see below)
     for m in doc["methods"]:
         assert m["status"] == "ok", m
         o = m["overall"]
@@ -92,8 +91,10 @@ def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
     assert [len(c["v"]) for c in doc["cost_curves"]] == [4, 4] and all(c["v"][0] == 1.0 for c in doc["cost_curves"])
     assert all(ms > 0 for c in doc["cost_curves"] for ms in c["verify_ms"])
     assert "verification cost v(k) of" in captured.out
-    if not bench_methods.llamacpp_available():
-        assert {s["name"] for s in doc["skipped"]} == {"llamacpp", "llamacpp-lookup"}
+    assert {s["name"] for s in doc["skipped"]} == {"llamacpp", "llamacpp-lookup"}
+    if bench_methods.llamacpp_available():  # installed, but these tiny models are HF folders, not GGUF files
+        assert "note: skipped llamacpp, llamacpp-lookup: needs a GGUF model" in captured.out
+    else:
         assert "note: llama-cpp-python is not installed: skipped llamacpp, llamacpp-lookup" in captured.out
 
     # the table on stdout
@@ -250,3 +251,39 @@ def test_missing_transformers_skips_the_hf_peers_with_one_note(tiny_model_dirs, 
     assert [m["name"] for m in doc["methods"]] == ["none"] and doc["failed"] == []
     assert {s["name"] for s in doc["skipped"]} == {"hf", "hf-lookup"}
     assert "note: transformers is not installed: skipped hf, hf-lookup" in capsys.readouterr().out
+
+
+def test_kv_flags_pass_through_and_memory_per_token_is_reported(tiny_model_dirs, prompt_file, tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    args = _base_args(tiny_model_dirs, prompt_file) + [
+        "--draft-model", str(tiny_model_dirs[1]), "--methods", "none,ngram,draft", "--gammas", "3",
+        "--kv-dtype", "int8", "--draft-kv-dtype", "int4", "--kv-window", "40", "--kv-sinks", "2",
+        "--prefix-cache", "on", "--kv-budget", "8M", "--max-new-tokens", "80", "--json", str(out_json)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(out_json.read_text())
+    c = doc["config"]
+    assert (c["kv_dtype"], c["draft_kv_dtype"], c["kv_window"], c["kv_sinks"], c["kv_budget"], c["prefix_cache"]) == \
+        ("int8", "int4", 40, 2, 8 * 2 ** 20, True)
+    assert doc["identical_outputs"] == doc["identity_comparisons"] > 0  # lossless under the same compression
+    by_name = {m["name"]: m["overall"] for m in doc["methods"]}
+    fp32_per_token = 2 * 4 * 2 * 16 * 4
+    for name in ("none", "ngram:g3", "draft:g3"):  # 90-odd tokens: past the first quantized group and eviction
+        assert 0 < by_name[name]["kv_bytes_per_token"] < fp32_per_token, name
+        assert 0 < by_name[name]["kv_bytes"]
+    assert by_name["draft:g3"]["draft_kv_bytes_per_token"] > 0 and by_name["ngram:g3"]["draft_kv_bytes_per_token"] == 0
+    assert by_name["ngram:g3"]["acceptance_rate"] is not None
+    assert all(s["kv_bytes_per_token"] > 0 for s in doc["samples"])
+    assert "KV B/tok" in captured.out
+
+
+def test_kv_usage_errors_come_before_loading(tiny_model_dirs, prompt_file, capsys):
+    base = _base_args(tiny_model_dirs, prompt_file)
+    assert main(base + ["--kv-sinks", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-sinks 2 needs --kv-window" in err and "loading" not in err
+    assert main(base + ["--draft-kv-dtype", "int8"]) == 2
+    assert "--draft-kv-dtype is only used with a draft model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--kv-budget", "lots"])
+    assert "expected a byte count like 1000000, 512M or 2G, got 'lots'" in capsys.readouterr().err

@@ -8,10 +8,12 @@ from specdecode.bench.report import aggregate, format_table, markdown, prompt_to
 from specdecode.bench.runner import ProgressBar, Sample
 
 
-def _stats(generated: int, forwards: int, drafted: list[int], accepted: list[int], predicted: float) -> dict:
+def _stats(generated: int, forwards: int, drafted: list[int], accepted: list[int], predicted: float,
+           kv: tuple[int, float, float] = (1000, 100.0, 0.0)) -> dict:
     return {"tokens_generated": generated, "target_forwards": forwards, "drafted_tokens": sum(drafted),
             "accepted_tokens": sum(accepted), "drafted_by_position": drafted, "accepted_by_position": accepted,
-            "predicted_speedup": predicted, "control_s": 0.001 * forwards, "wall_s": 0.1 * forwards}
+            "predicted_speedup": predicted, "control_s": 0.001 * forwards, "wall_s": 0.1 * forwards,
+            "kv_bytes": kv[0], "kv_bytes_per_token": kv[1], "draft_kv_bytes_per_token": kv[2]}
 
 
 def _s(method, pid, cat, tokens, seconds, repeat=0, stats=None, ids=None):
@@ -28,10 +30,11 @@ def samples():
         _s("none", "p2", "x", 10, 1.0, 0, none_stats), _s("none", "p3", "y", 10, 1.0, 0, none_stats),
         _s("hf", "p1", "x", 10, 2.0), _s("hf", "p1", "x", 10, 2.0, 1), _s("hf", "p2", "x", 10, 1.0),
         _s("hf", "p3", "y", 10, 0.5),
-        _s("ngram:g2", "p1", "x", 10, 0.5, 0, _stats(10, 5, [5, 4], [4, 1], 1.5)),
-        _s("ngram:g2", "p1", "x", 10, 0.5, 1, _stats(10, 5, [5, 4], [4, 1], 1.7)),
-        _s("ngram:g2", "p2", "x", 12, 0.8, 0, _stats(12, 6, [6, 6], [6, 0], 2.0), ids=[1] * 12),
-        _s("ngram:g2", "p3", "y", 10, 0.25, 0, _stats(10, 4, [4, 4, 2], [4, 2, 0], 3.0), ids=[2] * 10),
+        _s("ngram:g2", "p1", "x", 10, 0.5, 0, _stats(10, 5, [5, 4], [4, 1], 1.5, (2000, 50.0, 5.0))),
+        _s("ngram:g2", "p1", "x", 10, 0.5, 1, _stats(10, 5, [5, 4], [4, 1], 1.7, (2400, 60.0, 5.0))),
+        _s("ngram:g2", "p2", "x", 12, 0.8, 0, _stats(12, 6, [6, 6], [6, 0], 2.0, (3000, 70.0, 6.0)), ids=[1] * 12),
+        _s("ngram:g2", "p3", "y", 10, 0.25, 0, _stats(10, 4, [4, 4, 2], [4, 2, 0], 3.0, (2200, 80.0, 7.0)),
+           ids=[2] * 10),
     ]
 
 
@@ -57,6 +60,8 @@ def test_aggregate(samples):
     assert o["mean_gamma"] == 2.0
     assert o["predicted_speedup"] == 1.85  # median of 1.5, 1.7, 2.0, 3.0
     assert o["control_share"] == 0.01  # 1 ms of decisions per 100 ms step, pooled
+    # KV memory: the largest cache of any call; per-token figures are medians over calls
+    assert o["kv_bytes"] == 3000 and o["kv_bytes_per_token"] == 65.0 and o["draft_kv_bytes_per_token"] == 5.5
     # identity: p1 (both repeats) identical, p2 longer -> differs, p3 other tokens -> differs
     assert (o["identical_to_none"], o["compared_to_none"]) == (2, 4)
 
@@ -73,6 +78,8 @@ def test_aggregate(samples):
     assert n["identical_to_none"] is None  # the reference is not compared with itself
     assert h["speedup_vs_hf"] == 1.0 and h["speedup_vs_none"] == 1.0
     assert h["mean_accepted_length"] is None and h["predicted_speedup"] is None
+    assert h["kv_bytes"] is None and h["kv_bytes_per_token"] is None  # a peer's cache is not observable
+    assert n["kv_bytes"] == 1000 and n["kv_bytes_per_token"] == 100.0
 
 
 def test_missing_baseline_gives_null_speedups(samples):
@@ -114,9 +121,11 @@ def test_text_outputs_flag_mismatches(samples):
     assert "v(k) of m.gguf at 200 tokens (decode step 20.0 ms): 1:1.05 2:1.10" in table
     md = markdown(doc, plots=[])
     assert "**MISMATCH" in md and "## Output mismatches" in md
-    assert "| `ngram:g2` | 20.0 | 2.0 [1.5, 4.0] | 2.0 [1.5, 4.0] | 2.1 | 0.55 | 2.0 | 1.85 | 2/4 | 60.0 | 100.0 |" in md
-    assert "| `hf` |" in md and "| - | 100.0 |" in md  # peers hold no accounted memory
+    assert "| `ngram:g2` | 20.0 | 2.0 [1.5, 4.0] | 2.0 [1.5, 4.0] | 2.1 | 0.55 | 2.0 | 1.85 | 2/4 | 65.0 | 60.0 | 100.0 |" in md
+    assert "| `hf` |" in md and "| - | - | 100.0 |" in md  # peers hold no accounted memory
     assert "## Verification cost v(k): m.gguf" in md and "| v(k) | 1.05 | 1.1 |" in md
+    assert "## KV cache" not in md  # an older document without KV settings still renders
+    assert "65" in table.splitlines()[3]  # the KV B/tok column
 
 
 def test_progress_bar_on_a_plain_stream_prints_one_summary(tmp_path):

@@ -207,3 +207,23 @@ def test_signals_are_the_drafts_top1_and_entropy_and_a_stop_ends_the_draft(draft
         p = torch.softmax(row.float(), -1)
         assert top1 == pytest.approx(float(p.max()), abs=1e-4)
         assert entropy == pytest.approx(float(-(p * p.log()).sum()), abs=1e-3)
+
+
+def test_draft_cache_follows_its_own_settings_and_commits_what_the_target_verified(draft_model):
+    from specdecode.kv.compressed import CompressedCache
+    from specdecode.kv.memory import KVMemory
+
+    config = CacheConfig(kv_dtype="int8", group_size=4, residual=4, prefill_chunk=8)
+    drafter = make_drafter("draft", target=draft_model, draft_model=draft_model, draft_cache=config)
+    memory = KVMemory()
+    drafter.reset(KVCacheStub(64), list(range(1, 30)), memory)
+    assert isinstance(drafter.cache, CompressedCache) and drafter.cache.max_len == 64
+    assert memory.caches["draft"] is drafter.cache  # allocated under the engine's memory
+    assert drafter.cache.committed[0] == 28 and drafter.cache.flushed[0][0] > 0  # the prompt is verified
+    seq = list(range(1, 30))
+    draft = drafter.propose(seq, 4, GREEDY, torch.Generator())
+    assert drafter.cache.committed[0] == 28  # drafts are not
+    drafter.commit(seq + draft.tokens[:2] + [5])
+    assert drafter.cache.committed[0] == drafter.cache.lengths[0] == 31
+    drafter.reset(KVCacheStub(64), [1, 2], KVMemory())  # another engine's memory: a cache of its own there
+    assert drafter.cache.lengths == [1]

@@ -113,6 +113,31 @@ def test_propose_leaves_target_cache_as_found(model, sampling):
     torch.testing.assert_close(verify, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("config", [CacheConfig(max_len=32), CacheConfig(max_len=32, kv_dtype="int8", group_size=2,
+                                                                          residual=1, prefill_chunk=8)],
+                         ids=["plain", "int8"])
+def test_drafting_never_touches_the_skipped_layers_entries(model, config):
+    """The drafter writes K/V only for the layers it runs (and only past the verified tokens); the skipped
+    layers' buffers stay bitwise as they were, whatever the cache kind."""
+    seq = [5, 17, 29, 41, 53, 65, 77, 89]
+    target_cache = model.new_cache(config)
+    target_cache.commit(0, len(seq) - 1)
+    model(torch.tensor([seq[:-1]]), target_cache, logits="none")
+    buffers = (lambda c: c.k + c.v) if hasattr(target_cache, "k") else (lambda c: c.fp_k + c.fp_v + c.k_codes + c.v_codes)
+    saved = [b.clone() for b in buffers(target_cache)]
+    drafter = LayerSkipDrafter(model, [1, 3])
+    drafter.reset(target_cache)
+    drafter.propose(seq, 4, SamplingParams(), torch.Generator())
+    n = model.config.num_layers
+    after = buffers(target_cache)
+    for i, (before, now) in enumerate(zip(saved, after)):
+        layer = i % n
+        if layer in drafter.skip:
+            assert torch.equal(before, now), layer
+    assert any(not torch.equal(b, a) for i, (b, a) in enumerate(zip(saved, after)) if i % n in drafter.layers)
+    assert target_cache.lengths == [len(seq) - 1] and target_cache.committed == [len(seq) - 1]
+
+
 # --------------------------------------------------------------------------- calibration
 
 

@@ -1,4 +1,4 @@
-"""KVCache: writes by index, per-slot lengths, rollback by trimming, memory accounting."""
+"""CacheConfig and KVCache: writes by index, per-slot lengths, commits, rollback by trimming, memory accounting."""
 
 from __future__ import annotations
 
@@ -34,6 +34,16 @@ def model():
     (dict(max_len=0), r"CacheConfig\.max_len must be >= 1, got 0"),
     (dict(max_len=-5), r"CacheConfig\.max_len must be >= 1, got -5"),
     (dict(slots=0), r"CacheConfig\.slots must be >= 1, got 0"),
+    (dict(kv_dtype="int2"), r"CacheConfig\.kv_dtype='int2': expected one of auto, bfloat16, float32, int8, int4"),
+    (dict(window=0), r"CacheConfig\.window must be >= 1 \(or None for no window\), got 0"),
+    (dict(sinks=-1, window=4), r"CacheConfig\.sinks must be >= 0, got -1"),
+    (dict(sinks=4), r"CacheConfig\.sinks=4 needs a window"),
+    (dict(budget=0), r"CacheConfig\.budget must be >= 1 byte \(or None for no limit\), got 0"),
+    (dict(group_size=0), r"CacheConfig\.group_size must be >= 1, got 0"),
+    (dict(residual=-1), r"CacheConfig\.residual must be >= 0, got -1"),
+    (dict(evict_chunk=0), r"CacheConfig\.evict_chunk must be >= 1, got 0"),
+    (dict(prefill_chunk=100, lookahead=80), r"CacheConfig\.prefill_chunk \(100\) must be <= lookahead \(80\)"),
+    (dict(kv_dtype="int8", window=16, residual=32), r"CacheConfig\.window \(16\) must be >= residual \(32\)"),
 ])
 def test_cache_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -43,6 +53,24 @@ def test_cache_config_validation(kwargs, message):
 def test_cache_config_defaults_are_valid():
     c = CacheConfig(max_len=1, slots=1)
     assert (c.max_len, c.slots) == (1, 1)
+    assert not c.compressed and c.bits is None and c.budget is None and not c.prefix_cache
+    assert CacheConfig(window=16, residual=32).window == 16  # the residual only matters when quantizing
+    assert (CacheConfig(kv_dtype="int8").bits, CacheConfig(kv_dtype="int4").bits) == (8, 4)
+    assert CacheConfig(kv_dtype="int4").compressed and CacheConfig(window=8).compressed
+    assert not CacheConfig(kv_dtype="bfloat16").compressed
+
+
+def test_default_lookahead_covers_the_longest_draft_step():
+    from specdecode.engine import MAX_GAMMA
+
+    # One verification writes the fed token and up to MAX_GAMMA drafts; the filler row of a plain step fits too.
+    assert CacheConfig().lookahead >= MAX_GAMMA + 2 and CacheConfig().prefill_chunk <= CacheConfig().lookahead
+
+
+def test_layout_names_what_determines_the_cached_numbers():
+    a = CacheConfig(max_len=10, kv_dtype="int8")
+    assert a.layout == CacheConfig(max_len=99, budget=5, prefix_cache=True, kv_dtype="int8").layout
+    assert a.layout != CacheConfig(kv_dtype="int4").layout != CacheConfig(window=8).layout
 
 
 def test_cache_full_error_names_capacity_and_requested_end():
@@ -126,6 +154,32 @@ def test_trim_does_not_copy_or_clear_buffers():
     cache.trim(0, 1)
     assert cache.k[0] is before
     assert torch.equal(cache.k[0][0, :, :4], k[0])  # stale entries stay until overwritten
+
+
+def test_commit_visible_and_stable_rows_of_the_plain_cache():
+    cache = _cache(max_len=16, slots=2)
+    cache.commit(1, 9)  # a prompt may be committed before it is written
+    cache.advance([1], 5)
+    assert cache.committed == [0, 9] and cache.visible(1) == 5 == cache.lengths[1]
+    cache.commit(1, 4)  # never moves back
+    assert cache.committed[1] == 9
+    cache.trim(1, 3)  # a plain cache can roll back anything; what it held verified shrinks with it
+    assert cache.committed[1] == 3
+    assert cache.stable_rows(1) == 16  # nothing is ever compressed
+    cache.reset(1)
+    assert cache.lengths == [0, 0] and cache.committed == [0, 0]
+
+
+def test_a_float_cache_of_another_dtype_returns_the_models_dtype():
+    cache = _cache(dtype=torch.bfloat16)
+    k, v = _kv(1, 2)
+    keys, values = cache.update(0, [0], [0], k / 7, v / 7)
+    assert cache.k[0].dtype == torch.bfloat16 and keys.dtype == values.dtype == torch.float32
+    assert torch.equal(keys[0], (k[0] / 7).bfloat16().float())
+    model = tiny_model("llama")
+    cache = model.new_cache(CacheConfig(max_len=8, kv_dtype="bfloat16"))
+    assert cache.k[0].dtype == torch.bfloat16 and model.dtype == torch.float32
+    assert model.new_cache(CacheConfig(max_len=8, kv_dtype="float32")).k[0].dtype == torch.float32
 
 
 # --------------------------------------------------------------------------- memory accounting

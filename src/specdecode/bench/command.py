@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.engine import MAX_GAMMA
-from specdecode.argtypes import gamma, ngram_sizes, nonnegative_int, positive_int
+from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, ngram_sizes, nonnegative_int, positive_int
 from specdecode.control import GAMMA_POLICIES
 from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
 from specdecode.models.build import DRAFT_QUANT
@@ -83,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time verifying 0..K drafted tokens, v(k) (default 16; 0 = skip)")
     p.add_argument("--draft-quant", choices=DRAFT_QUANT, default="none",
                    help="int8: our draft model with int8 weight-only projections (peers keep bf16)")
+    add_kv_arguments(p)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -102,12 +103,13 @@ def run_command(args: argparse.Namespace) -> int:
     families = args.methods
     if families is None:
         families = tuple(f for f in FAMILIES if args.draft_model or f not in DRAFT_MODEL_FAMILIES)
+    cache, draft_cache = cache_configs(args, draft=bool(args.draft_model))
     config = BenchConfig(model=args.model, draft_model=args.draft_model, families=families, gammas=args.gammas,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          dtype=args.dtype, seed=args.seed, skip_layers=args.skip_layers, ngram_sizes=args.ngram,
                          gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, pack=args.pack,
                          draft_quant=args.draft_quant, controller_file=args.controller_file,
-                         record_steps=args.record_steps)
+                         record_steps=args.record_steps, cache=cache, draft_cache=draft_cache)
     result = run_bench(config, prompts, progress=args.progress)
     echo: dict[str, Any] = {
         "model": args.model, "draft_model": args.draft_model, "methods": list(families),
@@ -116,7 +118,9 @@ def run_command(args: argparse.Namespace) -> int:
         "prompts_file": args.prompts, "categories": categories, "limit": args.limit, "skip_layers": args.skip_layers,
         "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None),
         "cost_curve": args.cost_curve, "pack": args.pack, "draft_quant": args.draft_quant,
-        "controller_file": args.controller_file, "record_steps": args.record_steps}
+        "controller_file": args.controller_file, "record_steps": args.record_steps,
+        "kv_dtype": args.kv_dtype, "draft_kv_dtype": args.draft_kv_dtype, "kv_window": args.kv_window,
+        "kv_sinks": args.kv_sinks, "kv_budget": args.kv_budget, "prefix_cache": args.prefix_cache}
     doc = build_document(result, echo, environment())
     text = json.dumps(doc, indent=1)
     if args.json == "-":

@@ -21,6 +21,7 @@ import torch
 from specdecode.control import StepRecord
 from specdecode.drafters import make_drafter
 from specdecode.engine import Engine, SpeculativeConfig
+from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel
 from specdecode.models.config import ModelConfig
 from specdecode.sampling import SamplingParams
@@ -99,18 +100,20 @@ def _cut_at_eos(ids: list[int], eos: frozenset[int]) -> list[int]:
 def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sampling: SamplingParams,
                   max_new_tokens: int, draft_model: LoadedModel | None = None,
                   skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
-                  gamma_max: int = 8, controller_file: str | None = None, record: bool = False) -> Method:
-    """Our engine with one drafter (or none) and one gamma policy.
+                  gamma_max: int = 8, controller_file: str | None = None, record: bool = False,
+                  cache: CacheConfig = CacheConfig(), draft_cache: CacheConfig = CacheConfig()) -> Method:
+    """Our engine with one drafter (or none) and one gamma policy, under one KV cache setting.
 
-    Each method gets its own Engine (own KV cache, own drafter state); the target weights are shared.
+    Each method gets its own Engine (own KV cache, prefix cache and drafter state); the target weights are shared.
     Timed from outside ``Engine.generate``: nothing benchmark-specific runs inside the decode loop, except,
     with ``record``, keeping each step's record (which also makes the drafter compute its signals).
     """
     drafter = make_drafter(family, target.model, draft_model.model if draft_model else None, skip_layers,
-                           ngram_sizes=ngram_sizes)
+                           ngram_sizes=ngram_sizes, draft_cache=draft_cache)
     spec = SpeculativeConfig(gamma if gamma is not None else 0, gamma_max, controller_file)
     steps: list[StepRecord] = []
-    engine = Engine(target.model, target.tokenizer, drafter, spec, on_step=steps.append if record else None)
+    engine = Engine(target.model, target.tokenizer, drafter, spec, on_step=steps.append if record else None,
+                    cache=cache)
 
     def run(prompt_ids: list[int], seed: int) -> Output:
         params = replace(sampling, seed=seed)

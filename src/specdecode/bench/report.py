@@ -11,6 +11,8 @@ Aggregation rules (per method, per category and overall):
   prediction (compare with the measured speedup vs ``none``).
 - identity (greedy only): each call of our speculative methods is compared with ``none``'s output on
   the same prompt and repeat.
+- KV memory (ours only): ``kv_bytes`` = the most any call's target cache held at its end, ``kv_bytes_per_token``
+  and ``draft_kv_bytes_per_token`` = median over calls of bytes held / tokens held.
 Every float in the JSON is rounded to ROUND decimals, and the Markdown report prints those very values.
 This module runs no model.
 """
@@ -62,7 +64,8 @@ def empty_figures() -> dict[str, Any]:
     for b in BASELINES:
         keys += [f"speedup_vs_{b}", f"speedup_vs_{b}_min", f"speedup_vs_{b}_max"]
     keys += ["mean_accepted_length", "acceptance_rate", "acceptance_by_position", "mean_gamma", "predicted_speedup",
-             "control_share", "identical_to_none", "compared_to_none"]
+             "control_share", "identical_to_none", "compared_to_none", "kv_bytes", "kv_bytes_per_token",
+             "draft_kv_bytes_per_token"]
     out: dict[str, Any] = {k: None for k in keys}
     out.update(prompts=0, samples=0, tokens=0, seconds=0.0)
     return out
@@ -112,7 +115,10 @@ def figures(samples: Sequence[Any], tps: dict[str, float], baselines: dict[str, 
                    acceptance_by_position=[_r(a / d) for a, d in zip(a_pos, d_pos) if d],
                    mean_gamma=_r(drafted / forwards) if forwards else None,
                    predicted_speedup=_r(_median(predicted)),
-                   control_share=_r(sum(st["control_s"] for st in stats) / wall) if wall > 0 else None)
+                   control_share=_r(sum(st["control_s"] for st in stats) / wall) if wall > 0 else None,
+                   kv_bytes=max(st["kv_bytes"] for st in stats),
+                   kv_bytes_per_token=_r(_median([st["kv_bytes_per_token"] for st in stats])),
+                   draft_kv_bytes_per_token=_r(_median([st["draft_kv_bytes_per_token"] for st in stats])))
     if reference is not None:
         out["identical_to_none"], out["compared_to_none"] = _identity(samples, reference)
     return out
@@ -192,7 +198,9 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
                 "tokens": s.tokens, "seconds": _r(s.seconds), "tokens_per_s": _r(s.tokens_per_s), "finish": s.finish,
                 "mean_accepted_length": _r(s.stats["mean_accepted_length"]) if s.stats else None,
                 "acceptance_rate": _r(s.stats["acceptance_rate"]) if s.stats and s.stats["drafted_tokens"] else None,
-                "predicted_speedup": _r(s.stats["predicted_speedup"]) if s.stats else None}
+                "predicted_speedup": _r(s.stats["predicted_speedup"]) if s.stats else None,
+                "kv_bytes": s.stats["kv_bytes"] if s.stats else None,
+                "kv_bytes_per_token": _r(s.stats["kv_bytes_per_token"]) if s.stats else None}
                for s in result.samples]
     return {
         "schema_version": SCHEMA_VERSION,
@@ -252,14 +260,15 @@ def cost_curve_line(curve: dict[str, Any]) -> str:
 
 def format_table(doc: dict[str, Any]) -> str:
     """The human summary printed on stdout."""
-    rows = [("method", "tok/s", "vs hf (min-max)", "vs none (min-max)", "tau", "accept", "pred", "same", "mem MB",
+    rows = [("method", "tok/s", "vs hf (min-max)", "vs none (min-max)", "tau", "accept", "pred", "same", "KV B/tok",
+             "mem MB",
              "RSS MB")]
     for e in doc["methods"]:
         f = e["overall"]
         name = e["name"] + (" [FAILED]" if e["status"] == "failed" else "")
         rows.append((name, _x(f["tokens_per_s"]), _range(f, "speedup_vs_hf"), _range(f, "speedup_vs_none"),
                      _x(f["mean_accepted_length"]), _x(f["acceptance_rate"]), _x(f["predicted_speedup"]),
-                     _identity_cell(e), _x(memory_total(e), 0), _x(e["rss_mb"], 0)))
+                     _identity_cell(e), _x(f["kv_bytes_per_token"], 0), _x(memory_total(e), 0), _x(e["rss_mb"], 0)))
     lines = [_columns(rows), ""]
     cats = doc["prompts"]["categories"]
     grid = [("speedup vs none", *cats, "overall")]
@@ -337,6 +346,10 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
            f"torch threads {doc['environment'].get('torch_threads')}; torch {doc['environment'].get('torch')}, "
            f"transformers {doc['environment'].get('transformers')}",
            ""]
+    if "kv_dtype" in c:  # documents written before the KV settings existed lack them
+        window = "none" if c["kv_window"] is None else f"{c['kv_window']} + {c['kv_sinks']} sinks"
+        out.insert(-1, f"- KV cache: {c['kv_dtype']} (draft {c['draft_kv_dtype']}), window {window}, budget "
+                       f"{_n(c['kv_budget'])} bytes, prefix cache {'on' if c['prefix_cache'] else 'off'}")
     if doc["identical_outputs"] is not None:
         flag = "" if doc["identical_outputs"] == doc["identity_comparisons"] else " **MISMATCH: lossless methods changed the output**"
         out += [f"Greedy outputs of our speculative methods identical to `none`: "
@@ -356,9 +369,9 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
                      _n(f["mean_accepted_length"]), _n(f["acceptance_rate"]), _n(f["mean_gamma"]),
                      _n(f["predicted_speedup"]),
                      "-" if e["compared_to_none"] is None else f"{e['identical_to_none']}/{e['compared_to_none']}",
-                     _n(memory_total(e)), _n(e["rss_mb"]), _n(f["control_share"])])
+                     _n(f["kv_bytes_per_token"]), _n(memory_total(e)), _n(e["rss_mb"]), _n(f["control_share"])])
     out += [_md_table(["method", "tokens/s", "vs hf", "vs none", "tau", "acceptance", "mean gamma", "predicted",
-                       "identical", "memory MB", "RSS MB", "control share"], rows), "",
+                       "identical", "KV bytes/token", "memory MB", "RSS MB", "control share"], rows), "",
             "memory MB: what the configuration holds (weights, packed copies included, and KV caches); "
             "RSS MB: the whole process after the method's calls (every method's weights are loaded at once).", ""]
     for curve in doc.get("cost_curves", []):

@@ -27,6 +27,7 @@ from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILI
 from specdecode.bench.costs import CostCurve, measure_cost_curve
 from specdecode.bench.prompts import Prompt, render
 from specdecode.drafters.draft_model import check_draft_pair
+from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel, from_checkpoint, resolve_dtype
 from specdecode.models.loader import load_checkpoint
 from specdecode.sampling import SamplingParams
@@ -57,6 +58,8 @@ class BenchConfig:
         draft_quant: "int8" quantizes our draft model's projections (weight-only), "none" keeps them.
         controller_file: acceptance models of the confidence and adaptive controllers (None: shipped).
         record_steps: a JSONL file to write every step of our drafting methods' timed calls to, or None.
+        cache: our engine's KV cache settings (the same for every method of ours, ``none`` included).
+        draft_cache: the draft model's KV cache settings.
     """
 
     model: str
@@ -77,6 +80,8 @@ class BenchConfig:
     draft_quant: str = "none"
     controller_file: str | None = None
     record_steps: str | None = None
+    cache: CacheConfig = CacheConfig()
+    draft_cache: CacheConfig = CacheConfig()
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES]
@@ -329,7 +334,8 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
             for g in gammas:
                 methods.append(engine_method(family, g, target, sampling, config.max_new_tokens, loaded.draft, skip,
                                              config.ngram_sizes, config.gamma_max, config.controller_file,
-                                             record=config.record_steps is not None and family != "none"))
+                                             record=config.record_steps is not None and family != "none",
+                                             cache=config.cache, draft_cache=config.draft_cache))
         elif family.startswith("hf"):
             if not transformers_available():
                 skipped.append((family, "transformers is not installed"))

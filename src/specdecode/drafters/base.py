@@ -12,7 +12,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from specdecode.kv.cache import KVCache
+from specdecode.kv.cache import Cache
+from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 
 Signal = tuple[float, ...]
@@ -45,9 +46,10 @@ class Drafter(Protocol):
     name: str
     signal_names: tuple[str, ...]
 
-    def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
         """Starts a new request (timed as prefill): ``target_cache`` is the cache the target verifies
-        with, ``prompt`` the request's token ids, for drafters that prefill their own state."""
+        with, ``prompt`` the request's token ids, for drafters that prefill their own state, ``memory`` the
+        engine's KV budget and prefix caches, where a drafter with a cache of its own allocates it."""
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
@@ -83,7 +85,7 @@ def confidence(logits: torch.Tensor) -> Signal:
     return float(p.max()), float(-(p * logp).sum())
 
 
-def model_draft(model, cache: KVCache, fed: list[int], k: int, sampling: SamplingParams,
+def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingParams,
                 generator: torch.Generator, layers=None, stop: StopRule | None = None) -> Draft:
     """Autoregressive drafting with a transformer over its cache.
 

@@ -1,18 +1,23 @@
 """A separate small model drafts autoregressively over its own KV cache.
 
 The draft must share the target's vocabulary (same ids for the same tokens): a mismatched pair is
-refused at construction. The draft's cache is rolled back with the target's in ``commit``. This
-module does not load models (see ``models/loader.py``).
+refused at construction. The draft's cache (its own kind: ``--draft-kv-dtype``, the window settings) is
+allocated under the engine's KV budget, prefilled through the draft model's prefix cache, and rolled
+back and committed with the target's in ``commit``. This module does not load models (see
+``models/loader.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
 
 from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, model_draft
-from specdecode.kv.cache import CacheConfig, KVCache
+from specdecode.kv.cache import Cache, CacheConfig
+from specdecode.kv.memory import KVMemory
+from specdecode.kv.prefill import prefill
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 
@@ -55,26 +60,33 @@ class DraftModelDrafter:
         model: the draft transformer.
         target: the target it drafts for; when given, output heads of different sizes are refused here
             (token-level vocabulary checks need the tokenizers: see :func:`check_draft_pair`).
+        cache: the draft cache's settings (kv dtype, window, sinks); its size follows the target's cache.
     """
 
     name = "draft"
     signal_names = MODEL_SIGNALS
 
-    def __init__(self, model: Transformer, target: Transformer | None = None) -> None:
+    def __init__(self, model: Transformer, target: Transformer | None = None,
+                 cache: CacheConfig = CacheConfig()) -> None:
         if target is not None and target.config.vocab_size != model.config.vocab_size:
             raise VocabularyMismatchError(
                 f"draft output head has {model.config.vocab_size} rows but the target's has "
                 f"{target.config.vocab_size}; a draft model must use the target's vocabulary")
         self.model = model
-        self.cache: KVCache | None = None
+        self.cache_config = cache
+        self.cache: Cache | None = None
+        self._memory: KVMemory | None = None
 
-    def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
+        if memory is None:
+            memory = self._memory or KVMemory()
         # Same capacity as the target's: the draft never holds more tokens than the target verifies.
-        if self.cache is None or self.cache.max_len < target_cache.max_len:
-            self.cache = self.model.new_cache(CacheConfig(max_len=target_cache.max_len))
+        if self.cache is None or self.cache.max_len < target_cache.max_len or memory is not self._memory:
+            config = replace(self.cache_config, max_len=target_cache.max_len)
+            self.cache, self._memory = memory.new_cache("draft", self.model, config), memory
         self.cache.reset(0)
-        if len(prompt) > 1:  # prefill here, so that drafting time counts drafting only
-            self.model(torch.tensor([list(prompt[:-1])], device=self.model.device), self.cache, logits="none")
+        # Prefill here, so that drafting time counts drafting only.
+        prefill(self.cache, 0, list(prompt[:-1]), self.model, memory.prefix_for(self.model, self.cache.config))
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
@@ -83,4 +95,6 @@ class DraftModelDrafter:
 
     def commit(self, seq: list[int]) -> None:
         # Cached entries past len(seq) - 1 are rejected drafts (or the token still to be fed): drop them.
+        # What is left are tokens of seq, which the target has verified.
         self.cache.trim(0, min(self.cache.lengths[0], len(seq) - 1))
+        self.cache.commit(0, self.cache.lengths[0])

@@ -1,8 +1,10 @@
 """Self-speculation: the target drafts with some of its layers skipped, sharing its weights and cache.
 
 The drafted tokens' keys/values are written into the target's own cache for the layers that run and
-then overwritten by the verification forward, so the drafter owns no cache. Without training, a
-skip set must be chosen with care (see ``calibrate_skip_set``): plain early exit agrees poorly.
+then overwritten by the verification forward, so the drafter owns no cache (its KV memory is zero) and
+never touches the skipped layers' entries. Drafted tokens stay unverified, so a compressing target cache
+never quantizes or evicts them. Without training, a skip set must be chosen with care (see
+``calibrate_skip_set``): plain early exit agrees poorly.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Callable, Sequence
 import torch
 
 from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, model_draft
-from specdecode.kv.cache import CacheConfig, KVCache
+from specdecode.kv.cache import Cache, CacheConfig
+from specdecode.kv.memory import KVMemory
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from specdecode.stats import predicted_speedup
@@ -55,9 +58,9 @@ class LayerSkipDrafter:
         self.model = model
         self.skip = tuple(sorted(set(skip)))
         self.layers = tuple(i for i in range(n) if i not in self.skip)
-        self.cache: KVCache | None = None
+        self.cache: Cache | None = None
 
-    def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
         self.cache = target_cache
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,

@@ -12,7 +12,8 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.base import Draft, StopRule
-from specdecode.kv.cache import KVCache
+from specdecode.kv.cache import Cache
+from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams
 
 
@@ -43,7 +44,7 @@ class NgramDrafter:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
 
-    def reset(self, target_cache: KVCache, prompt: Sequence[int] = ()) -> None:
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
         pass
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,

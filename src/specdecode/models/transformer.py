@@ -1,4 +1,4 @@
-"""A Llama/Qwen2/Mistral-family decoder that runs over a :class:`~specdecode.kv.cache.KVCache`.
+"""A Llama/Qwen2/Mistral-family decoder that runs over a KV cache (:class:`~specdecode.kv.cache.Cache`).
 
 One forward takes any number of new tokens per sequence (prefill, one decode step, or a draft to
 verify), writes their keys/values into the cache by index and can run a subset of its layers
@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.kv.cache import CacheConfig, KVCache
+from specdecode.kv.cache import Cache, CacheConfig
+from specdecode.kv.factory import make_cache
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
 from specdecode.models.linear import Int8Linear, PackedLinear, can_pack
 
@@ -88,25 +89,20 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 @lru_cache(maxsize=8)  # every layer of a forward asks for the same mask
-def causal_hidden(t: int, length: int, group: int, window: int | None = None,
-                  device: torch.device | None = None) -> torch.Tensor | None:
+def causal_hidden(t: int, length: int, group: int, device: torch.device | None = None) -> torch.Tensor | None:
     """Mask for ``grouped_attention``: new token i (of T, the last T of L keys) sees keys 0..L-T+i.
 
     Args:
         t: new tokens.
         length: keys L, the new ones included.
         group: query heads per key head (rows are repeated per group member).
-        window: Mistral's sliding window: a query also hides keys at or before its position - window.
         device: where the mask lives.
     """
+    if t == 1:
+        return None
     key_pos = torch.arange(length, device=device)
     query_pos = torch.arange(length - t, length, device=device)[:, None]  # [T, 1]
-    hidden = key_pos > query_pos  # [T, L]
-    if window is not None:
-        hidden |= key_pos <= query_pos - window
-    if not hidden.any():
-        return None
-    return hidden.repeat(group, 1)  # [G*T, L]
+    return (key_pos > query_pos).repeat(group, 1)  # [G*T, L]
 
 
 class _HeadView(NamedTuple):
@@ -132,7 +128,7 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, layer: int, cache: KVCache, slots: Sequence[int], starts: Sequence[int],
+    def forward(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, invariant_rows: bool) -> torch.Tensor:
         b, t, _ = x.shape
         h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
@@ -142,10 +138,17 @@ class Block(nn.Module):
         k = qk[:, :, self.heads:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)
         keys, values = cache.update(layer, slots, starts, k, v)  # [B, Hkv, L, D]
-        if invariant_rows or mask is None:
+        length = keys.shape[2]
+        if (invariant_rows or mask is None) and self.window is not None and length > self.window:
+            # Mistral's window cuts: each new token over exactly its last `window` entries, so that no
+            # row's softmax runs over masked leading keys (that would change its summation order).
+            ends = range(length - t + 1, length + 1)
+            attn = torch.cat([grouped_attention(q[:, :, i:i + 1], keys[:, :, max(0, e - self.window):e],
+                                                values[:, :, max(0, e - self.window):e])
+                              for i, e in enumerate(ends)], dim=2)  # [B, H, T, D]
+        elif invariant_rows or mask is None:
             # Single sequence (or rows of equal length with one token each): batched and row-invariant.
-            hidden = causal_hidden(t, keys.shape[2], self.heads // self.kv_heads, self.window, keys.device)
-            attn = grouped_attention(q, keys, values, hidden)
+            attn = grouped_attention(q, keys, values, causal_hidden(t, length, self.heads // self.kv_heads, keys.device))
         else:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=self.heads != self.kv_heads)
@@ -182,10 +185,10 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_cache(self, config: CacheConfig) -> KVCache:
-        """A KV cache shaped for this model, in its dtype and on its device."""
+    def new_cache(self, config: CacheConfig) -> Cache:
+        """A KV cache of the kind ``config`` asks for, shaped for this model, in its dtype and on its device."""
         c = self.config
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, config, dtype=self.dtype, device=self.device)
+        return make_cache(c.num_layers, c.num_kv_heads, c.head_dim, config, dtype=self.dtype, device=self.device)
 
     def _rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Tables grow by doubling so that a long generation rebuilds them O(log n) times.
@@ -198,7 +201,7 @@ class Transformer(nn.Module):
                                 torch.cat((-sin, sin), dim=-1).to(self.dtype))  # [n, D]
         return self._rope_cache[1], self._rope_cache[2]
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, slots: Sequence[int] = (0,),
+    def forward(self, tokens: torch.Tensor, cache: Cache, slots: Sequence[int] = (0,),
                 layers: Sequence[int] | None = None, logits: Logits = "all",
                 invariant_rows: bool = False) -> torch.Tensor | None:
         """Runs new tokens through the model, appending their keys/values to the cache.
@@ -209,11 +212,10 @@ class Transformer(nn.Module):
             slots: cache slot of each row.
             layers: indices of the layers to run (self-speculation); None runs all of them.
             logits: "all" positions ``[B, T, V]``, "last" position ``[B, 1, V]``, or "none" (prefill).
-            invariant_rows: compute attention one new token at a time (single sequence only), so that
-                each row's result is bitwise what a one-token forward would give. With a fused attention
-                kernel the summation order depends on how many queries share a call; the linear layers
-                are row-invariant in bf16 on x86 CPUs for small models (see tests), so this makes greedy
-                verification reproduce one-token decoding exactly. Costs T-1 extra attention calls.
+            invariant_rows: compute attention with ``grouped_attention`` (single sequence only), whose
+                rows are bitwise independent of how many new tokens share the call; the fused kernel's
+                summation order is not. The linear layers are row-invariant in bf16 on x86 CPUs for small
+                models (see tests), so this makes greedy verification reproduce decoding exactly.
 
         Returns:
             Logits in float32, or None when ``logits="none"``.
@@ -229,7 +231,8 @@ class Transformer(nn.Module):
         else:
             pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)  # [B, T]
             cos, sin = cos_table[pos][:, :, None], sin_table[pos][:, :, None]  # [B, T, 1, D]
-        mask = None if invariant_rows else self._mask(starts, t)  # the row-by-row path needs none
+        seen = [cache.visible(s) for s in slots]  # entries update() returns before each row's new tokens
+        mask = None if invariant_rows else self._mask(seen, t)  # the row-by-row path needs none
         x = self.embed(tokens)  # [B, T, hidden]
         for i in range(self.config.num_layers) if layers is None else layers:
             x = self.layers[i](x, i, cache, slots, starts, cos, sin, mask, invariant_rows)
@@ -282,12 +285,12 @@ class Transformer(nn.Module):
         held = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
         return held + sum(m.nbytes for m in self.modules() if isinstance(m, PackedLinear))
 
-    def _mask(self, starts: list[int], t: int) -> torch.Tensor | None:
-        """Boolean attention mask ``[B, 1, T, L]``: query i of row b sees keys at positions <= starts[b] + i."""
-        if t == 1 and len(set(starts)) == 1:
+    def _mask(self, seen: list[int], t: int) -> torch.Tensor | None:
+        """Boolean attention mask ``[B, 1, T, L]``: query i of row b sees returned entries <= seen[b] + i."""
+        if t == 1 and len(set(seen)) == 1:
             return None  # one new token per row, all rows equally long: every key is visible
-        end = max(starts) + t
-        query_pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)  # [B, T]
+        end = max(seen) + t
+        query_pos = torch.tensor(seen, device=self.device)[:, None] + torch.arange(t, device=self.device)  # [B, T]
         key_pos = torch.arange(end, device=self.device)
         visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, T, L]
         if self.config.sliding_window is not None:
