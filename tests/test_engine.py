@@ -444,3 +444,30 @@ def test_prompt_plus_budget_beyond_the_context_length_is_refused(target):
     limit = target.config.max_position_embeddings
     with pytest.raises(ValueError, match="context length"):
         Engine(target).generate([1, 2, 3], max_new_tokens=limit)
+
+
+def test_verify_seconds_times_a_step_without_changing_the_cache_or_the_output(target, plain):
+    engine = Engine(target)
+    with pytest.raises(RuntimeError, match="needs a context"):
+        engine.verify_seconds(2)
+    prompt = PROMPTS[0]
+    engine.generate(prompt, max_new_tokens=1)
+    held = engine.cache.lengths[0]
+    assert all(engine.verify_seconds(k) > 0 for k in (0, 1, 5)) and engine.cache.lengths[0] == held
+    assert engine.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(prompt)]
+
+
+def test_memory_bytes_counts_what_each_configuration_holds(target, models):
+    plain = Engine(target)
+    plain.generate(PROMPTS[0], max_new_tokens=4)
+    mem = plain.memory_bytes()
+    assert mem["target_weights"] == target.weight_nbytes and mem["target_kv"] == plain.cache.nbytes > 0
+    assert mem["draft_weights"] == mem["draft_kv"] == 0
+    draft_model = models["other"]
+    drafted = Engine(target, drafter=DraftModelDrafter(draft_model, target), spec=SpeculativeConfig(gamma=2))
+    drafted.generate(PROMPTS[0], max_new_tokens=4)
+    mem = drafted.memory_bytes()
+    assert mem["draft_weights"] == draft_model.weight_nbytes and mem["draft_kv"] == drafted.drafter.cache.nbytes > 0
+    skip = Engine(target, drafter=LayerSkipDrafter(target, [1]), spec=SpeculativeConfig(gamma=2))
+    skip.generate(PROMPTS[0], max_new_tokens=4)
+    assert skip.memory_bytes()["draft_weights"] == skip.memory_bytes()["draft_kv"] == 0  # the target's own
