@@ -471,3 +471,13 @@ def test_memory_bytes_counts_what_each_configuration_holds(target, models):
     skip = Engine(target, drafter=LayerSkipDrafter(target, [1]), spec=SpeculativeConfig(gamma=2))
     skip.generate(PROMPTS[0], max_new_tokens=4)
     assert skip.memory_bytes()["draft_weights"] == skip.memory_bytes()["draft_kv"] == 0  # the target's own
+
+
+def test_row_padding_is_tuned_and_changes_no_output(target, models, plain):
+    engine = Engine(target, drafter=_drafter("draft-other", target, models), spec=SpeculativeConfig(gamma=3))
+    engine.warmup()
+    padded = engine._padded_rows
+    assert set(padded) == set(range(1, 9)) and all(max(n, 2) <= r <= 8 for n, r in padded.items())
+    engine._padded_rows = {n: 8 for n in range(1, 9)}  # the most padding there is: still the same tokens
+    for p in PROMPTS:
+        assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]
