@@ -6,13 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
 from specdecode.engine import Engine, GenerationResult, SpeculativeConfig
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
-from tiny_models import random_hf_tensors, tiny_config
+from tiny_models import varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,28 +25,14 @@ PROMPTS = [
 ]
 
 
-def _model(seed: int = 0, keep_layers: list[int] | None = None, num_layers: int = 4) -> Transformer:
-    """Weights at scale 0.2: greedy continuations vary (at tiny_model's default scale they repeat one token)."""
-    config = tiny_config("llama", num_layers=num_layers)
-    tensors = random_hf_tensors(config, seed, scale=0.2)
-    if keep_layers is None:
-        return Transformer.from_hf_tensors(config, tensors)
-    # The target truncated to some of its layers: a different model that often agrees with it.
-    kept = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
-    for j, i in enumerate(keep_layers):
-        prefix = f"model.layers.{i}."
-        kept.update({f"model.layers.{j}." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
-    return Transformer.from_hf_tensors(tiny_config("llama", num_layers=len(keep_layers)), kept)
-
-
 @pytest.fixture(scope="module")
 def target() -> Transformer:
-    return _model(0)
+    return varied_model(0)
 
 
 @pytest.fixture(scope="module")
 def models(target) -> dict[str, Transformer]:
-    return {"truncated": _model(0, keep_layers=[0, 1]), "other": _model(1, num_layers=2), "same": _model(0)}
+    return {"truncated": varied_model(0, keep_layers=[0, 1]), "other": varied_model(1, num_layers=2), "same": varied_model(0)}
 
 
 def _drafter(kind: str, target: Transformer, models: dict[str, Transformer]):
@@ -427,7 +412,7 @@ def test_speculative_config_max_draft():
     assert SpeculativeConfig(gamma=3).max_draft == 3
     assert SpeculativeConfig(gamma="agreement", gamma_max=6).max_draft == 6
     # Without a drafter the engine decodes plainly whatever the spec says.
-    engine = Engine(_model(2, num_layers=1), spec=SpeculativeConfig(gamma=5))
+    engine = Engine(varied_model(2, num_layers=1), spec=SpeculativeConfig(gamma=5))
     assert engine.spec.gamma == 0
     assert engine.generate([3, 4], max_new_tokens=5).stats.drafted_tokens == 0
 

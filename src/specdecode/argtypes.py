@@ -8,26 +8,24 @@ from specdecode.control import GAMMA_POLICIES
 from specdecode.kv.cache import KV_DTYPES, CacheConfig
 
 
-def positive_int(value: str) -> int:
-    """An integer >= 1."""
+def _int_at_least(value: str, low: int) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value!r}") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
     return n
+
+
+def positive_int(value: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(value, 1)
 
 
 def nonnegative_int(value: str) -> int:
     """An integer >= 0."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
+    return _int_at_least(value, 0)
 
 
 def gamma(value: str) -> int | str:

@@ -11,7 +11,7 @@ from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.kv.memory import KVBudgetError
 from specdecode.models.transformer import Transformer
-from tiny_models import random_hf_tensors, tiny_config
+from tiny_models import varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,26 +34,14 @@ SETTINGS = {
 LOSSY = ("int4", "window", "int8-window", "int4-window-prefix")
 
 
-def _model(seed: int = 0, keep_layers: list[int] | None = None) -> Transformer:
-    config = tiny_config("llama")
-    tensors = random_hf_tensors(config, seed, scale=0.2)
-    if keep_layers is None:
-        return Transformer.from_hf_tensors(config, tensors)
-    kept = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
-    for j, i in enumerate(keep_layers):
-        prefix = f"model.layers.{i}."
-        kept.update({f"model.layers.{j}." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
-    return Transformer.from_hf_tensors(tiny_config("llama", num_layers=len(keep_layers)), kept)
-
-
 @pytest.fixture(scope="module")
 def target() -> Transformer:
-    return _model(0)
+    return varied_model(0)
 
 
 @pytest.fixture(scope="module")
 def draft_model() -> Transformer:
-    return _model(0, keep_layers=[0, 1])  # the target truncated: agrees often, not always
+    return varied_model(0, keep_layers=[0, 1])  # the target truncated: agrees often, not always
 
 
 def _drafter(kind: str, target: Transformer, draft_model: Transformer, cache: CacheConfig):
