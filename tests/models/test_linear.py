@@ -22,7 +22,7 @@ def test_packed_equals_f_linear_bitwise(rows, bias):
     g = torch.Generator().manual_seed(rows)
     layer = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
     x = torch.randn(1, rows, 96, generator=g).to(torch.bfloat16)  # [B, T, in]
-    packed = PackedLinear.from_linear(layer)
+    packed = PackedLinear(layer.weight, layer.bias)
     with torch.inference_mode():
         got = packed(x)
         assert got.shape == (1, rows, 160)

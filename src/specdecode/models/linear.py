@@ -44,10 +44,6 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
-    @classmethod
-    def from_linear(cls, layer: nn.Linear) -> "PackedLinear":
-        return cls(layer.weight, layer.bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -72,11 +68,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-
-    @classmethod
-    def from_linear(cls, layer: nn.Module, dtype: torch.dtype) -> "Int8Linear":
-        weight = layer.weight
-        return cls(weight, getattr(layer, "bias", None), dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The float weight this layer computes with, ``s * Q`` (for tests and error bounds)."""
