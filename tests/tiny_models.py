@@ -88,17 +88,18 @@ def write_tiny_hf_model(folder: Path, seed: int = 0, arch: str = "llama", words:
     return folder
 
 
-def varied_model(seed: int = 0, keep_layers: list[int] | None = None, num_layers: int = 4) -> Transformer:
+def varied_model(seed: int = 0, keep_layers: list[int] | None = None, num_layers: int = 4,
+                 dtype: torch.dtype = torch.float32) -> Transformer:
     """A tiny llama with weights at scale 0.2 (greedy continuations vary; at tiny_model's default scale they
     repeat one token); with ``keep_layers``, seed's model truncated to those layers: a different model
     that often agrees with it (a natural draft)."""
     config = tiny_config("llama", num_layers=num_layers)
     tensors = random_hf_tensors(config, seed, scale=0.2)
     if keep_layers is None:
-        return Transformer.from_hf_tensors(config, tensors)
+        return Transformer.from_hf_tensors(config, tensors, dtype=dtype)
     kept = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
     for j, i in enumerate(keep_layers):
         prefix = f"model.layers.{i}."
         kept.update({f"model.layers.{j}." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
-    return Transformer.from_hf_tensors(tiny_config("llama", num_layers=len(keep_layers)), kept)
+    return Transformer.from_hf_tensors(tiny_config("llama", num_layers=len(keep_layers)), kept, dtype=dtype)
 

@@ -24,6 +24,7 @@ from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, calibrate_and_sto
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import DRAFT_QUANT, LoadedModel, load_model
+from specdecode.models.linear import LINEAR_KERNELS
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.sampling import SamplingParams
 
@@ -41,8 +42,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="weights and activations; auto = bf16 where the CPU computes it natively, else fp32")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--no-pack", dest="pack", action="store_false",
-                   help="do not pre-pack bf16 weights for oneDNN (same numbers, slower; for comparisons)")
+    p.add_argument("--linear", choices=LINEAR_KERNELS, default="auto",
+                   help="kernel for the bf16 projections: tiled (ours, AVX512-BF16, compiled once), onednn, "
+                        "torch (F.linear); auto = the first of those that runs here (default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,7 +135,7 @@ def _engine_for(args: argparse.Namespace, target: LoadedModel, spec: Speculative
     draft_model = skip = None
     if drafter_kind == "draft":
         _log(f"loading draft model {args.draft_model} ...")
-        draft = load_model(args.draft_model, args.dtype, progress=_log, pack=args.pack, quantize=args.draft_quant)
+        draft = load_model(args.draft_model, args.dtype, progress=_log, linear=args.linear, quantize=args.draft_quant)
         check_draft_pair(target, draft)
         draft_model = draft.model
     if drafter_kind == "layerskip":
@@ -151,7 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.gamma in ("confidence", "adaptive"):
         load_controller_file(args.controller_file)
     caches = cache_configs(args, draft=_drafter_kind(args) == "draft")
-    target = load_model(args.model, args.dtype, progress=_log, pack=args.pack)
+    target = load_model(args.model, args.dtype, progress=_log, linear=args.linear)
     if args.chat:
         if not target.tokenizer.chat_template:
             raise UsageError(f"model {args.model} has no chat template; drop --chat")
@@ -193,7 +195,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    target = load_model(args.model, args.dtype, progress=_log, pack=args.pack)
+    target = load_model(args.model, args.dtype, progress=_log, linear=args.linear)
     result = calibrate_and_store(target, args.dtype, gamma=args.gamma, new_tokens=args.new_tokens, progress=_log)
     if args.json:
         print(json.dumps({"model": target.source, "skip": list(result.skip), "agreement": result.agreement,

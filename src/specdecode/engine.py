@@ -145,7 +145,10 @@ class Engine:
         self.generated: list[int] = []
         self._eos: frozenset[int] = frozenset()
         self._step_s: dict[int, float] = {}  # decode-step seconds by context length bucket
-        self._padded_rows: dict[int, int] = {}  # rows needed -> rows run (tune_rows); default: at least 2
+        # oneDNN and F.linear round a one-row matmul (GEMV) differently from a multi-row one (GEMM), so
+        # there every forward gets at least two rows; the tiled kernel's rows are alike at any count.
+        self._min_rows = 1 if target.linear_kernel == "tiled" else 2
+        self._padded_rows: dict[int, int] = {}  # rows needed -> rows run (tune_rows); default: _min_rows
 
     def warmup(self) -> None:
         """Runs a short dummy request (prefill, drafting, verification) so that one-time costs such as
@@ -156,19 +159,20 @@ class Engine:
 
     @torch.inference_mode()
     def tune_rows(self, repeats: int = 5, margin: float = 0.03) -> dict[int, int]:
-        """Times target forwards of 2..MAX_PADDED_ROWS rows and pads each forward to the fastest row
+        """Times target forwards of up to MAX_PADDED_ROWS rows and pads each forward to the fastest row
         count at or above what it needs (the padding rows, copies of the last token, are ignored).
 
         oneDNN's bf16 kernels pick their algorithm by row count, and some counts run slower than larger
         ones (measured: 2 rows cost 1.5x what 4 rows cost on Qwen2.5-1.5B, 1.08x on SmolLM2), so a plain
-        decode step or a short verification is cheaper padded. A larger count is taken only when it is
+        decode step or a short verification is cheaper padded. The tiled kernel's cost grows with the
+        row count, so under it this finds no padding to do. A larger count is taken only when it is
         ``margin`` faster. Needs a context in the cache (run a request first; ``warmup`` does).
 
         Returns:
             Rows needed -> rows run, for 1..MAX_PADDED_ROWS.
         """
         held = self.cache.lengths[0]
-        times: dict[int, list[float]] = {r: [] for r in range(2, MAX_PADDED_ROWS + 1)}
+        times: dict[int, list[float]] = {r: [] for r in range(self._min_rows, MAX_PADDED_ROWS + 1)}
         for _ in range(repeats):
             for r in times:
                 start = time.perf_counter()
@@ -179,7 +183,7 @@ class Engine:
         cost = {r: statistics.median(t) for r, t in times.items()}
         padded = {}
         for need in range(1, MAX_PADDED_ROWS + 1):
-            best = max(need, 2)
+            best = max(need, self._min_rows)
             for r in range(best + 1, MAX_PADDED_ROWS + 1):
                 if cost[r] < cost[best] * (1 - margin):
                     best = r
@@ -344,12 +348,12 @@ class Engine:
         """One target forward over [last token, d_1..d_k], acceptance, and cache rollback."""
         held = self.cache.lengths[0]  # == len(seq) - 1: every token but the last is cached
         k = len(draft.tokens)
-        # At least two rows per forward: a one-row matmul takes a GEMV kernel that rounds differently from
-        # the multi-row GEMM of a verification, and greedy speculation must reproduce plain decoding
+        # At least _min_rows rows per forward, so that greedy speculation reproduces plain decoding
         # bitwise. Filler rows (copies of the last token, also used to reach a faster row count) come
         # after the real ones, so no real row sees them; they are ignored and rolled back.
         rows = seq[-1:] + draft.tokens
-        want = max(min(self._padded_rows.get(len(rows), 2), self.cache.stable_rows(0)), len(rows), 2)
+        want = max(min(self._padded_rows.get(len(rows), self._min_rows), self.cache.stable_rows(0)), len(rows),
+                   self._min_rows)
         rows += seq[-1:] * (want - len(rows))
         logits = self.target(torch.tensor([rows]), self.cache, invariant_rows=True)[0, :k + 1]  # [k + 1, V]
         if sampling.greedy:

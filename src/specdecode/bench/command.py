@@ -107,7 +107,7 @@ def run_command(args: argparse.Namespace) -> int:
     config = BenchConfig(model=args.model, draft_model=args.draft_model, families=families, gammas=args.gammas,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          dtype=args.dtype, seed=args.seed, skip_layers=args.skip_layers, ngram_sizes=args.ngram,
-                         gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, pack=args.pack,
+                         gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, linear=args.linear,
                          draft_quant=args.draft_quant, controller_file=args.controller_file,
                          record_steps=args.record_steps, cache=cache, draft_cache=draft_cache)
     result = run_bench(config, prompts, progress=args.progress)
@@ -117,7 +117,7 @@ def run_command(args: argparse.Namespace) -> int:
         "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "dtype": args.dtype,
         "prompts_file": args.prompts, "categories": categories, "limit": args.limit, "skip_layers": args.skip_layers,
         "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None),
-        "cost_curve": args.cost_curve, "pack": args.pack, "draft_quant": args.draft_quant,
+        "cost_curve": args.cost_curve, "linear": args.linear, "draft_quant": args.draft_quant,
         "controller_file": args.controller_file, "record_steps": args.record_steps,
         "kv_dtype": args.kv_dtype, "draft_kv_dtype": args.draft_kv_dtype, "kv_window": args.kv_window,
         "kv_sinks": args.kv_sinks, "kv_budget": args.kv_budget, "prefix_cache": args.prefix_cache}

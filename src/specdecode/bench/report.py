@@ -205,7 +205,7 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
     return {
         "schema_version": SCHEMA_VERSION,
         "config": {**config_echo, "model_source": result.model_source, "draft_model_source": result.draft_source,
-                   "torch_dtype": result.torch_dtype},
+                   "torch_dtype": result.torch_dtype, "linear_kernel": result.linear_kernel},
         "environment": environment,
         "prompts": {"count": len(result.prompts), "categories": categories,
                     "by_category": {c: len(v) for c, v in by_category.items()},
@@ -279,7 +279,8 @@ def format_table(doc: dict[str, Any]) -> str:
     lines += [_columns(grid), ""]
     c = doc["config"]
     lines.append(f"{doc['prompts']['count']} prompts x {c['repeats']} repeat(s), budget {c['max_new_tokens']} tokens, "
-                 f"temperature {c['temperature']}, dtype {c['torch_dtype']}; peak RSS {_x(doc['memory']['peak_rss_mb'], 0)} MB")
+                 f"temperature {c['temperature']}, dtype {c['torch_dtype']}"
+                 + (f", projections on {c['linear_kernel']}" if c.get("linear_kernel") else "") + f"; peak RSS {_x(doc['memory']['peak_rss_mb'], 0)} MB")
     if doc["identical_outputs"] is not None:
         ok = doc["identical_outputs"] == doc["identity_comparisons"]
         lines.append(f"greedy outputs identical to 'none': {doc['identical_outputs']}/{doc['identity_comparisons']}"
@@ -339,6 +340,7 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
     ok = [e for e in doc["methods"] if e["overall"]["samples"]]
     out = ["# specdecode bench report", "",
            f"- model: `{c['model']}` ({c['model_source']}), dtype {c['torch_dtype']}"
+           + (f", projections on {c['linear_kernel']}" if c.get("linear_kernel") else "")
            + (f", draft model `{c['draft_model']}`" if c.get("draft_model") else ""),
            f"- prompts: {doc['prompts']['count']} in {len(cats)} categories ({', '.join(cats)}), "
            f"{c['repeats']} repeat(s), budget {c['max_new_tokens']} new tokens, temperature {c['temperature']}",

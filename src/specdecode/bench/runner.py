@@ -54,7 +54,7 @@ class BenchConfig:
         gamma_max: upper bound of the controllers.
         chat: wrap plain prompts in the chat template when the model has one.
         cost_curve: time verification of 0..cost_curve drafted tokens (0: no curve).
-        pack: pre-pack our decoder's weights for oneDNN (``--no-pack`` turns it off).
+        linear: kernel for our decoder's projections (``--linear``, see ``Transformer.pack_weights``).
         draft_quant: "int8" quantizes our draft model's projections (weight-only), "none" keeps them.
         controller_file: acceptance models of the confidence and adaptive controllers (None: shipped).
         record_steps: a JSONL file to write every step of our drafting methods' timed calls to, or None.
@@ -76,7 +76,7 @@ class BenchConfig:
     gamma_max: int = 8
     chat: bool = True
     cost_curve: int = 16
-    pack: bool = True
+    linear: str = "auto"
     draft_quant: str = "none"
     controller_file: str | None = None
     record_steps: str | None = None
@@ -166,6 +166,7 @@ class RunResult:
     model_source: str
     draft_source: str | None
     torch_dtype: str
+    linear_kernel: str
     load_s: float
     run_s: float
     cost_curves: list[CostCurve] = field(default_factory=list)
@@ -288,7 +289,7 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
         nonlocal hf_error
         log(f"loading {role} {source} ...")
         ckpt = load_checkpoint(source, progress=log)
-        ours = from_checkpoint(ckpt, torch_dtype, pack=config.pack, quantize=quantize)
+        ours = from_checkpoint(ckpt, torch_dtype, linear=config.linear, quantize=quantize, progress=log)
         peer = None
         if hf and hf_error is None:
             try:
@@ -499,6 +500,7 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
         identity_comparisons=comparisons, identity_mismatches=mismatches, peer_agreement=peer_agreement,
         rss_mb=rss, peak_rss_mb=peak_rss_mb(), rss_after_load_mb=rss_after_load,
         model_source=loaded.target.source, draft_source=loaded.draft.source if loaded.draft else None,
+        linear_kernel=loaded.target.model.linear_kernel,
         torch_dtype=str(loaded.torch_dtype).replace("torch.", ""), load_s=load_s, run_s=run_s, cost_curves=curves)
 
 

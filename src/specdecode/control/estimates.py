@@ -65,7 +65,8 @@ class PositionAcceptance:
 def verify_shape(k: int, slope: float) -> float:
     """Prior verification cost of k drafted tokens relative to a plain step: 1 + slope * max(k, 1).
 
-    A step without a draft still runs two rows (see ``Engine._verify``), so it costs what k = 1 does.
+    Outside the tiled kernel a step without a draft still runs two rows (see ``Engine._verify``), so the
+    prior prices it like k = 1; the learnt curve corrects it where one row is cheaper.
     """
     return 1.0 + slope * max(k, 1)
 

@@ -62,7 +62,7 @@ class LoadedModel:
 
 
 def load_model(source: str, dtype: str = "auto", device: str = "cpu",
-               progress: Callable[[str], None] | None = None, pack: bool = True,
+               progress: Callable[[str], None] | None = None, linear: str = "auto",
                quantize: str = "none") -> LoadedModel:
     """Loads a model by registry name, ``.gguf`` path, HF folder or hub id.
 
@@ -71,30 +71,31 @@ def load_model(source: str, dtype: str = "auto", device: str = "cpu",
         dtype: "auto", "bfloat16", "float32" or "float16".
         device: torch device string.
         progress: called with one-line status messages (fetching, loading).
-        pack: pre-pack the projections for oneDNN where possible (CPU bf16; same numbers, faster).
+        linear: kernel for the projections, see ``Transformer.pack_weights`` ("auto" picks the fastest).
         quantize: "int8" for int8 weight-only projections (draft models; different numbers), or "none".
     """
     torch_dtype = resolve_dtype(dtype, device)
     if quantize not in DRAFT_QUANT:
         raise ValueError(f"quantize {quantize!r} is not one of {', '.join(DRAFT_QUANT)}")
-    return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, device, pack=pack,
-                           quantize=quantize)
+    return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, device, linear=linear,
+                           quantize=quantize, progress=progress)
 
 
-def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", pack: bool = True,
-                    quantize: str = "none") -> LoadedModel:
+def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", linear: str = "auto",
+                    quantize: str = "none", progress: Callable[[str], None] | None = None) -> LoadedModel:
     """Builds our decoder from loaded weights (the checkpoint's tensors stay usable, e.g. for a peer).
 
     Args:
         ckpt: the loaded checkpoint.
         dtype: parameter dtype.
         device: torch device string.
-        pack: pre-pack the projections for oneDNN where possible (see ``Transformer.pack_weights``).
-        quantize: "int8" replaces the projections with int8 weight-only ones (then nothing is packed).
+        linear: kernel for the projections (see ``Transformer.pack_weights``).
+        quantize: "int8" replaces the projections with int8 weight-only ones (then ``linear`` is ignored).
+        progress: told about a first compile of the tiled kernel.
     """
     model = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=dtype).to(device)
     if quantize == "int8":
         model.quantize_weights()
-    elif pack:
-        model.pack_weights()
+    else:
+        model.pack_weights(linear, log=progress)
     return LoadedModel(model, ckpt.tokenizer, ckpt.source)

@@ -22,7 +22,8 @@ from torch import nn
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.factory import make_cache
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
-from specdecode.models.linear import Int8Linear, PackedLinear, can_pack
+from specdecode.models import tiled
+from specdecode.models.linear import LINEAR_KERNELS, Int8Linear, PackedLinear, TiledLinear, can_pack
 
 Logits = Literal["all", "last", "none"]
 
@@ -173,7 +174,7 @@ class Transformer(nn.Module):
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Set by pack_weights() / quantize_weights(); a tied head then gets its own copy.
-        self.head_layer: PackedLinear | Int8Linear | None = None
+        self.head_layer: TiledLinear | PackedLinear | Int8Linear | None = None
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
@@ -247,21 +248,58 @@ class Transformer(nn.Module):
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 
-    def pack_weights(self) -> bool:
-        """Swaps every projection for a oneDNN pre-packed copy (CPU bf16); a no-op elsewhere.
+    def pack_weights(self, kernel: str = "auto", log: Callable[[str], None] | None = None) -> str:
+        """Swaps every projection for a pre-packed bf16 copy run by a faster kernel.
 
         A tied output head keeps the embedding table for lookups and gains a packed copy, which costs
-        ``vocab_size * hidden_size`` elements more (see ``weight_nbytes``).
+        ``vocab_size * hidden_size`` elements more (see ``weight_nbytes``). Packing twice is a no-op.
+
+        Args:
+            kernel: "tiled" (ours, ``models/tiled.py``), "onednn", "torch" (leave ``F.linear``), or
+                "auto": tiled where it builds and runs, else oneDNN, else torch; float32 models stay on
+                torch under "auto" (both kernels are bf16 only).
+            log: told about a first compile of the tiled kernel.
 
         Returns:
-            Whether the weights are now packed.
+            The kernel the projections now run on: "tiled", "onednn" or "torch".
+
+        Raises:
+            ValueError: an unknown kernel, or one that cannot run this model here (the reason is named).
         """
-        if isinstance(self.head_layer, PackedLinear):
-            return True
-        if not can_pack(self.embed.weight) or self.head_layer is not None:
-            return False
-        self._swap_projections(lambda layer: PackedLinear(layer.weight, layer.bias))
-        return True
+        if kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear kernel {kernel!r} is not one of {', '.join(LINEAR_KERNELS)}")
+        if self.head_layer is not None:
+            current = self.linear_kernel
+            if kernel in ("auto", current):
+                return current
+            raise ValueError(f"the projections already run on {current}; cannot switch to {kernel}")
+        if kernel == "torch":
+            return "torch"
+        bf16_cpu = self.dtype == torch.bfloat16 and self.device.type == "cpu"
+        if kernel == "auto":
+            if not bf16_cpu:
+                return "torch"
+            kernel = "tiled" if tiled.kernel(log) is not None else "onednn" if can_pack(self.embed.weight) else "torch"
+            if kernel == "torch":
+                return "torch"
+        if not bf16_cpu:
+            raise ValueError(f"the {kernel} kernel needs a bf16 model on the CPU (this one is {self.dtype} on {self.device})")
+        if kernel == "tiled":
+            reason = tiled.unavailable_reason(log)
+            if reason is not None:
+                raise ValueError(f"the tiled kernel is unavailable: {reason}")
+            self._swap_projections(lambda layer: TiledLinear(layer.weight, layer.bias))
+        else:
+            if not can_pack(self.embed.weight):
+                raise ValueError("oneDNN cannot pack weights in this torch build")
+            self._swap_projections(lambda layer: PackedLinear(layer.weight, layer.bias))
+        return kernel
+
+    @property
+    def linear_kernel(self) -> str:
+        """What the projections run on: "tiled", "onednn", "int8" or "torch"."""
+        kinds = {TiledLinear: "tiled", PackedLinear: "onednn", Int8Linear: "int8"}
+        return kinds.get(type(self.head_layer), "torch")
 
     def quantize_weights(self) -> None:
         """Replaces every projection (and the output head) with int8 weight-only copies.
