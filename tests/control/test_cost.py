@@ -64,6 +64,10 @@ def test_best_gamma_maximises_expected_tokens_per_second():
         assert best_gamma(cumulative, costs) == brute(p), p
     assert best_gamma([0.1] * 8, costs) == 0
     assert best_gamma([0.99 ** i for i in range(1, 9)], costs) == 8
+    # With a margin, a draft predicted only slightly faster than plain decoding is not chosen.
+    p = 0.35
+    gain = sum(p ** i for i in range(2)) / costs.step_s(1) * costs.step_s(0)  # k = 1 vs plain
+    assert 1.0 < gain < 1.05 and best_gamma([p], costs) == 1 and best_gamma([p], costs, margin=0.05) == 0
 
 
 def test_cost_picks_zero_when_acceptance_is_low_and_more_when_it_is_high():

@@ -63,12 +63,12 @@ class PositionAcceptance:
 
 
 def verify_shape(k: int, slope: float) -> float:
-    """Prior verification cost of k drafted tokens relative to a plain step: 1 + slope * max(k, 1).
+    """Prior verification cost of k drafted tokens relative to a plain step: 1 + slope * k.
 
-    Outside the tiled kernel a step without a draft still runs two rows (see ``Engine._verify``), so the
-    prior prices it like k = 1; the learnt curve corrects it where one row is cheaper.
+    Where plain steps run two rows (outside the tiled kernel, see ``Engine._verify``) k = 0 really costs
+    about what k = 1 does; the learnt curve corrects that once a plain step has run.
     """
-    return 1.0 + slope * max(k, 1)
+    return 1.0 + slope * k
 
 
 @dataclass
@@ -122,13 +122,15 @@ class StepCosts:
         return k * self.draft_per_token + self.verify_s(k)
 
 
-def best_gamma(cumulative: list[float], costs: StepCosts) -> int:
+def best_gamma(cumulative: list[float], costs: StepCosts, margin: float = 0.0) -> int:
     """The k in 0..len(cumulative) with the most expected tokens per second, E(k) / step_s(k).
 
     E(k) = 1 + P_1 + ... + P_k: the target's own token plus each drafted token that is accepted along
-    with all before it. Ties go to the shorter draft.
+    with all before it. Ties go to the shorter draft; a draft must beat plain decoding by ``margin``
+    (a share of its rate) to be chosen at all.
     """
-    best, best_rate, tokens = 0, 1.0 / costs.step_s(0), 1.0
+    plain_rate = 1.0 / costs.step_s(0)
+    best, best_rate, tokens = 0, plain_rate * (1.0 + margin), 1.0
     for k, prob in enumerate(cumulative, start=1):
         tokens += prob
         rate = tokens / costs.step_s(k)

@@ -62,7 +62,7 @@ def _build(log: Callable[[str], None] | None) -> tuple[ModuleType | None, str | 
     from torch.utils.cpp_extension import load
 
     if log is not None:
-        log("loading the tiled bf16 kernel (compiled once on first use, about 30 s)")
+        log("loading the tiled bf16 kernel (its first use compiles it: about 30 s)")
     try:
         _built = (load("specdecode_tiled_bf16", [str(SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"]), None)
     except Exception as exc:  # a compiler error: keep its last line, callers fall back to oneDNN

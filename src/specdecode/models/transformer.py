@@ -82,10 +82,10 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     b, h, t, d = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(b, kv_heads, (h // kv_heads) * t, d)  # [B, Hkv, G*T, D]
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * d ** -0.5  # [B, Hkv, G*T, L]
+    scores = (torch.matmul(grouped, keys.transpose(-1, -2)) * d ** -0.5).float()  # [B, Hkv, G*T, L]
     if hidden is not None:
-        scores = scores.masked_fill(hidden, float("-inf"))
-    probs = scores.float().softmax(-1).to(values.dtype)
+        scores.masked_fill_(hidden, float("-inf"))  # in place on the float copy: one tensor less per layer
+    probs = scores.softmax(-1).to(values.dtype)
     return torch.matmul(probs, values).view(b, h, t, d)
 
 
