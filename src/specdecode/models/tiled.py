@@ -59,13 +59,13 @@ def _build(log: Callable[[str], None] | None) -> tuple[ModuleType | None, str | 
     if reason is not None:
         _built = (None, reason)
         return _built
-    from torch.utils.cpp_extension import load
-
     if log is not None:
         log("loading the tiled bf16 kernel (its first use compiles it: about 30 s)")
     try:
+        from torch.utils.cpp_extension import load  # imports setuptools: a dependency of ours
+
         _built = (load("specdecode_tiled_bf16", [str(SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"]), None)
-    except Exception as exc:  # a compiler error: keep its last line, callers fall back to oneDNN
+    except Exception as exc:  # a compiler (or import) error: keep its last line; callers fall back
         last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
         _built = (None, f"compiling {SOURCE.name} failed: {last[0]}")
     return _built
