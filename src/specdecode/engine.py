@@ -164,8 +164,8 @@ class Engine:
 
         oneDNN's bf16 kernels pick their algorithm by row count, and some counts run slower than larger
         ones (measured: 2 rows cost 1.5x what 4 rows cost on Qwen2.5-1.5B, 1.08x on SmolLM2), so a plain
-        decode step or a short verification is cheaper padded. The tiled kernel's cost grows with the
-        row count, so under it this finds no padding to do. A larger count is taken only when it is
+        decode step or a short verification is cheaper padded. Under the tiled kernel the cost grows
+        with the row count, so padding seldom pays there. A larger count is taken only when it is
         ``margin`` faster. Needs a context in the cache (run a request first; ``warmup`` does).
 
         Returns:
