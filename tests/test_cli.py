@@ -205,6 +205,8 @@ def test_a_budget_too_small_for_the_request_is_a_clean_error(tiny, capsys):
     (["--prefix-cache", "yes"], ["--prefix-cache", "'on' or 'off'"]),
     (["--kv-dtype", "int8", "--kv-window", "16"], ["--kv-window 16", "32 recent tokens", "--kv-dtype int8"]),
     (["--draft-kv-dtype", "int8"], ["--draft-kv-dtype is only used with a draft model"]),
+    (["--linear", "tiled", "--dtype", "float32"], ["the tiled kernel needs a bf16 model", "float32"]),
+    (["--linear", "fast"], ["--linear", "'fast'", "tiled"]),
 ])
 def test_bad_arguments_before_any_loading(tiny, capsys, flags, needles):
     # Tiny target unless the flags name another model; no case may get as far as loading the weights.

@@ -265,6 +265,7 @@ def test_kv_flags_pass_through_and_memory_per_token_is_reported(tiny_model_dirs,
     c = doc["config"]
     assert (c["kv_dtype"], c["draft_kv_dtype"], c["kv_window"], c["kv_sinks"], c["kv_budget"], c["prefix_cache"]) == \
         ("int8", "int4", 40, 2, 8 * 2 ** 20, True)
+    assert c["linear"] == "auto" and c["linear_kernel"] == "torch"  # auto keeps a float32 model on F.linear
     assert doc["identical_outputs"] == doc["identity_comparisons"] > 0  # lossless under the same compression
     by_name = {m["name"]: m["overall"] for m in doc["methods"]}
     fp32_per_token = 2 * 4 * 2 * 16 * 4

@@ -48,6 +48,7 @@ def test_step_costs_learn_the_draft_cost_and_the_verification_curve():
     assert c.verify_s(0) == pytest.approx(0.04, rel=0.05)
     # An unmeasured k follows the prior shape relative to the measured base.
     assert c.verify_s(8) == pytest.approx(c.base * verify_shape(8, c.verify_slope))
+    assert verify_shape(0, 0.02) == 1.0 and verify_shape(3, 0.02) == pytest.approx(1.06)  # k = 0: a plain step
     assert c.step_s(3) == pytest.approx(3 * 0.01 + c.verify_s(3))
 
 

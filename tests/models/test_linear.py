@@ -64,6 +64,19 @@ def test_greedy_speculation_is_exact_on_the_tiled_kernel(kind):
 
 
 @needs_tiled
+def test_plain_decoding_on_the_tiled_kernel_runs_one_row_per_step():
+    target = varied_model(0, dtype=torch.bfloat16)
+    target.pack_weights("tiled")
+    rows: list[int] = []
+    target.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[1]))
+    engine = Engine(target)
+    engine.warmup()  # no row padding is tuned under the tiled kernel
+    rows.clear()
+    engine.generate([7, 8, 9, 10], max_new_tokens=6)
+    assert rows == [3] + [1] * 6  # prefill of all but the last token, then one row per step (no filler, no padding)
+
+
+@needs_tiled
 def test_pack_weights_names_what_is_wrong():
     model = varied_model(0, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="'fast' is not one of auto, tiled, onednn, torch"):

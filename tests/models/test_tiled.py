@@ -14,9 +14,9 @@ def test_reasons_name_what_is_missing(monkeypatch):
     monkeypatch.setattr(tiled.platform, "machine", lambda: "aarch64")
     assert tiled._static_reason() == "needs an x86-64 CPU (this is aarch64)"
     monkeypatch.setattr(tiled.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(tiled, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx512vl"})
+    monkeypatch.setattr(tiled, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl"}))
     assert tiled._static_reason() == "the CPU lacks avx512_bf16"
-    monkeypatch.setattr(tiled, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+    monkeypatch.setattr(tiled, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}))
     monkeypatch.setattr(tiled.shutil, "which", lambda name: None)
     assert tiled._static_reason() == "ninja is not on PATH (needed to compile the kernel)"
 

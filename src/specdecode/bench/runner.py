@@ -30,6 +30,7 @@ from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel, from_checkpoint, resolve_dtype
 from specdecode.models.loader import load_checkpoint
+from specdecode.models.transformer import resolve_linear_kernel
 from specdecode.sampling import SamplingParams
 
 Log = Callable[[str], None]
@@ -282,6 +283,7 @@ class _Loaded:
 def _load(config: BenchConfig, log: Log) -> _Loaded:
     """Loads the target (and draft) once; our decoder and transformers get the same tensors."""
     torch_dtype = resolve_dtype(config.dtype)
+    resolve_linear_kernel(config.linear, torch_dtype, torch.device("cpu"), log)  # refuse before loading
     wants_hf = transformers_available() and any(f.startswith("hf") for f in config.families)
     hf_error = None
 

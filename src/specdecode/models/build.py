@@ -7,28 +7,22 @@ Glue only: parsing and dequantizing live in ``loader.py``, the network in ``fetc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable
 
 import torch
 
 from specdecode.models.loader import Checkpoint, load_checkpoint
+from specdecode.models.tiled import cpu_flags
 from specdecode.models.tokenizer import Tokenizer
-from specdecode.models.transformer import Transformer
+from specdecode.models.transformer import Transformer, resolve_linear_kernel
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DRAFT_QUANT = ("none", "int8")  # weight-only quantization offered for draft models
 
 
-@lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
@@ -77,6 +71,8 @@ def load_model(source: str, dtype: str = "auto", device: str = "cpu",
     torch_dtype = resolve_dtype(dtype, device)
     if quantize not in DRAFT_QUANT:
         raise ValueError(f"quantize {quantize!r} is not one of {', '.join(DRAFT_QUANT)}")
+    if quantize == "none":  # a kernel that cannot run is refused before any weights are read
+        linear = resolve_linear_kernel(linear, torch_dtype, torch.device(device), progress)
     return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, device, linear=linear,
                            quantize=quantize, progress=progress)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
@@ -23,22 +24,24 @@ TILE = 64  # outputs per tile, as in the kernel
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
 
-def _cpu_flags() -> set[str]:
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. not Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _static_reason() -> str | None:
     """Why the kernel cannot run here, judged without compiling; None if it may."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"needs an x86-64 CPU (this is {platform.machine()})"
-    missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - _cpu_flags()
+    missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - cpu_flags()
     if missing:
         return f"the CPU lacks {', '.join(sorted(missing))}"
     if shutil.which("ninja") is None:

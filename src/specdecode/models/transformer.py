@@ -106,6 +106,44 @@ def causal_hidden(t: int, length: int, group: int, device: torch.device | None =
     return (key_pos > query_pos).repeat(group, 1)  # [G*T, L]
 
 
+def linear_kernel_problem(kernel: str, dtype: torch.dtype, device: torch.device,
+                          log: Callable[[str], None] | None = None) -> str | None:
+    """Why ``kernel`` cannot run the projections of a ``dtype`` model on ``device`` here, or None.
+
+    Args:
+        kernel: one of LINEAR_KERNELS.
+        dtype: the model's parameter dtype.
+        device: where the model lives.
+        log: told about a first compile of the tiled kernel (asking builds it).
+    """
+    if kernel not in LINEAR_KERNELS:
+        return f"linear kernel {kernel!r} is not one of {', '.join(LINEAR_KERNELS)}"
+    if kernel in ("auto", "torch"):
+        return None
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return f"the {kernel} kernel needs a bf16 model on the CPU (this one is {dtype} on {device})"
+    if kernel == "tiled":
+        reason = tiled.unavailable_reason(log)
+        return None if reason is None else f"the tiled kernel is unavailable: {reason}"
+    return None if can_pack(torch.empty(0, dtype=dtype)) else "oneDNN cannot pack weights in this torch build"
+
+
+def resolve_linear_kernel(kernel: str, dtype: torch.dtype, device: torch.device,
+                          log: Callable[[str], None] | None = None) -> str:
+    """The kernel a model's projections will run on: ``kernel`` itself, or for "auto" the first of tiled
+    (ours, ``models/tiled.py``), oneDNN and torch (``F.linear``) that can run here.
+
+    Raises:
+        ValueError: ``kernel`` is unknown or cannot run here; the message says why.
+    """
+    if kernel != "auto":
+        problem = linear_kernel_problem(kernel, dtype, device, log)
+        if problem is not None:
+            raise ValueError(problem)
+        return kernel
+    return next((k for k in ("tiled", "onednn") if linear_kernel_problem(k, dtype, device, log) is None), "torch")
+
+
 class _HeadView(NamedTuple):
     """A tied output head seen as a bias-free linear layer over the embedding table."""
 
@@ -255,9 +293,7 @@ class Transformer(nn.Module):
         ``vocab_size * hidden_size`` elements more (see ``weight_nbytes``). Packing twice is a no-op.
 
         Args:
-            kernel: "tiled" (ours, ``models/tiled.py``), "onednn", "torch" (leave ``F.linear``), or
-                "auto": tiled where it builds and runs, else oneDNN, else torch; float32 models stay on
-                torch under "auto" (both kernels are bf16 only).
+            kernel: one of LINEAR_KERNELS (see ``resolve_linear_kernel``).
             log: told about a first compile of the tiled kernel.
 
         Returns:
@@ -266,32 +302,15 @@ class Transformer(nn.Module):
         Raises:
             ValueError: an unknown kernel, or one that cannot run this model here (the reason is named).
         """
-        if kernel not in LINEAR_KERNELS:
-            raise ValueError(f"linear kernel {kernel!r} is not one of {', '.join(LINEAR_KERNELS)}")
         if self.head_layer is not None:
             current = self.linear_kernel
             if kernel in ("auto", current):
                 return current
             raise ValueError(f"the projections already run on {current}; cannot switch to {kernel}")
-        if kernel == "torch":
-            return "torch"
-        bf16_cpu = self.dtype == torch.bfloat16 and self.device.type == "cpu"
-        if kernel == "auto":
-            if not bf16_cpu:
-                return "torch"
-            kernel = "tiled" if tiled.kernel(log) is not None else "onednn" if can_pack(self.embed.weight) else "torch"
-            if kernel == "torch":
-                return "torch"
-        if not bf16_cpu:
-            raise ValueError(f"the {kernel} kernel needs a bf16 model on the CPU (this one is {self.dtype} on {self.device})")
+        kernel = resolve_linear_kernel(kernel, self.dtype, self.device, log)
         if kernel == "tiled":
-            reason = tiled.unavailable_reason(log)
-            if reason is not None:
-                raise ValueError(f"the tiled kernel is unavailable: {reason}")
             self._swap_projections(lambda layer: TiledLinear(layer.weight, layer.bias))
-        else:
-            if not can_pack(self.embed.weight):
-                raise ValueError("oneDNN cannot pack weights in this torch build")
+        elif kernel == "onednn":
             self._swap_projections(lambda layer: PackedLinear(layer.weight, layer.bias))
         return kernel
 
