@@ -425,6 +425,24 @@ def test_warmup_measures_the_step_cost_and_changes_no_output(target, plain):
         assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]
 
 
+@pytest.mark.parametrize("gamma", ["cost", "adaptive"])
+def test_warmup_seeds_the_shared_step_costs_and_requests_keep_learning_them(target, plain, gamma):
+    engine = Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=gamma, gamma_max=6))
+    shared = engine._new_controller.shared
+    costs = shared.costs
+    assert costs.base is None
+    engine.warmup()
+    seeded = list(costs.shape)
+    assert costs.base > 0 and seeded[0] == 1.0 and seeded == sorted(seeded)  # timed, non-decreasing
+    assert costs.draft_per_token is None  # the dummy request's drafting is not what real ones cost
+    for p in PROMPTS:
+        assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]
+    # One SharedEstimates for all requests: the later ones start from what the earlier ones measured.
+    assert engine._new_controller().shared is shared
+    assert costs.ready and costs.shape != seeded and sum(shared.acceptance.seen) > 0
+    assert Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=3))._new_controller.shared is None
+
+
 def test_prompt_plus_budget_beyond_the_context_length_is_refused(target):
     limit = target.config.max_position_embeddings
     with pytest.raises(ValueError, match="context length"):

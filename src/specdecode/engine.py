@@ -25,6 +25,7 @@ from specdecode.stats import RequestStats
 from specdecode.verify import Verdict, verify_greedy, verify_stochastic
 
 MAX_GAMMA = 64
+SEEDED_GAMMA = 16  # longest draft whose verification ``Engine.seed_costs`` times
 # Row counts tried when tuning a forward's padding (see Engine.tune_rows).
 MAX_PADDED_ROWS = 8
 
@@ -154,10 +155,22 @@ class Engine:
         """Runs a short dummy request (prefill, drafting, verification) so that one-time costs such as
         buffer allocation and kernel selection stay out of the next request's timings, then tunes the
         row padding (:meth:`tune_rows`) unless the target runs on the tiled kernel, whose cost only grows
-        with the row count (tuning there picks timing noise: seen padding 2-4 rows to 5 on SmolLM2)."""
+        with the row count (tuning there picks timing noise: seen padding 2-4 rows to 5 on SmolLM2), and
+        times the verification curve for the cost-aware controllers (:meth:`seed_costs`)."""
         self.generate([0] * 8, max_new_tokens=8, eos_token_ids=())
         if self.target.linear_kernel != "tiled":
             self.tune_rows()
+        self.seed_costs()
+
+    def seed_costs(self, repeats: int = 3) -> None:
+        """Gives the controllers that weigh costs (``cost``, ``adaptive``) the verification curve v(k),
+        k = 0..gamma_max, timed now (median of ``repeats``) rather than learnt from the k that happen
+        to run; what earlier requests taught about drafting is dropped. Needs a context (``warmup`` has one).
+        """
+        shared = self._new_controller.shared
+        if shared is not None:  # past SEEDED_GAMMA the curve is extrapolated (long drafts are rare; timing is not)
+            top = min(self.spec.gamma_max, SEEDED_GAMMA, self.cache.stable_rows(0) - 1)
+            shared.costs.seed([statistics.median(self.verify_seconds(k) for _ in range(repeats)) for k in range(top + 1)])
 
     @torch.inference_mode()
     def tune_rows(self, repeats: int = 5, margin: float = 0.03) -> dict[int, int]:

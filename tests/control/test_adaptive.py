@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from specdecode.control import AdaptiveGamma
+import pytest
+
+from specdecode.control import AdaptiveGamma, controller_factory
+from specdecode.control.confidence import CalibratedAcceptance
+from specdecode.control.estimates import PositionAcceptance
 from specdecode.control.model_file import AcceptanceModel, feature_names
 from control_helpers import ctx, step
 
@@ -34,10 +38,37 @@ def test_without_a_model_it_is_the_cost_controller():
 def test_switches_off_when_drafts_are_rejected_and_back_on_when_accepted():
     c = AdaptiveGamma(MODEL, gamma_max=8)
     _warm(c, 0.3 * VERIFY, accept_share=0.0)
-    assert c.next_gamma(ctx()) == 0
-    assert not c.stop(0, (1.0, 0.0))  # off: nothing to stop
-    _warm(c, 0.3 * VERIFY, accept_share=1.0, steps=c.cost.off.interval(c.cost.costs) + 5)
-    assert c.next_gamma(ctx()) == 8
+    assert c.shared.gain < 1.0 and c.next_gamma(ctx()) == 0
+    assert not c.early_stop and not c.stop(0, (1.0, 0.0))  # off: nothing to stop
+    # Probes (full-length drafts, stopped by confidence) measure drafting again; accepted ones turn it on.
+    asked = [step(c, 1.0, 0.3 * VERIFY, VERIFY) for _ in range(4 * c.off.max_interval)]
+    assert any(0 < k for k in asked[:c.off.max_interval + 1])
+    assert c.shared.gain > 1.0 and c.next_gamma(ctx()) == 8
+
+
+def test_on_off_follows_measured_speed_not_the_cost_model():
+    # Confident stopping can make drafting pay where per-position acceptance says it would not
+    # (the Qwen pair): the measured speed of drafting steps decides.
+    c = AdaptiveGamma(MODEL, gamma_max=8)
+    _warm(c, 0.3 * VERIFY, accept_share=1.0)
+    c.cost.acceptance = PositionAcceptance(8, prior=0.1, later_prior=0.1)
+    assert c.cost.next_gamma(ctx()) == 0
+    for _ in range(40):
+        c.shared.learn_gain(tokens=3, seconds=2 * VERIFY)  # 3 tokens in 2 plain steps' time
+    assert c.shared.gain > 1.3 and c.next_gamma(ctx()) == 8
+    for _ in range(40):
+        c.shared.learn_gain(tokens=3, seconds=4 * VERIFY)
+    assert c.shared.gain < 1.0 and c.next_gamma(ctx()) == 0
+
+
+def test_a_new_request_starts_from_what_earlier_ones_measured():
+    factory = controller_factory("adaptive", 8, "layerskip", ("top1", "entropy"))
+    first = factory()
+    first.acceptance = CalibratedAcceptance(MODEL)  # the scripted steps' signals are the test model's
+    _warm(first, 0.9 * VERIFY, accept_share=0.5)
+    second = factory()
+    assert second.shared is first.shared and second.cost.costs.ready
+    assert second.next_gamma(ctx()) == 0  # drafting did not pay before: off from the first step
 
 
 def test_confident_drafts_run_longer_and_cheap_drafts_run_longer():
@@ -57,3 +88,13 @@ def test_respects_the_budget_and_memory():
     assert c.next_gamma(ctx(remaining=3)) == 2
     assert c.next_gamma(ctx(remaining=1)) == 0
     assert c.next_gamma(ctx(cache_fill=0.95)) == 2
+
+
+def test_near_free_drafts_skip_the_confidence_stop():
+    # n-gram lookup: a drafted token costs ~nothing, stopping would only save verification rows.
+    free, costly = AdaptiveGamma(MODEL), AdaptiveGamma(MODEL)
+    _warm(free, 0.01 * VERIFY)
+    _warm(costly, 0.4 * VERIFY)
+    k = free.next_gamma(ctx())
+    assert k > 0 and not free.early_stop and not free.stop(0, (0.0, 0.0))
+    assert costly.next_gamma(ctx()) > 0 and costly.early_stop

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode.control import CostGamma, memory_cap
-from specdecode.control.estimates import PositionAcceptance, StepCosts, best_gamma, verify_shape
+from specdecode.control.estimates import PositionAcceptance, SharedEstimates, StepCosts, best_gamma, verify_shape
 from control_helpers import ctx, record, step
 
 VERIFY = 0.04  # seconds of a plain step in these scripts
@@ -26,14 +26,57 @@ def test_position_acceptance_counts_judged_positions_only():
     assert a.seen == [2.0, 2.0, 1.0, 1.0]
 
 
-def test_position_acceptance_starts_at_the_prior_and_forgets():
-    a = PositionAcceptance(gamma_max=3, prior=0.6)
-    assert a.cumulative(3) == pytest.approx([0.6, 0.36, 0.216])
+def test_position_acceptance_starts_at_the_priors_and_forgets():
+    a = PositionAcceptance(gamma_max=3, prior=0.6, later_prior=0.7)
+    assert a.cumulative(3) == pytest.approx([0.6, 0.42, 0.294])
     for _ in range(50):
         a.update(drafted=3, accepted=0)
     assert a.cumulative(1)[0] < 0.05
     a.forget(0.0)
     assert a.cumulative(1)[0] == pytest.approx(0.6)
+
+
+def test_later_positions_are_estimated_apart_from_the_first():
+    # n-gram lookup: a draft often starts wrong, but once its first token is right it tends to go on.
+    a = PositionAcceptance(gamma_max=6)
+    for i in range(40):
+        a.update(drafted=2, accepted=2 if i % 4 == 0 else 0)
+    p1, p12 = a.cumulative(2)
+    assert p1 == pytest.approx(0.25, abs=0.1)
+    assert p12 / p1 > 0.8  # the second position's own evidence, not the first one's 0.25
+    # Positions never reached lean on the later positions' estimate, not on the low first-position one.
+    assert a.cumulative(6)[5] / a.cumulative(6)[4] > 0.8
+
+
+def test_step_costs_seeded_from_a_measured_curve():
+    c = StepCosts(gamma_max=8)
+    c.update(drafted=2, draft_s=0.02, verify_s=0.05)
+    c.seed([0.10, 0.103, 0.101, 0.11, 0.115, 0.118, 0.13, 0.15])  # k = 0..7; a dip at k = 2 (noise)
+    assert c.base == pytest.approx(0.10) and c.draft_per_token is None and not c.ready
+    assert c.verify_s(2) == pytest.approx(0.103)  # never below a shorter draft's verification
+    assert c.verify_s(7) == pytest.approx(0.15)
+    assert c.verify_s(8) == pytest.approx(0.17)  # past the measured k: the last slope
+    with pytest.raises(ValueError, match="positive"):
+        c.seed([0.1, 0.0])
+
+
+def test_shared_gain_is_a_ratio_of_sums_that_ages_with_time():
+    shared = SharedEstimates(gamma_max=8, gain_prior=1.2, prior_steps=3.0, gain_smoothing=0.1)
+    shared.costs.update(drafted=0, draft_s=0.0, verify_s=0.1)  # a plain step: 0.1 s
+    assert shared.gain == pytest.approx(1.2)  # the prior, before any drafting step
+    for _ in range(60):
+        shared.learn_gain(tokens=1, seconds=0.2)  # 1 token in 2 plain steps' time
+        shared.learn_gain(tokens=5, seconds=0.2)  # 5 tokens in 2 plain steps' time
+    # Tokens over time (newest step weighted 1, the one before 0.9), not a mean of the ratios 0.5 and 2.5.
+    settled = (5 + 0.9 * 1) / (2 + 0.9 * 2)
+    assert shared.gain == pytest.approx(settled, abs=0.01)
+    for _ in range(30):
+        shared.learn_gain()  # plain steps: the estimate stays, its weight fades
+    assert shared.gain == pytest.approx(settled, abs=0.01)
+    shared.learn_gain(tokens=1, seconds=0.4)  # one probe now counts for much of the evidence
+    assert shared.gain < 1.0
+    request = shared.request_acceptance()  # a request's own estimate starts from the long-run one
+    assert request.prior == pytest.approx(shared.acceptance.pooled) and request.later_prior == shared.acceptance.later
 
 
 def test_step_costs_learn_the_draft_cost_and_the_verification_curve():

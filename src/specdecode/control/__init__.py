@@ -3,12 +3,15 @@
 ``fixed`` (an integer), ``agreement`` (the original document's formula, the baseline), ``cost``
 (maximise expected tokens/s from measured costs; turns speculation off where it does not pay),
 ``confidence`` (stop drafting when the draft's own signals predict a rejection) and ``adaptive``
-(``cost``'s on/off with confidence-based draft lengths). State is per request: the engine makes a fresh
-controller for each one. Controllers do not draft, verify or time anything.
+(``cost``'s on/off with confidence-based draft lengths). State is per request (the engine makes a fresh
+controller for each one), except the step costs and the long-run acceptance, which an engine's
+requests share. Controllers do not
+draft, verify or time anything.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from specdecode.control.adaptive import AdaptiveGamma
@@ -16,15 +19,33 @@ from specdecode.control.agreement import AgreementGamma, agreement_gamma
 from specdecode.control.base import FixedGamma, GammaController, StepContext, StepRecord, memory_cap
 from specdecode.control.confidence import ConfidenceGamma
 from specdecode.control.cost import CostGamma
+from specdecode.control.estimates import SharedEstimates
 from specdecode.control.model_file import ControllerFileError, load_controller_file
 
 GAMMA_POLICIES = ("agreement", "confidence", "cost", "adaptive")
 
 
+@dataclass
+class ControllerFactory:
+    """Makes a fresh controller for each request.
+
+    Args:
+        make: builds a controller, given the shared estimates.
+        shared: the step costs and long-run acceptance all requests' controllers share and learn (None
+            for controllers that use none): a request starts out knowing what earlier ones measured.
+    """
+
+    make: Callable[[SharedEstimates | None], GammaController]
+    shared: SharedEstimates | None = None
+
+    def __call__(self) -> GammaController:
+        return self.make(self.shared)
+
+
 def controller_factory(gamma: int | str, gamma_max: int, drafter: str | None = None,
                        signal_names: Sequence[str] = (),
-                       controller_file: str | None = None) -> Callable[[], GammaController]:
-    """A function that makes a fresh controller for each request.
+                       controller_file: str | None = None) -> ControllerFactory:
+    """The factory of per-request controllers for a gamma policy.
 
     The controller file (``confidence`` and ``adaptive``) is read and checked here, once.
 
@@ -40,11 +61,11 @@ def controller_factory(gamma: int | str, gamma_max: int, drafter: str | None = N
             (``confidence`` needs one; ``adaptive`` without one for this drafter acts as ``cost``).
     """
     if isinstance(gamma, int):
-        return lambda: FixedGamma(gamma)
+        return ControllerFactory(lambda _: FixedGamma(gamma))
     if gamma == "agreement":
-        return lambda: AgreementGamma(gamma_max=gamma_max)
+        return ControllerFactory(lambda _: AgreementGamma(gamma_max=gamma_max))
     if gamma == "cost":
-        return lambda: CostGamma(gamma_max=gamma_max)
+        return ControllerFactory(lambda shared: CostGamma(gamma_max=gamma_max, shared=shared), SharedEstimates(gamma_max))
     if gamma not in GAMMA_POLICIES:
         raise ValueError(f"unknown gamma controller {gamma!r}; expected an integer or one of {GAMMA_POLICIES}")
     if drafter is None:
@@ -52,11 +73,13 @@ def controller_factory(gamma: int | str, gamma_max: int, drafter: str | None = N
     models = load_controller_file(controller_file)
     if gamma == "confidence":
         model = models.model_for(drafter, signal_names)
-        return lambda: ConfidenceGamma(model, gamma_max=gamma_max)
+        return ControllerFactory(lambda _: ConfidenceGamma(model, gamma_max=gamma_max))
     model = models.model_for(drafter, signal_names) if drafter in models.entries else None
-    return lambda: AdaptiveGamma(model, gamma_max=gamma_max)
+    return ControllerFactory(lambda shared: AdaptiveGamma(model, gamma_max=gamma_max, shared=shared),
+                             SharedEstimates(gamma_max))
 
 
-__all__ = ["GAMMA_POLICIES", "AdaptiveGamma", "AgreementGamma", "ConfidenceGamma", "ControllerFileError", "CostGamma",
+__all__ = ["GAMMA_POLICIES", "AdaptiveGamma", "AgreementGamma", "ConfidenceGamma", "ControllerFactory",
+           "ControllerFileError", "CostGamma",
            "FixedGamma", "GammaController", "StepContext", "StepRecord", "agreement_gamma", "controller_factory",
            "memory_cap"]

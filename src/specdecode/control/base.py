@@ -69,7 +69,8 @@ class StepRecord:
 class GammaController(Protocol):
     """Chooses how far to speculate. One instance serves one request; its calls must cost microseconds.
 
-    ``early_stop`` says whether the engine should pass :meth:`stop` to the drafter.
+    ``early_stop`` says whether the engine should pass :meth:`stop` to the drafter (read after each
+    :meth:`next_gamma`: it may change from step to step).
     """
 
     early_stop: bool

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from specdecode.control.base import Signal, StepContext, StepRecord, memory_cap
-from specdecode.control.estimates import PositionAcceptance, StepCosts, best_gamma
+from specdecode.control.estimates import PositionAcceptance, SharedEstimates, StepCosts, best_gamma
 
 
 @dataclass
@@ -67,8 +67,10 @@ class CostGamma:
             predicted 1% faster than plain decoding and ran slower).
         probe_forget: share of older acceptance evidence kept when a probe's result arrives (a probe
             speaks for now; the evidence that turned speculation off is old).
-        acceptance: per-position acceptance estimate.
+        acceptance: this request's per-position acceptance estimate (None: one started from ``shared``).
         off: the off switch and its probes.
+        shared: step costs and long-run acceptance, shared with the engine's other requests (None: this
+            request's own).
     """
 
     gamma_max: int = 8
@@ -77,13 +79,14 @@ class CostGamma:
     probe_forget: float = 0.1
     acceptance: PositionAcceptance | None = None
     off: OffSwitch = field(default_factory=OffSwitch)
-    costs: StepCosts = field(init=False)
+    shared: SharedEstimates | None = None
     early_stop = False
 
     def __post_init__(self) -> None:
-        self.acceptance = self.acceptance or PositionAcceptance(self.gamma_max)
-        self.costs = StepCosts(self.gamma_max)
-        self._drafted_before = True  # the drafter is prefilled with the prompt: nothing to catch up on
+        self.shared = self.shared or SharedEstimates(self.gamma_max)
+        self.acceptance = self.acceptance or self.shared.request_acceptance()
+        self.costs = self.shared.costs
+        self.drafted_before = True  # the drafter is prefilled with the prompt: nothing to catch up on
 
     def next_gamma(self, ctx: StepContext) -> int:
         cap = min(memory_cap(ctx, self.gamma_max), ctx.remaining - 1)
@@ -101,6 +104,7 @@ class CostGamma:
         if self.off.probing and record.drafted:
             self.acceptance.forget(self.probe_forget)
         self.acceptance.update(record.drafted, record.accepted)
+        self.shared.acceptance.update(record.drafted, record.accepted)
         # After steps without a draft, a draft model first catches up on the tokens it missed: not a draft cost.
-        self.costs.update(record.drafted, record.draft_s, record.verify_s, draft_timed=self._drafted_before)
-        self._drafted_before = record.requested > 0
+        self.costs.update(record.drafted, record.draft_s, record.verify_s, draft_timed=self.drafted_before)
+        self.drafted_before = record.requested > 0
