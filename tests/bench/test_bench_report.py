@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.bench.report import aggregate, format_table, markdown, prompt_tokens_per_s
+from specdecode.bench.report import aggregate, format_table, gamma_comparison, markdown, prompt_tokens_per_s
 from specdecode.bench.runner import ProgressBar, Sample
 
 
@@ -137,3 +137,27 @@ def test_progress_bar_on_a_plain_stream_prints_one_summary(tmp_path):
         bar.close()
     assert (tmp_path / "err.txt").read_text().splitlines()[0] == "hello"
     assert (tmp_path / "err.txt").read_text().splitlines()[1].startswith("ran 3/3 timed calls")
+
+
+def test_gamma_comparison_pairs_each_controller_with_the_best_fixed_gamma():
+    # none: 10 tok/s. g1: 12, 12, 30; g2: 14, 13, 20; cost: 15, 13, 33 (p1, p2 in "x"; p3 in "y").
+    speeds = {"none": (10, 10, 10), "ngram:g1": (12, 12, 30), "ngram:g2": (14, 13, 20), "ngram:cost": (15, 13, 33)}
+    samples = [_s(m, p, c, 10, 10 / v) for m, vs in speeds.items() for (p, c), v in zip(
+        [("p1", "x"), ("p2", "x"), ("p3", "y")], vs)]
+    names = list(speeds)
+    figs = aggregate(samples, names, ["x", "y"], {"x": ["p1", "p2"], "y": ["p3"]}, identity=False)
+    methods = [{"name": n, "family": n.split(":")[0], "gamma": {"none": None, "ngram:g1": 1, "ngram:g2": 2,
+                                                                 "ngram:cost": "cost"}[n],
+                "status": "ok", **figs[n]} for n in names]
+    (comp,) = gamma_comparison(methods, prompt_tokens_per_s(samples), {"x": ["p1", "p2"], "y": ["p3"]})
+    # vs none: g1 1.2, 1.2, 3.0 -> 1.2; g2 1.4, 1.3, 2.0 -> 1.4: g2 is the best single fixed gamma
+    assert comp["family"] == "ngram" and comp["best_fixed"] == "ngram:g2"
+    assert comp["best_fixed_by_category"] == {"x": "ngram:g2", "y": "ngram:g1"}
+    (cost,) = comp["controllers"]
+    assert cost["name"] == "ngram:cost"
+    assert cost["vs_best_fixed"] == round(15 / 14, 4)  # per prompt 15/14, 13/13, 33/20 -> median
+    assert cost["by_category"] == {"x": round((15 / 14 + 1.0) / 2, 4), "y": 1.1}
+    # No controller or a single fixed gamma: nothing to compare.
+    assert gamma_comparison(methods[:3], prompt_tokens_per_s(samples), {"x": ["p1", "p2"], "y": ["p3"]}) == []
+    assert gamma_comparison([methods[0], methods[1], methods[3]], prompt_tokens_per_s(samples),
+                            {"x": ["p1", "p2"], "y": ["p3"]}) == []

@@ -156,6 +156,46 @@ def aggregate(samples: Sequence[Any], method_names: Sequence[str], categories: S
     return out
 
 
+def gamma_comparison(methods: Sequence[dict[str, Any]], tps: dict[str, dict[str, float]],
+                     prompts_by_category: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """Each gamma controller against fixed gammas, for every drafting family run with both.
+
+    A controller is compared with the best single fixed gamma over the suite (highest median speedup vs
+    ``none``) and, per category, with that category's best one, as the median over prompts of the
+    paired ratio (its tokens/s over the fixed gamma's on the same prompt): two medians vs ``none``
+    each carry ``none``'s per-prompt spread, the paired ratio does not.
+
+    Args:
+        methods: the document's method entries (name, family, gamma, overall and by_category figures).
+        tps: method -> prompt id -> tokens/s (see :func:`prompt_tokens_per_s`).
+        prompts_by_category: category -> prompt ids.
+    """
+
+    def paired(a: str, b: str, ids: Sequence[str]) -> float | None:
+        return _r(_median([tps[a][p] / tps[b][p] for p in ids if p in tps.get(a, {}) and tps.get(b, {}).get(p)]))
+
+    def vs_none(entry: dict[str, Any], category: str | None = None) -> float:
+        f = entry["overall"] if category is None else entry["by_category"][category]
+        return f["speedup_vs_none"] if f["speedup_vs_none"] is not None else float("-inf")
+
+    out = []
+    all_ids = [p for ids in prompts_by_category.values() for p in ids]
+    for family in dict.fromkeys(e["family"] for e in methods):
+        ok = [e for e in methods if e["family"] == family and e["status"] == "ok" and e["overall"]["samples"]]
+        fixed = [e for e in ok if isinstance(e["gamma"], int) and e["gamma"] > 0]
+        controllers = [e for e in ok if isinstance(e["gamma"], str)]
+        if len(fixed) < 2 or not controllers or not any(vs_none(e) > float("-inf") for e in fixed):
+            continue
+        best = max(fixed, key=vs_none)
+        best_by_category = {c: max(fixed, key=lambda e, c=c: vs_none(e, c))["name"] for c in prompts_by_category}
+        out.append({"family": family, "best_fixed": best["name"], "best_fixed_by_category": best_by_category,
+                    "controllers": [{"name": e["name"], "vs_best_fixed": paired(e["name"], best["name"], all_ids),
+                                     "by_category": {c: paired(e["name"], best_by_category[c], ids)
+                                                     for c, ids in prompts_by_category.items()}}
+                                    for e in controllers]})
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # the JSON document
 
@@ -202,6 +242,7 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
                 "kv_bytes": s.stats["kv_bytes"] if s.stats else None,
                 "kv_bytes_per_token": _r(s.stats["kv_bytes_per_token"]) if s.stats else None}
                for s in result.samples]
+    comparison = gamma_comparison(methods, prompt_tokens_per_s(result.samples), by_category)
     return {
         "schema_version": SCHEMA_VERSION,
         "config": {**config_echo, "model_source": result.model_source, "draft_model_source": result.draft_source,
@@ -222,6 +263,7 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
         "memory": {"peak_rss_mb": _r(result.peak_rss_mb), "rss_after_load_mb": _r(result.rss_after_load_mb)},
         "timing": {"load_s": _r(result.load_s), "run_s": _r(result.run_s)},
         "cost_curves": [c.to_dict() for c in result.cost_curves],
+        "gamma_comparison": comparison,
         "samples": samples,
     }
 
@@ -392,6 +434,15 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
         out += [f"## {title}", "", _md_table(["method", *cats, "overall"],
                                              ([f"`{e['name']}`", *(_n(e["by_category"][ct][key]) for ct in cats),
                                                _n(e["overall"][key])] for e in ok)), ""]
+    for comp in doc.get("gamma_comparison", []):
+        best = comp["best_fixed_by_category"]
+        out += [f"## Gamma controllers vs fixed gamma: {comp['family']}", "",
+                f"Per prompt, the controller's tokens/s over the fixed gamma's, then median: overall against "
+                f"`{comp['best_fixed']}` (the best single fixed gamma by median speedup vs `none`), per category "
+                f"against that category's best fixed gamma.", "",
+                _md_table(["controller", f"vs `{comp['best_fixed']}`", *(f"{ct} (vs `{best[ct]}`)" for ct in cats)],
+                          ([f"`{e['name']}`", _n(e["vs_best_fixed"]), *(_n(e["by_category"][ct]) for ct in cats)]
+                           for e in comp["controllers"])), ""]
     with_pos = [e for e in ok if e["overall"]["acceptance_by_position"]]
     if with_pos:
         width = max(len(e["overall"]["acceptance_by_position"]) for e in with_pos)
