@@ -35,13 +35,15 @@ class SpeculativeConfig:
     """How far to speculate.
 
     Args:
-        gamma: tokens drafted per step (0 = speculation off), or the name of a controller in GAMMA_POLICIES.
+        gamma: tokens drafted per step (0 = speculation off), or the name of a controller in GAMMA_POLICIES
+            (default ``adaptive``: in ``specdecode bench`` it matched or beat the best fixed gamma for every
+            drafter, see BENCHMARKS.md).
         gamma_max: upper bound for controllers.
         controller_file: the acceptance models of the ``confidence`` and ``adaptive`` controllers
             (written by ``specdecode fit-controller``); None = the file shipped with the package.
     """
 
-    gamma: int | str = 4
+    gamma: int | str = "adaptive"
     gamma_max: int = 8
     controller_file: str | None = None
 
@@ -162,15 +164,24 @@ class Engine:
             self.tune_rows()
         self.seed_costs()
 
-    def seed_costs(self, repeats: int = 3) -> None:
+    def seed_costs(self, repeats: int = 5) -> None:
         """Gives the controllers that weigh costs (``cost``, ``adaptive``) the verification curve v(k),
-        k = 0..gamma_max, timed now (median of ``repeats``) rather than learnt from the k that happen
-        to run; what earlier requests taught about drafting is dropped. Needs a context (``warmup`` has one).
+        k = 0..gamma_max, timed now rather than learnt from the k that happen to run; what earlier
+        requests taught about drafting is dropped. Each k is timed ``repeats`` times, the k interleaved
+        so that drift touches all alike, and its fastest time kept: noise only ever adds time, and one
+        slow sample would otherwise price a draft length out (the curve is made non-decreasing, so a
+        spike at k carries to every longer draft). Needs a context (``warmup`` has one).
         """
         shared = self._new_controller.shared
-        if shared is not None:  # past SEEDED_GAMMA the curve is extrapolated (long drafts are rare; timing is not)
-            top = min(self.spec.gamma_max, SEEDED_GAMMA, self.cache.stable_rows(0) - 1)
-            shared.costs.seed([statistics.median(self.verify_seconds(k) for _ in range(repeats)) for k in range(top + 1)])
+        if shared is None:
+            return
+        top = min(self.spec.gamma_max, SEEDED_GAMMA, self.cache.stable_rows(0) - 1)
+        # Past SEEDED_GAMMA the curve is extrapolated (long drafts are rare; timing is not).
+        times: list[list[float]] = [[] for _ in range(top + 1)]
+        for _ in range(repeats):
+            for k, seen in enumerate(times):
+                seen.append(self.verify_seconds(k))
+        shared.costs.seed([min(seen) for seen in times])
 
     @torch.inference_mode()
     def tune_rows(self, repeats: int = 5, margin: float = 0.03) -> dict[int, int]:
