@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8 = int8 weight-only draft model: cheaper drafts, output still exact (default none)")
     g.add_argument("--drafter", choices=DRAFTERS, default=None,
                    help="how to draft (default: draft when --draft-model is given, else ngram)")
-    g.add_argument("--gamma", type=gamma, default=4,
-                   help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)}")
+    g.add_argument("--gamma", type=gamma, default="adaptive",
+                   help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)} (default adaptive)")
     g.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
     g.add_argument("--controller-file", default=None, metavar="FILE",
                    help="acceptance models for --gamma confidence|adaptive (from fit-controller; default: the shipped one)")
