@@ -10,13 +10,12 @@ carried across requests) beats plain decoding, and once off turns back on only w
 ``margin``; while off, a draft now and then (``cost``'s probe spacing, at least one per 32 steps)
 measures again. On/off goes by measured speed rather than by ``cost``'s model because confident
 stopping makes drafting pay where per-position acceptance says it would not: replaying the Qwen
-pair's drafts (``benchmarks/replay_gamma.py``), 1.43x plain decoding with this switch, 1.09x with
-``cost``'s.
+pair's drafts (``benchmarks/replay_gamma.py``), ``adaptive`` runs 1.43x plain decoding, ``cost`` 1.06x.
 
 Where a drafted token costs next to nothing (n-gram lookup) it is ``cost``: stopping would only save
-verification rows, about what computing the signals costs (on SmolLM2's outputs, cutting each draft
-at the best length for its match statistics, known in hindsight, beat gamma 5 by 0.4%). So it is too
-without a fitted model for the drafter. It fits nothing offline.
+verification rows, about what computing the signals costs (in a one-off replay of SmolLM2's outputs,
+cutting each draft at the best length for its match statistics, known in hindsight, beat gamma 5 by
+0.4%). So it is too without a fitted model for the drafter. It fits nothing offline.
 """
 
 from __future__ import annotations
