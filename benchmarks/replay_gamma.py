@@ -164,7 +164,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--draft-cost", type=float, default=None, help="draft cost per token in plain steps (default: recorded)")
     p.add_argument("--controller-file", default=None)
     args = parser.parse_args(argv)
-    (_record_command if args.command == "record" else _replay_command)(args)
+    try:
+        (_record_command if args.command == "record" else _replay_command)(args)
+    except (OSError, ValueError) as exc:  # a missing or foreign file, an unknown policy or drafter pair
+        parser.exit(2, f"replay_gamma: error: {exc}\n")
 
 
 if __name__ == "__main__":

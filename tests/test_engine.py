@@ -443,6 +443,22 @@ def test_warmup_seeds_the_shared_step_costs_and_requests_keep_learning_them(targ
     assert Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=3))._new_controller.shared is None
 
 
+def test_seeded_curve_keeps_each_ks_fastest_time(target, monkeypatch):
+    engine = Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma="cost", gamma_max=4))
+    engine.generate(PROMPTS[0], max_new_tokens=2)
+    calls = []
+
+    def scripted(k: int) -> float:  # 10 ms + 1 ms per drafted token; k = 2 spikes to 50 ms in 2 of 3 timings
+        calls.append(k)
+        return 0.050 if len(calls) in (3, 8) else 0.010 + 0.001 * k
+
+    monkeypatch.setattr(engine, "verify_seconds", scripted)
+    engine.seed_costs(repeats=3)
+    assert calls == [0, 1, 2, 3, 4] * 3  # interleaved: drift touches every k alike
+    costs = engine._new_controller.shared.costs
+    assert costs.shape[:5] == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])  # the spikes left no trace (a median would not)
+
+
 def test_prompt_plus_budget_beyond_the_context_length_is_refused(target):
     limit = target.config.max_position_embeddings
     with pytest.raises(ValueError, match="context length"):

@@ -65,6 +65,14 @@ def test_speedups_follow_the_recorded_costs(replay_gamma, recorded):
     assert costly["adaptive"]["overall"] > costly["4"]["overall"]  # drafts costing 2 steps each: stay off
 
 
-def test_replay_refuses_a_file_that_is_not_a_record(replay_gamma):
+def test_replay_refuses_a_file_that_is_not_a_record(replay_gamma, tmp_path, capsys):
     with pytest.raises(ValueError, match="not a replay record"):
         replay_gamma.replay({"format": "specdecode-controller"}, [4])
+    foreign = tmp_path / "controller.json"
+    foreign.write_text('{"format": "specdecode-controller"}')
+    for path in (foreign, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit) as exit_:
+            replay_gamma.main(["replay", str(path)])
+        assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "not a replay record" in err and "missing.json" in err

@@ -13,9 +13,8 @@ stopping makes drafting pay where per-position acceptance says it would not: rep
 pair's drafts (``benchmarks/replay_gamma.py``), ``adaptive`` runs 1.43x plain decoding, ``cost`` 1.06x.
 
 Where a drafted token costs next to nothing (n-gram lookup) it is ``cost``: stopping would only save
-verification rows, about what computing the signals costs (in a one-off replay of SmolLM2's outputs,
-cutting each draft at the best length for its match statistics, known in hindsight, beat gamma 5 by
-0.4%). So it is too without a fitted model for the drafter. It fits nothing offline.
+verification rows, each ~3% of a step on the tiled kernel, about what computing the signals costs.
+So it is too without a fitted model for the drafter. It fits nothing offline.
 """
 
 from __future__ import annotations

@@ -176,6 +176,7 @@ class SharedEstimates:
     prior_steps: float = 3.0
     costs: StepCosts = field(init=False)
     acceptance: PositionAcceptance = field(init=False)
+
     def __post_init__(self) -> None:
         self.costs = StepCosts(self.gamma_max)
         self.acceptance = PositionAcceptance(self.gamma_max, decay=self.decay)
