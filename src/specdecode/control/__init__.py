@@ -3,7 +3,7 @@
 ``fixed`` (an integer), ``agreement`` (the original document's formula, the baseline), ``cost``
 (maximise expected tokens/s from measured costs; turns speculation off where it does not pay),
 ``confidence`` (stop drafting when the draft's own signals predict a rejection) and ``adaptive``
-(confidence-based draft lengths, on while drafting measurably pays; ``cost`` for free drafts). State is
+(confidence-based draft lengths, on while drafting measurably pays; ``cost`` without a fitted model). State is
 per request (the engine makes a fresh controller for each one), except the step costs, the long-run
 acceptance and the drafting speed, which an engine's requests share. Controllers do not draft, verify
 or time anything.

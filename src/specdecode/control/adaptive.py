@@ -1,7 +1,6 @@
 """``adaptive``: speculate while drafting measurably pays, each draft as long as its confidence says.
 
-For a drafter whose tokens cost something (a draft model, self-speculation), it drafts up to
-``gamma_max`` and stops at the first token after which one more is not worth its time: the expected
+For a drafter with a fitted acceptance model (``model_file.py``), it drafts up to ``gamma_max`` and stops at the first token after which one more is not worth its time: the expected
 gain of the next token (the chance that it and all before it are accepted, from the calibrated
 acceptance model of ``confidence.py``) per second it costs (one draft token plus the verification's
 growth) falls below the step's expected tokens per second so far. It speculates while the measured
@@ -12,9 +11,9 @@ measures again. On/off goes by measured speed rather than by ``cost``'s model be
 stopping makes drafting pay where per-position acceptance says it would not: replaying the Qwen
 pair's drafts (``benchmarks/replay_gamma.py``), ``adaptive`` runs 1.43x plain decoding, ``cost`` 1.06x.
 
-Where a drafted token costs next to nothing (n-gram lookup) it is ``cost``: stopping would only save
-verification rows, each ~3% of a step on the tiled kernel, about what computing the signals costs.
-So it is too without a fitted model for the drafter. It fits nothing offline.
+For n-gram lookup, whose tokens cost only verification rows, the match statistics say when a
+proposal is weak (one short, rare match: stop after its first token) or strong (draft on). Without a
+fitted model for the drafter it is ``cost``. It fits nothing offline.
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ class AdaptiveGamma:
         gamma_max: the longest draft (shortened near the memory budget).
         shared: step costs, long-run acceptance and drafting speed, shared with the engine's other
             requests (None: this request's own).
-        min_draft_share: the confidence stop (and the measured on/off) runs only where a drafted token
-            costs at least this share of a plain step; below, ``cost`` decides.
         margin: how much faster than plain decoding drafting steps must have run to turn speculation
             back on once it is off (it goes off when they ran slower than plain decoding).
     """
@@ -46,7 +43,6 @@ class AdaptiveGamma:
     model: AcceptanceModel | None = None
     gamma_max: int = 8
     shared: SharedEstimates | None = None
-    min_draft_share: float = 0.05
     margin: float = 0.03
 
     def __post_init__(self) -> None:
@@ -68,9 +64,8 @@ class AdaptiveGamma:
         return self._stopping
 
     def _by_confidence(self) -> bool:
-        costs = self.cost.costs
-        return (self.acceptance is not None and costs.ready
-                and costs.draft_per_token >= self.min_draft_share * costs.step_s(0))
+        # Until a draft has been timed (the first step of an engine), ``cost``'s start gamma.
+        return self.acceptance is not None and self.cost.costs.ready
 
     def next_gamma(self, ctx: StepContext) -> int:
         self._stopping = False
