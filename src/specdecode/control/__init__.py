@@ -3,10 +3,10 @@
 ``fixed`` (an integer), ``agreement`` (the original document's formula, the baseline), ``cost``
 (maximise expected tokens/s from measured costs; turns speculation off where it does not pay),
 ``confidence`` (stop drafting when the draft's own signals predict a rejection) and ``adaptive``
-(confidence-based draft lengths, on while drafting measurably pays; ``cost`` without a fitted model). State is
-per request (the engine makes a fresh controller for each one), except the step costs, the long-run
-acceptance and the drafting speed, which an engine's requests share. Controllers do not draft, verify
-or time anything.
+(confidence-based draft lengths, on while drafting measurably pays; ``cost`` without a fitted
+model). State is per request (the engine makes a fresh controller for each one), except the step
+costs, the long-run acceptance and the drafting speed, which an engine's requests share.
+Controllers do not draft, verify or time anything.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def controller_factory(gamma: int | str, gamma_max: int, drafter: str | None = N
     if gamma == "agreement":
         return ControllerFactory(lambda _: AgreementGamma(gamma_max=gamma_max))
     if gamma == "cost":
-        return ControllerFactory(lambda shared: CostGamma(gamma_max=gamma_max, shared=shared), SharedEstimates(gamma_max))
+        return ControllerFactory(lambda shared: CostGamma(gamma_max=gamma_max, shared=shared),
+                                 SharedEstimates(gamma_max))
     if gamma not in GAMMA_POLICIES:
         raise ValueError(f"unknown gamma controller {gamma!r}; expected an integer or one of {GAMMA_POLICIES}")
     if drafter is None:

@@ -1,9 +1,10 @@
 """``adaptive``: speculate while drafting measurably pays, each draft as long as its confidence says.
 
-For a drafter with a fitted acceptance model (``model_file.py``), it drafts up to ``gamma_max`` and stops at the first token after which one more is not worth its time: the expected
-gain of the next token (the chance that it and all before it are accepted, from the calibrated
-acceptance model of ``confidence.py``) per second it costs (one draft token plus the verification's
-growth) falls below the step's expected tokens per second so far. It speculates while the measured
+For a drafter with a fitted acceptance model (``model_file.py``), it drafts up to ``gamma_max`` and
+stops at the first token after which one more is not worth its time: the expected gain of the next
+token (the chance that it and all before it are accepted, from the calibrated acceptance model of
+``confidence.py``) per second it costs (one draft token plus the verification's growth) falls below
+the step's expected tokens per second so far. It speculates while the measured
 speed of its drafting steps (tokens per second against a plain step's, a decayed ratio of sums
 carried across requests) beats plain decoding, and once off turns back on only when it beats it by
 ``margin``; while off, a draft now and then (``cost``'s probe spacing, at least one per 32 steps)

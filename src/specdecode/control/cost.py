@@ -4,9 +4,9 @@ Each step it maximises E(k) / (k * t_draft + t_verify(k)) over k (see ``estimate
 per-position acceptance learnt from this request's steps (starting from the engine's long-run
 estimate), and draft cost and verification curve learnt across the engine's requests (the curve timed
 at warm-up, see ``estimates.SharedEstimates``). When no k pays (low acceptance, a costly draft, the
-last tokens of the budget) speculation is off; a short probe now and then, spaced so that probing costs about ``probe_overhead`` of the time,
-turns it back on when it would pay again. It does not look at the draft's confidence (see
-``adaptive.py``).
+last tokens of the budget) speculation is off; a short probe now and then, spaced so that probing
+costs about ``probe_overhead`` of the time, turns it back on when it would pay again. It does not
+look at the draft's confidence (see ``adaptive.py``).
 """
 
 from __future__ import annotations
