@@ -97,16 +97,18 @@ def test_a_method_without_samples_in_a_category_has_empty_figures(samples):
     assert y["prompts"] == 0 and y["tokens_per_s"] is None and y["speedup_vs_none"] is None
 
 
-def _doc(samples):
-    figs = aggregate(samples, ["none", "ngram:g2", "hf"], ["x", "y"], {"x": ["p1", "p2"], "y": ["p3"]}, identity=True)
-    methods = [{"name": n, "family": n.split(":")[0], "kind": "peer" if n == "hf" else "ours", "gamma": None,
+def _doc(samples, gammas=None, by_category=None):
+    gammas = gammas or {"none": None, "ngram:g2": None, "hf": None}
+    by_category = by_category or {"x": ["p1", "p2"], "y": ["p3"]}
+    figs = aggregate(samples, list(gammas), list(by_category), by_category, identity=True)
+    methods = [{"name": n, "family": n.split(":")[0], "kind": "peer" if n == "hf" else "ours", "gamma": gammas[n],
                 "params": {}, "status": "ok", "error": None, "rss_mb": 100.0, **figs[n],
                 "memory_mb": None if n == "hf" else {"target_weights": 50.0, "target_kv": 10.0},
                 "identical_to_none": figs[n]["overall"]["identical_to_none"],
                 "compared_to_none": figs[n]["overall"]["compared_to_none"]} for n in figs]
     return {"config": {"model": "m", "model_source": "m", "torch_dtype": "float32", "repeats": 2,
                        "max_new_tokens": 10, "temperature": 0.0, "draft_model": None},
-            "environment": {}, "prompts": {"count": 3, "categories": ["x", "y"]}, "methods": methods,
+            "environment": {}, "prompts": {"count": 3, "categories": list(by_category)}, "methods": methods,
             "identical_outputs": 2, "identity_comparisons": 4, "identity_note": None,
             "identity_mismatches": [{"method": "ngram:g2", "prompt_id": "p3", "repeat": 0, "first_difference": 0}],
             "skipped": [], "failed": [], "notes": ["a note"], "memory": {"peak_rss_mb": 123.4},
@@ -157,7 +159,25 @@ def test_gamma_comparison_pairs_each_controller_with_the_best_fixed_gamma():
     assert cost["name"] == "ngram:cost"
     assert cost["vs_best_fixed"] == round(15 / 14, 4)  # per prompt 15/14, 13/13, 33/20 -> median
     assert cost["by_category"] == {"x": round((15 / 14 + 1.0) / 2, 4), "y": 1.1}
+    assert cost["by_category_held_out"] == {"x": round((15 / 14 + 1.0) / 2, 4), "y": None}  # y: one prompt
     # No controller or a single fixed gamma: nothing to compare.
     assert gamma_comparison(methods[:3], prompt_tokens_per_s(samples), {"x": ["p1", "p2"], "y": ["p3"]}) == []
     assert gamma_comparison([methods[0], methods[1], methods[3]], prompt_tokens_per_s(samples),
                             {"x": ["p1", "p2"], "y": ["p3"]}) == []
+
+
+def test_held_out_comparison_picks_each_prompts_fixed_gamma_on_the_other_prompts():
+    # One category, none at 10 tok/s. g1: 20, 11, 11 (one lucky prompt); g2: 12 everywhere; ctrl: 12.
+    # On all three prompts g2 is best (median 1.2 vs 1.1): ctrl reads 1.0 against it. Leaving p2 out, g1
+    # is best on p1 and p3 (median 1.55), so p2 is judged against g1 (12/11), likewise p3; p1 against g2.
+    speeds = {"none": (10, 10, 10), "ngram:g1": (20, 11, 11), "ngram:g2": (12, 12, 12), "ngram:adaptive": (12, 12, 12)}
+    ids = ["p1", "p2", "p3"]
+    samples = [_s(m, p, "x", 10, 10 / v) for m, vs in speeds.items() for p, v in zip(ids, vs)]
+    doc = _doc(samples, {"none": None, "ngram:g1": 1, "ngram:g2": 2, "ngram:adaptive": "adaptive"}, {"x": ids})
+    (comp,) = gamma_comparison(doc["methods"], prompt_tokens_per_s(samples), {"x": ids})
+    (ctrl,) = comp["controllers"]
+    assert comp["best_fixed_by_category"] == {"x": "ngram:g2"} and ctrl["by_category"] == {"x": 1.0}
+    assert ctrl["by_category_held_out"] == {"x": round(12 / 11, 4)}
+    md = markdown({**doc, "gamma_comparison": [comp]}, plots=[]).splitlines()
+    rows = [line for line in md if line.startswith("| `ngram:adaptive` | 1.0")]
+    assert rows == ["| `ngram:adaptive` | 1.0 | 1.0 |", f"| `ngram:adaptive` | {round(12 / 11, 4)} |"]

@@ -8,7 +8,7 @@ from specdecode.control import AdaptiveGamma, controller_factory
 from specdecode.control.confidence import CalibratedAcceptance
 from specdecode.control.estimates import PositionAcceptance
 from specdecode.control.model_file import AcceptanceModel, feature_names
-from control_helpers import ctx, step
+from control_helpers import ctx, record, step
 
 NAMES = feature_names(("top1", "entropy"))
 MODEL = AcceptanceModel("layerskip", NAMES, (10.0,) + (0.0,) * (len(NAMES) - 1), -5.0)
@@ -55,9 +55,11 @@ def test_on_off_follows_measured_speed_not_the_cost_model():
     assert c.cost.next_gamma(ctx()) == 0
     for _ in range(40):
         c.shared.learn_gain(tokens=3, seconds=2 * VERIFY)  # 3 tokens in 2 plain steps' time
+    c.shared.learn_plain(VERIFY)  # a plain step timed lately: no re-timing step due
     assert c.shared.gain > 1.3 and c.next_gamma(ctx()) == 8
     for _ in range(40):
         c.shared.learn_gain(tokens=3, seconds=4 * VERIFY)
+    c.shared.learn_plain(VERIFY)
     assert c.shared.gain < 1.0 and c.next_gamma(ctx()) == 0
 
 
@@ -97,3 +99,32 @@ def test_near_free_drafts_stop_by_confidence_too():
     assert free.next_gamma(ctx()) == 8 and free.early_stop
     assert _length(free, 0.3) == 1
     assert _length(free, 0.999) == 8
+
+
+def _run(c: AdaptiveGamma, steps: int, draft_s: float, verify_1: float, plain_s: float = VERIFY) -> list[int]:
+    """Scripted steps: every draft stops after one token, which is accepted (2 tokens per drafting step);
+    a drafting step costs draft_s + verify_1, a plain step plain_s. Returns the tokens drafted per step."""
+    drafted = []
+    for _ in range(steps):
+        k = c.next_gamma(ctx())
+        n = min(k, 1)
+        c.update(record(n, n, draft_s * n, verify_1 if n else plain_s, requested=k))
+        drafted.append(n)
+    return drafted
+
+
+def test_drafting_speed_is_judged_against_measured_plain_steps():
+    # The warm-up curve says verifying a token costs nothing extra (v(1) = 1); in fact a plain step takes
+    # 0.04 s and a drafting step 0.035 + 0.05 s for 2 tokens: 0.94x plain decoding. Judged in the curve's
+    # plain step (inferred from drafting steps: 0.05 s) it would read 1.18x and stay on.
+    slow = AdaptiveGamma(MODEL)
+    slow.shared.costs.seed([VERIFY] * 9)
+    drafted = _run(slow, 300, draft_s=0.035, verify_1=0.05)
+    assert slow.shared.plain_s == pytest.approx(VERIFY) and slow.shared.gain < 1.0
+    assert sum(drafted[-200:]) < 20  # off but for probes
+    # Cheap drafts (0.01 + 0.05 s for 2 tokens: 1.33x) stay on, with a plain step now and then to re-time one.
+    fast = AdaptiveGamma(MODEL)
+    fast.shared.costs.seed([VERIFY] * 9)
+    drafted = _run(fast, 300, draft_s=0.01, verify_1=0.05)
+    assert fast.shared.gain > 1.2
+    assert 200 / (fast.refresh + 1) - 1 <= drafted[-200:].count(0) <= 200 / fast.refresh + 1

@@ -5,12 +5,14 @@ stops at the first token after which one more is not worth its time: the expecte
 token (the chance that it and all before it are accepted, from the calibrated acceptance model of
 ``confidence.py``) per second it costs (one draft token plus the verification's growth) falls below
 the step's expected tokens per second so far. It speculates while the measured
-speed of its drafting steps (tokens per second against a plain step's, a decayed ratio of sums
-carried across requests) beats plain decoding, and once off turns back on only when it beats it by
-``margin``; while off, a draft now and then (``cost``'s probe spacing, at least one per 32 steps)
-measures again. On/off goes by measured speed rather than by ``cost``'s model because confident
-stopping makes drafting pay where per-position acceptance says it would not: replaying the Qwen
-pair's drafts (``benchmarks/replay_gamma.py``), ``adaptive`` runs 1.43x plain decoding, ``cost`` 1.06x.
+speed of its drafting steps (tokens per second against its own timed plain steps', a decayed ratio
+of sums carried across requests) beats plain decoding, and once off turns back on only when it beats
+it by ``margin``; while off, a draft now and then (``cost``'s probe spacing, at least one per 32
+steps) measures again; while on, a plain step after ``refresh`` drafting steps without one times a
+plain step again (``SharedEstimates.learn_plain``). On/off goes by measured speed rather than by
+``cost``'s model because confident stopping makes drafting pay where per-position acceptance says it
+would not: replaying the Qwen pair's drafts (``benchmarks/replay_gamma.py``), ``adaptive`` runs 1.41x
+plain decoding, ``cost`` 1.06x.
 
 For n-gram lookup, whose tokens cost only verification rows, the match statistics say when a
 proposal is weak (one short, rare match: stop after its first token) or strong (draft on). Without a
@@ -39,12 +41,15 @@ class AdaptiveGamma:
             requests (None: this request's own).
         margin: how much faster than plain decoding drafting steps must have run to turn speculation
             back on once it is off (it goes off when they ran slower than plain decoding).
+        refresh: most drafting steps (across requests) before a plain step is run to time one again
+            (a request's last token is a plain step anyway; costs about 1/refresh of drafting's gain).
     """
 
     model: AcceptanceModel | None = None
     gamma_max: int = 8
     shared: SharedEstimates | None = None
     margin: float = 0.03
+    refresh: int = 32
 
     def __post_init__(self) -> None:
         self.cost = CostGamma(gamma_max=self.gamma_max, shared=self.shared)
@@ -80,6 +85,8 @@ class AdaptiveGamma:
         self._on = self.shared.gain >= 1.0 + (0.0 if self._on else self.margin)
         if self.off.decide(cap if self._on else 0, cap, self.cost.costs) == 0:
             return 0
+        if self.shared.plain_age >= self.refresh:
+            return 0  # time a plain step again: drafting's speed is judged against it
         self._stopping = True
         self._ctx, self._all_accepted, self._tokens = ctx, 1.0, 1.0
         return cap  # a probe too: it shows what drafting gains as drafting is done
@@ -103,6 +110,8 @@ class AdaptiveGamma:
             self.shared.learn_gain(record.accepted + 1, draft_s + record.verify_s)
         elif self._by_confidence():
             self.shared.learn_gain()
+        if not record.drafted:
+            self.shared.learn_plain(record.verify_s)
         self.cost.update(record)
         if self.acceptance is not None:
             self.acceptance.learn(record)

@@ -167,6 +167,7 @@ class SharedEstimates:
         gain_smoothing: share of the evidence in ``gain`` forgotten at each step.
         gain_prior: ``gain`` assumed before evidence (optimistic, so that drafting gets tried).
         prior_steps: weight of ``gain_prior``, in drafting steps.
+        plain_smoothing: weight of the newest plain step in ``plain_s``.
     """
 
     gamma_max: int
@@ -174,8 +175,11 @@ class SharedEstimates:
     gain_smoothing: float = 0.05
     gain_prior: float = 1.2
     prior_steps: float = 3.0
+    plain_smoothing: float = 0.1
     costs: StepCosts = field(init=False)
     acceptance: PositionAcceptance = field(init=False)
+    plain_s: float | None = field(default=None, init=False)
+    plain_age: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.costs = StepCosts(self.gamma_max)
@@ -184,18 +188,32 @@ class SharedEstimates:
         self._gain_tokens = self.prior_steps * self.gain_prior
         self._gain_steps = self.prior_steps
 
+    def learn_plain(self, seconds: float) -> None:
+        """Counts a measured plain step (nothing drafted): the time unit of :attr:`gain`.
+
+        Measured rather than taken from the verification curve: while every step drafts, the curve's
+        base and its shape cannot be told apart, and a curve timed at warm-up that underrates v(k) then
+        overrates drafting (self-speculation on SmolLM2, which never pays, stayed on at 0.96x plain decoding).
+        """
+        old = seconds if self.plain_s is None else self.plain_s
+        self.plain_s = old + self.plain_smoothing * (seconds - old)
+        self.plain_age = 0
+
     def learn_gain(self, tokens: int = 0, seconds: float = 0.0) -> None:
         """Ages the evidence by one step and counts the step's ``tokens`` emitted in ``seconds`` (none for
         a plain step: evidence ages with time, so that a probe after a long plain stretch counts)."""
         keep = 1.0 - self.gain_smoothing
         self._gain_tokens = keep * self._gain_tokens + tokens
-        self._gain_steps = keep * self._gain_steps + (seconds / self.costs.verify_s(0) if seconds else 0.0)
+        unit = self.plain_s if self.plain_s is not None else self.costs.verify_s(0)
+        self._gain_steps = keep * self._gain_steps + (seconds / unit if seconds else 0.0)
+        self.plain_age += tokens > 0
 
     @property
     def gain(self) -> float:
         """Drafting steps' speed relative to plain decoding: decayed tokens over decayed plain-step
         equivalents of their time (a ratio of sums, steadier than an average of one-step ratios, which
-        swing from 0.4 to 1.7 on the Qwen pair), starting from ``gain_prior``."""
+        swing from 0.4 to 1.7 on the Qwen pair), starting from ``gain_prior``. A plain step's time is
+        ``plain_s`` once one was measured (``plain_age`` counts the drafting steps since)."""
         return self._gain_tokens / self._gain_steps
 
     def request_acceptance(self) -> PositionAcceptance:
