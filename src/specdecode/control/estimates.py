@@ -75,6 +75,11 @@ class PositionAcceptance:
         return out
 
 
+def smoothed(old: float | None, new: float, weight: float) -> float:
+    """Exponential smoothing: ``new`` with ``weight``, the old estimate with the rest (``new`` if none yet)."""
+    return new if old is None else old + weight * (new - old)
+
+
 def verify_shape(k: int, slope: float) -> float:
     """Prior verification cost of k drafted tokens relative to a plain step: 1 + slope * k.
 
@@ -139,12 +144,10 @@ class StepCosts:
         time includes catching up on tokens the drafter missed while speculation was off)."""
         k = min(drafted, self.gamma_max)
         seen = verify_s / self.shape[k]
-        self.base = seen if self.base is None else self.base + self.smoothing * (seen - self.base)
+        self.base = smoothed(self.base, seen, self.smoothing)
         self.shape[k] += self.shape_smoothing * (verify_s / self.base - self.shape[k])
         if drafted and draft_timed:
-            per = draft_s / drafted
-            self.draft_per_token = per if self.draft_per_token is None else (
-                self.draft_per_token + self.smoothing * (per - self.draft_per_token))
+            self.draft_per_token = smoothed(self.draft_per_token, draft_s / drafted, self.smoothing)
 
     def verify_s(self, k: int) -> float:
         return self.base * self.shape[min(k, self.gamma_max)]
@@ -193,10 +196,10 @@ class SharedEstimates:
 
         Measured rather than taken from the verification curve: while every step drafts, the curve's
         base and its shape cannot be told apart, and a curve timed at warm-up that underrates v(k) then
-        overrates drafting (self-speculation on SmolLM2, which never pays, stayed on at 0.96x plain decoding).
+        overrates drafting (self-speculation on SmolLM2, which never pays, stayed on at 0.96x plain
+        decoding).
         """
-        old = seconds if self.plain_s is None else self.plain_s
-        self.plain_s = old + self.plain_smoothing * (seconds - old)
+        self.plain_s = smoothed(self.plain_s, seconds, self.plain_smoothing)
         self.plain_age = 0
 
     def learn_gain(self, tokens: int = 0, seconds: float = 0.0) -> None:
