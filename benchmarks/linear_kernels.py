@@ -2,8 +2,9 @@
 
 For each model geometry it builds random bf16 weights of every projection of every layer plus the output
 head (so that, as in a real step, they stream from memory rather than sit in cache), then times one pass
-through all of them with the same input rows on each kernel: the tiled kernel (``models/tiled.py``), the
-pre-packed oneDNN one and, with ``--with-torch``, plain ``F.linear``. Attention, norms and the rest of a
+through all of them with the same input rows on each kernel path that runs on this CPU: ours (tiled,
+avx512, avx2; ``models/native.py``), the pre-packed oneDNN one and, with ``--with-torch``, plain
+``F.linear`` (fp32 weights with ``--torch-float32``: what a CPU without our kernels would run). Attention, norms and the rest of a
 step are not included; ``specdecode bench`` measures whole steps. Prints a table, then one JSON line.
 
     .venv/bin/python benchmarks/linear_kernels.py --threads 2
@@ -19,8 +20,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdecode.models import tiled
-from specdecode.models.linear import PackedLinear, TiledLinear
+from specdecode.models.linear import NATIVE_KERNELS, NativeLinear, PackedLinear
+from specdecode.models.native import cpu_model
+from specdecode.models.transformer import linear_kernel_problem
 
 # name: (layers, hidden, intermediate, query heads, kv heads, head dim, vocab)
 GEOMETRIES = {"SmolLM2-135M": (30, 576, 1536, 9, 3, 64, 49152),
@@ -40,7 +42,7 @@ def time_pass(layers: list, rows: int, repeats: int) -> float:
     inputs = {}
     for layer in layers:
         k = layer.in_features
-        inputs.setdefault(k, torch.randn(1, rows, k).to(torch.bfloat16))
+        inputs.setdefault(k, torch.randn(1, rows, k).to(layer.dtype))
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first pass warms up
@@ -55,6 +57,7 @@ class _Plain(torch.nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.weight, (self.out_features, self.in_features) = weight, weight.shape
+        self.dtype = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -67,35 +70,50 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--models", default=",".join(GEOMETRIES), help="comma-separated names of GEOMETRIES")
     parser.add_argument("--with-torch", action="store_true", help="also time plain F.linear (slow)")
+    parser.add_argument("--torch-float32", action="store_true", help="F.linear on float32 weights (with --with-torch)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    reason = tiled.unavailable_reason(print)
-    if reason:
-        raise SystemExit(f"the tiled kernel is unavailable: {reason}")
+    cpu = torch.device("cpu")
+    paths = [p for p in (*NATIVE_KERNELS, "onednn") if linear_kernel_problem(p, torch.bfloat16, cpu, print) is None]
+    for p in (*NATIVE_KERNELS, "onednn"):
+        if p not in paths:
+            print(f"# {p}: {linear_kernel_problem(p, torch.bfloat16, cpu)}")
+    if args.with_torch:
+        paths.append("torch")
+    if len(paths) < 1:
+        raise SystemExit("no kernel path runs here")
     rows = [int(r) for r in args.rows.split(",")]
     results = {}
-    print(f"{'model':14} {'rows':>4} {'MB':>6} " + " ".join(f"{k:>10}" for k in ["onednn ms", "tiled ms"])
-          + (f" {'torch ms':>10}" if args.with_torch else "") + f" {'tiled vs onednn':>16} {'tiled GB/s':>10}")
+    print(f"# {cpu_model()}, {torch.get_num_threads()} threads")
+    print(f"{'model':14} {'rows':>4} {'MB':>6} " + " ".join(f"{p + ' ms':>12}" for p in paths)
+          + f" {paths[0] + ' GB/s':>12}")
     for name in args.models.split(","):
         shapes = projection_shapes(*GEOMETRIES[name])
         weights = [torch.randn(n, k).mul_(0.05).to(torch.bfloat16) for n, k in shapes]
         mbytes = sum(w.numel() * 2 for w in weights) / 1e6
-        kernels = {"onednn": [PackedLinear(w) for w in weights], "tiled": [TiledLinear(w) for w in weights]}
-        if args.with_torch:
-            kernels["torch"] = [_Plain(w) for w in weights]
+        kernels = {p: [_make(p, w, args.torch_float32) for w in weights] for p in paths}
         del weights
         results[name] = {"weights_mb": round(mbytes, 1), "rows": {}}
         for r in rows:
             ms = {kind: time_pass(layers, r, args.repeats) * 1e3 for kind, layers in kernels.items()}
-            ratio = ms["onednn"] / ms["tiled"]
-            results[name]["rows"][r] = {**{f"{k}_ms": round(v, 2) for k, v in ms.items()},
-                                        "tiled_speedup_vs_onednn": round(ratio, 3)}
-            print(f"{name:14} {r:>4} {mbytes:>6.0f} {ms['onednn']:>10.2f} {ms['tiled']:>10.2f}"
-                  + (f" {ms['torch']:>10.2f}" if args.with_torch else "")
-                  + f" {ratio:>15.2f}x {mbytes / ms['tiled']:>10.1f}", flush=True)
+            results[name]["rows"][r] = {f"{k}_ms": round(v, 2) for k, v in ms.items()}
+            print(f"{name:14} {r:>4} {mbytes:>6.0f} " + " ".join(f"{ms[p]:>12.2f}" for p in paths)
+                  + f" {mbytes / ms[paths[0]]:>12.1f}", flush=True)
         del kernels
-    print(json.dumps({"threads": torch.get_num_threads(), "repeats": args.repeats, "results": results}))
+    print(json.dumps({"cpu": cpu_model(), "threads": torch.get_num_threads(), "repeats": args.repeats,
+                      "torch_dtype": "float32" if args.torch_float32 else "bfloat16", "results": results}))
+
+
+def _make(path: str, weight: torch.Tensor, torch_float32: bool) -> torch.nn.Module:
+    if path in NATIVE_KERNELS:
+        layer = NativeLinear(weight, None, path)
+    elif path == "onednn":
+        layer = PackedLinear(weight)
+    else:
+        return _Plain(weight.float() if torch_float32 else weight)
+    layer.dtype = torch.bfloat16
+    return layer
 
 
 if __name__ == "__main__":

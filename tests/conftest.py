@@ -23,6 +23,23 @@ def smollm2(smollm2_path):
     return load_model(str(smollm2_path))
 
 
+@pytest.fixture(scope="session")
+def smollm2_on(smollm2_path):
+    """``smollm2_on(path)``: SmolLM2 in bf16 with its projections on kernel path ``path``, loaded once per
+    path per session; skips the calling test, naming the reason, where this CPU cannot run the path."""
+    from specdecode.models.build import load_model
+    from kernel_paths import require_path
+
+    loaded = {}
+
+    def get(path: str):
+        require_path(path)
+        if path not in loaded:
+            loaded[path] = load_model(str(smollm2_path), dtype="bfloat16", linear=path)
+        return loaded[path]
+    return get
+
+
 def pytest_collection_modifyitems(config, items):
     # Slow tests (the Qwen pair, minutes each) run only when asked for with `-m slow`.
     if "slow" in (config.getoption("-m") or ""):

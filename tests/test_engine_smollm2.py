@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdecode.drafters import LayerSkipDrafter, NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
+from kernel_paths import path_params
 from real_prompts import ALL
 
 pytestmark = pytest.mark.integration
@@ -40,3 +42,18 @@ def test_greedy_speculation_is_identical_to_plain(smollm2, prompts, plain, kind,
         assert result.token_ids == expected
         accepted += result.stats.accepted_tokens
     assert accepted > 0  # the drafts were really verified, not all rejected
+
+
+@pytest.mark.parametrize("path", path_params())
+def test_greedy_speculation_is_identical_to_plain_on_every_kernel_path(smollm2_on, path):
+    """The exactness claim on each path this CPU can run (the default path is also covered above)."""
+    lm = smollm2_on(path)
+    tok = lm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in ALL[:2]]
+    assert lm.model.linear_kernel == path and lm.model.dtype == torch.bfloat16
+    plain = [Engine(lm.model, tok).generate(p, max_new_tokens=32, eos_token_ids=()).token_ids for p in prompts]
+    for drafter, gamma in [(NgramDrafter(), 4), (LayerSkipDrafter(lm.model, skip=list(range(4, 26, 3))), 7)]:
+        engine = Engine(lm.model, tok, drafter, SpeculativeConfig(gamma=gamma))
+        results = [engine.generate(p, max_new_tokens=32, eos_token_ids=()) for p in prompts]
+        assert [r.token_ids for r in results] == plain, (path, drafter.name)
+        assert sum(r.stats.accepted_tokens for r in results) > 0

@@ -23,7 +23,7 @@ from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
-from specdecode.models.build import DRAFT_QUANT, LoadedModel, load_model
+from specdecode.models.build import DEVICES, DRAFT_QUANT, LoadedModel, load_model, resolve_device
 from specdecode.models.linear import LINEAR_KERNELS
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.sampling import SamplingParams
@@ -37,14 +37,18 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser, device: bool = True) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name, .gguf path, HF folder or hub id (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="weights and activations; auto = bf16 where the CPU computes it natively, else fp32")
+                   help="weights and activations; auto = bf16 where one of our kernels runs (x86-64 with AVX2+FMA) or the GPU supports it, else fp32")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--linear", choices=LINEAR_KERNELS, default="auto",
-                   help="kernel for the bf16 projections: tiled (ours, AVX512-BF16, compiled once), onednn, "
-                        "torch (F.linear); auto = the first of those that runs here (default)")
+                   help="kernel path for the bf16 projections: ours, compiled once: tiled (AVX512-BF16), avx512 "
+                        "(AVX512F), avx2 (AVX2+FMA); onednn; torch (F.linear; the only one on a GPU); auto = "
+                        "$SPECDECODE_LINEAR if set, else the first of those that runs here (default)")
+    if device:
+        p.add_argument("--device", choices=DEVICES, default="auto",
+                       help="where the models run: auto = cuda when torch sees a GPU, else cpu (default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_arguments(g)
 
     b = sub.add_parser("bench", help="benchmark every method and its peers side by side on prompt suites")
-    _model_args(b)
+    _model_args(b, device=False)  # the benchmark runs on the CPU
     add_bench_arguments(b)
 
     m = sub.add_parser("models", help="list the named models and whether each is cached")
@@ -135,7 +139,8 @@ def _engine_for(args: argparse.Namespace, target: LoadedModel, spec: Speculative
     draft_model = skip = None
     if drafter_kind == "draft":
         _log(f"loading draft model {args.draft_model} ...")
-        draft = load_model(args.draft_model, args.dtype, progress=_log, linear=args.linear, quantize=args.draft_quant)
+        draft = load_model(args.draft_model, args.dtype, args.device, progress=_log, linear=args.linear,
+                           quantize=args.draft_quant)
         check_draft_pair(target, draft)
         draft_model = draft.model
     if drafter_kind == "layerskip":
@@ -153,7 +158,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.gamma in ("confidence", "adaptive"):
         load_controller_file(args.controller_file)
     caches = cache_configs(args, draft=_drafter_kind(args) == "draft")
-    target = load_model(args.model, args.dtype, progress=_log, linear=args.linear)
+    target = load_model(args.model, args.dtype, args.device, progress=_log, linear=args.linear)
     if args.chat:
         if not target.tokenizer.chat_template:
             raise UsageError(f"model {args.model} has no chat template; drop --chat")
@@ -195,7 +200,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    target = load_model(args.model, args.dtype, progress=_log, linear=args.linear)
+    target = load_model(args.model, args.dtype, args.device, progress=_log, linear=args.linear)
     result = calibrate_and_store(target, args.dtype, gamma=args.gamma, new_tokens=args.new_tokens, progress=_log)
     if args.json:
         print(json.dumps({"model": target.source, "skip": list(result.skip), "agreement": result.agreement,
@@ -245,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
+        if getattr(args, "device", None):
+            args.device = resolve_device(args.device)  # no GPU for --device cuda: refused before anything loads
         return COMMANDS[args.command](args)
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as other command-line tools do.

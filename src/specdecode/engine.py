@@ -19,6 +19,7 @@ from specdecode.drafters.base import Draft, Drafter
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
+from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams, probs_from_logits
 from specdecode.stats import RequestStats
@@ -80,6 +81,12 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: RequestStats = field(default_factory=RequestStats)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Waits for the work queued on a GPU, so that a timer around it sees it (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _stop_tuple(stop: str | Iterable[str]) -> tuple[str, ...]:
@@ -149,18 +156,18 @@ class Engine:
         self._eos: frozenset[int] = frozenset()
         self._step_s: dict[int, float] = {}  # decode-step seconds by context length bucket
         # oneDNN and F.linear round a one-row matmul (GEMV) differently from a multi-row one (GEMM), so
-        # there every forward gets at least two rows; the tiled kernel's rows are alike at any count.
-        self._min_rows = 1 if target.linear_kernel == "tiled" else 2
+        # there every forward gets at least two rows; our kernels' rows are alike at any count.
+        self._min_rows = 1 if target.linear_kernel in NATIVE_KERNELS else 2
         self._padded_rows: dict[int, int] = {}  # rows needed -> rows run (tune_rows); default: _min_rows
 
     def warmup(self) -> None:
         """Runs a short dummy request (prefill, drafting, verification) so that one-time costs such as
         buffer allocation and kernel selection stay out of the next request's timings, then tunes the
-        row padding (:meth:`tune_rows`) unless the target runs on the tiled kernel, whose cost only grows
+        row padding (:meth:`tune_rows`) unless the target runs on our kernels, whose cost only grows
         with the row count (tuning there picks timing noise: seen padding 2-4 rows to 5 on SmolLM2), and
         times the verification curve for the cost-aware controllers (:meth:`seed_costs`)."""
         self.generate([0] * 8, max_new_tokens=8, eos_token_ids=())
-        if self.target.linear_kernel != "tiled":
+        if self.target.linear_kernel not in NATIVE_KERNELS:
             self.tune_rows()
         self.seed_costs()
 
@@ -203,6 +210,7 @@ class Engine:
                 start = time.perf_counter()
                 self.target(torch.zeros(1, r, dtype=torch.long, device=self.target.device), self.cache,
                             invariant_rows=True)
+                _synchronize(self.target.device)
                 times[r].append(time.perf_counter() - start)
                 self.cache.trim(0, held)
         cost = {r: statistics.median(t) for r, t in times.items()}
@@ -297,7 +305,7 @@ class Engine:
             raise ValueError("stop strings must not be empty")
         self._eos = eos = frozenset(eos_token_ids if eos_token_ids is not None
                                     else (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()))
-        generator = sampling.generator()
+        generator = sampling.generator(self.target.device)  # on the device that samples
         controller = self._new_controller()
         stats = RequestStats(prompt_tokens=len(prompt_ids))
         limit = self.target.config.max_position_embeddings
@@ -316,6 +324,7 @@ class Engine:
         stats.prefix_hit_tokens = prefill(self.cache, 0, seq[:-1], self.target, prefix)
         if self.drafter is not None:
             self.drafter.reset(self.cache, prompt_ids, self.memory)
+        _synchronize(self.target.device)
         stats.prefill_s = time.perf_counter() - start
         finish = "length"
         while len(generated) < max_new_tokens:
@@ -380,7 +389,8 @@ class Engine:
         want = max(min(self._padded_rows.get(len(rows), self._min_rows), self.cache.stable_rows(0)), len(rows),
                    self._min_rows)
         rows += seq[-1:] * (want - len(rows))
-        logits = self.target(torch.tensor([rows]), self.cache, invariant_rows=True)[0, :k + 1]  # [k + 1, V]
+        logits = self.target(torch.tensor([rows], device=self.target.device), self.cache,
+                             invariant_rows=True)[0, :k + 1]  # [k + 1, V]
         if sampling.greedy:
             verdict = verify_greedy(logits, draft.tokens)
         else:

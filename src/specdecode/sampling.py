@@ -39,9 +39,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def generator(self) -> torch.Generator:
-        """A fresh generator for one request, seeded so that the same seed gives the same output."""
-        g = torch.Generator()
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A fresh generator for one request, seeded so that the same seed gives the same output.
+
+        Args:
+            device: where the tensors it samples live (the model's device): a CUDA tensor needs a CUDA
+                generator. The same seed gives another stream on another device.
+        """
+        g = torch.Generator(device=device)
         g.manual_seed(self.seed if self.seed is not None else int(torch.randint(2**62, (1,)).item()))
         return g
 

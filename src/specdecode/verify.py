@@ -52,15 +52,15 @@ def verify_stochastic(p: torch.Tensor, q: torch.Tensor | None, draft: list[int],
         q: ``[k, V]`` draft probabilities after the same processing, or None for a deterministic
             drafter (q = one-hot on each drafted token).
         draft: the k drafted tokens.
-        generator: the request's random generator.
+        generator: the request's random generator, on the device of ``p`` and ``q``.
     """
     k = len(draft)
     if k:
-        d = torch.tensor(draft)
-        rows = torch.arange(k)
+        d = torch.tensor(draft, device=p.device)
+        rows = torch.arange(k, device=p.device)
         p_d = p[rows, d]  # [k]
-        q_d = q[rows, d] if q is not None else torch.ones(k)
-        u = torch.rand(k, generator=generator)
+        q_d = q[rows, d] if q is not None else torch.ones(k, device=p.device)
+        u = torch.rand(k, generator=generator, device=p.device)  # the generator must live on p's device
         # u < p/q written as u*q < p: no division, and q_d > 0 for any token the draft could emit.
         rejected = (u * q_d >= p_d).tolist()
         n = rejected.index(True) if True in rejected else k

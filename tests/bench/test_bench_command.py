@@ -10,6 +10,7 @@ import torch
 
 from specdecode.bench import methods as bench_methods
 from specdecode.bench.report import matplotlib_available
+from specdecode.bench.runner import RELEVANT_CPU_FLAGS
 from specdecode.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -47,8 +48,8 @@ def _base_args(models, prompt_file):
 def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
     out_json, report = tmp_path / "bench.json", tmp_path / "report"
     args = _base_args(tiny_model_dirs, prompt_file) + [
-        "--draft-model", str(tiny_model_dirs[1]), "--skip-layers", "1,2", "--gammas", "2", "--cost-curve", "3",
-        "--methods", "none,ngram,draft,layerskip,hf,hf-assisted,hf-lookup,llamacpp,llamacpp-lookup",
+        "--draft-model", str(tiny_model_dirs[1]), "--draft-quant", "int8", "--skip-layers", "1,2", "--gammas", "2",
+        "--cost-curve", "3", "--methods", "none,ngram,draft,layerskip,hf,hf-assisted,hf-lookup,llamacpp,llamacpp-lookup",
         "--json", str(out_json)]
     if matplotlib_available():
         args += ["--report", str(report)]
@@ -87,6 +88,15 @@ def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
     assert by_name["none"]["memory_mb"]["draft_weights"] == 0 < by_name["draft:g2"]["memory_mb"]["draft_weights"]
     assert by_name["layerskip:g2"]["memory_mb"]["draft_kv"] == 0  # drafts in the target's own cache
     assert by_name["hf"]["memory_mb"] is None
+    # what each method ran on: --dtype float32 applies to the peers too; only our draft model is quantized
+    assert doc["config"]["torch_dtype"] == doc["config"]["peer_dtype"] == "float32"
+    runs_on = {m["name"]: (m["kernel"], m["dtype"], m["draft_kernel"], m["draft_dtype"]) for m in doc["methods"]}
+    ours = (doc["config"]["linear_kernel"], "float32")
+    assert runs_on["none"] == runs_on["ngram:g2"] == runs_on["layerskip:g2"] == (*ours, None, None)
+    assert runs_on["draft:g2"] == (*ours, "int8", "float32")
+    assert runs_on["hf"] == runs_on["hf-lookup"] == ("transformers", "float32", None, None)
+    assert runs_on["hf-assisted"] == ("transformers", "float32", "transformers", "float32")
+    assert set(doc["environment"]["cpu_flags"]) <= set(RELEVANT_CPU_FLAGS) and doc["environment"]["cpu_family"]
     # the verification cost curve of the target and of the draft model, k = 0..3
     assert [len(c["v"]) for c in doc["cost_curves"]] == [4, 4] and all(c["v"][0] == 1.0 for c in doc["cost_curves"])
     assert all(ms > 0 for c in doc["cost_curves"] for ms in c["verify_ms"])
@@ -120,6 +130,9 @@ def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
             assert cells[5] == spelled(o["acceptance_rate"])
             assert cells[7] == spelled(o["predicted_speedup"])
         assert f"**{doc['identical_outputs']} / {doc['identity_comparisons']}**" in md
+        assert f"- machine: {doc['environment']['cpu_model']} ({doc['environment']['cpu_family']};" in md
+        assert next(line for line in md.splitlines() if line.startswith("| `draft:g2` |")).endswith(
+            f"| {ours[0]} float32; draft int8 float32 |")
 
 
 def test_every_controller_runs_and_record_steps_writes_valid_jsonl(tiny_model_dirs, prompt_file, tmp_path):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.bench.report import aggregate, format_table, gamma_comparison, markdown, prompt_tokens_per_s
-from specdecode.bench.runner import ProgressBar, Sample
+from specdecode.bench.methods import Method
+from specdecode.bench.prompts import Prompt
+from specdecode.bench.report import (aggregate, build_document, format_table, gamma_comparison, markdown,
+                                     prompt_tokens_per_s)
+from specdecode.bench.runner import BenchConfig, ProgressBar, RunResult, Sample
 
 
 def _stats(generated: int, forwards: int, drafted: list[int], accepted: list[int], predicted: float,
@@ -181,3 +184,44 @@ def test_held_out_comparison_picks_each_prompts_fixed_gamma_on_the_other_prompts
     md = markdown({**doc, "gamma_comparison": [comp]}, plots=[]).splitlines()
     rows = [line for line in md if line.startswith("| `ngram:adaptive` | 1.0")]
     assert rows == ["| `ngram:adaptive` | 1.0 | 1.0 |", f"| `ngram:adaptive` | {round(12 / 11, 4)} |"]
+
+
+def test_the_document_records_each_methods_kernel_and_dtype_and_the_peers_dtype():
+    def method(name, family, gamma=None, **runs_on):
+        return Method(name, family, lambda ids, seed: None, gamma, **runs_on)
+
+    methods = [method("none", "none", kernel="onednn", dtype="bfloat16"),
+               method("draft:g2", "draft", 2, kernel="onednn", dtype="bfloat16", draft_kernel="int8",
+                      draft_dtype="bfloat16"),
+               method("hf", "hf", kernel="transformers", dtype="float32")]
+    samples = [_s(m.name, "p1", "x", 10, 1.0) for m in methods]
+    result = RunResult(
+        config=BenchConfig(model="m", draft_model="d"), prompts=[Prompt("p1", "x", "hello")], prompt_tokens={"p1": 3},
+        methods=methods, samples=samples, skipped=[], failed={"hf-lookup": "RuntimeError: no"}, notes=[],
+        identity_checked=True, identity_comparisons=1, identity_mismatches=[], peer_agreement={}, rss_mb={},
+        peak_rss_mb=1.0, rss_after_load_mb=1.0, model_source="m", draft_source="d", torch_dtype="bfloat16",
+        peer_dtype="float32", linear_kernel="onednn", load_s=1.0, run_s=1.0)
+    env = {"cpu_model": "Some CPU", "cpu_family": "x86-64 AVX2", "cpu_flags": ["avx2", "fma"], "cpu_count": 2}
+    doc = build_document(result, {"model": "m", "draft_model": "d", "repeats": 1, "max_new_tokens": 10,
+                                  "temperature": 0.0}, env)
+
+    assert doc["config"]["torch_dtype"] == "bfloat16" and doc["config"]["peer_dtype"] == "float32"
+    assert doc["environment"] == env
+    runs_on = {e["name"]: (e["kernel"], e["dtype"], e["draft_kernel"], e["draft_dtype"]) for e in doc["methods"]}
+    assert runs_on == {"none": ("onednn", "bfloat16", None, None), "draft:g2": ("onednn", "bfloat16", "int8", "bfloat16"),
+                       "hf": ("transformers", "float32", None, None), "hf-lookup": (None, None, None, None)}
+    md = markdown(doc, plots=[])
+    assert "dtype bfloat16 (peers float32), projections on onednn" in md
+    assert "- machine: Some CPU (x86-64 AVX2; avx2 fma), 2 CPUs" in md
+    overall = md.split("## Overall")[1].split("\n\n")[2].splitlines()  # the table: header, rule, rows
+    assert overall[0].endswith("| control share | runs on |")
+    assert [row.rsplit(" | ", 1)[1] for row in overall[2:]] == [
+        "onednn bfloat16 |", "onednn bfloat16; draft int8 bfloat16 |", "transformers float32 |", "- |"]
+    assert "dtype bfloat16 (peers float32), projections on onednn" in format_table(doc)
+
+
+def test_an_older_document_without_the_machine_and_peer_dtype_still_renders(samples):
+    md = markdown(_doc(samples), plots=[])
+    assert "- model: `m` (m), dtype float32\n" in md and "- machine:" not in md
+    hf = next(line for line in md.splitlines() if line.startswith("| `hf` |"))
+    assert hf.endswith("| - |")  # no per-method record: "runs on" is "-"

@@ -57,6 +57,8 @@ def test_a_fixed_gamma_replays_the_engines_own_steps(replay_gamma, recorded, tar
 
 
 def test_speedups_follow_the_recorded_costs(replay_gamma, recorded):
+    # A fixed verification curve, not this machine's timing of a tiny model (which varies by kernel path).
+    recorded = {**recorded, "v": [1.0 + 0.04 * k for k in range(len(recorded["v"]))]}
     free = replay_gamma.replay(recorded, [0, 4, "adaptive"], draft_cost=0.0)
     assert free["0"] == {"overall": 1.0, "repetitive": 1.0, "open": 1.0}  # plain decoding against itself
     assert free["4"]["repetitive"] > 1.2

@@ -8,12 +8,12 @@ import pytest
 from specdecode.drafters import LayerSkipDrafter, NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
+from kernel_paths import path_params
 from real_prompts import GROUNDED
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 NEW_TOKENS = 48
-BF16_PER_TOKEN = 2 * 30 * 3 * 64 * 2  # keys + values, 30 layers, 3 kv heads of 64, 2 bytes
 SETTINGS = {
     # A 60-token chat prompt + 48 tokens: three int8 groups are flushed while generating.
     "int8": CacheConfig(kv_dtype="int8", group_size=16, residual=16),
@@ -22,14 +22,22 @@ SETTINGS = {
 }
 
 
+def _full_bytes_per_token(model) -> int:
+    """What an uncompressed cache holds per token in the model's own dtype (bf16 or float32, by the CPU)."""
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize  # keys + values
+
+
+@pytest.mark.parametrize("path", path_params())
 @pytest.mark.parametrize("setting, drafter", [("int8", "ngram"), ("window", "layerskip")])
-def test_greedy_speculation_is_identical_to_plain_under_compression(smollm2, setting, drafter):
-    model, tok = smollm2.model, smollm2.tokenizer
+def test_greedy_speculation_is_identical_to_plain_under_compression(smollm2_on, path, setting, drafter):
+    lm = smollm2_on(path)
+    model, tok = lm.model, lm.tokenizer
     cache = SETTINGS[setting]
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": GROUNDED[0]}]))
     plain = Engine(model, tok, cache=cache).generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_ids=())
     # int8: about 0.7x of bf16 here (float32 scales, 16 recent tokens in bf16); the window: far less.
-    assert plain.stats.kv_bytes_per_token < 0.75 * BF16_PER_TOKEN
+    assert plain.stats.kv_bytes_per_token < 0.75 * _full_bytes_per_token(model)
     draft = NgramDrafter() if drafter == "ngram" else LayerSkipDrafter(model, skip=list(range(4, 26, 3)))
     result = Engine(model, tok, draft, SpeculativeConfig(gamma=4), cache=cache).generate(
         prompt, max_new_tokens=NEW_TOKENS, eos_token_ids=())

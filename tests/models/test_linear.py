@@ -1,8 +1,10 @@
-"""The linear kernels: tiled (ours; row-invariant, close to F.linear, exact speculation on top of it),
-pre-packed oneDNN (bitwise F.linear in bf16 at every row count we run) and int8 weight-only."""
+"""The linear kernels: ours (tiled, avx512, avx2: row-invariant, close to exact, exact speculation on
+top of them), pre-packed oneDNN (bitwise F.linear in bf16 at every row count we run) and int8
+weight-only. Each test of ours runs on every path this CPU can execute; the others skip with the reason."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,42 +13,65 @@ from torch import nn
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
-from specdecode.models import tiled
-from specdecode.models.linear import Int8Linear, PackedLinear, TiledLinear, can_pack
+from specdecode.models import native
+from specdecode.models.linear import NATIVE_KERNELS, Int8Linear, NativeLinear, PackedLinear, can_pack
 from specdecode.models.transformer import Transformer
+from kernel_paths import path_params, path_problem
 from tiny_models import random_hf_tensors, tiny_config, tiny_model, varied_model
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="needs oneDNN bf16 on CPU")
-needs_tiled = pytest.mark.skipif(tiled.kernel() is None, reason=f"tiled kernel unavailable: {tiled.unavailable_reason()}")
+OURS = path_params(NATIVE_KERNELS)
 
 
-@needs_tiled
-@pytest.mark.parametrize("out_features,in_features,bias", [(5, 3, False), (160, 96, True), (130, 1537, True)])
-def test_tiled_is_close_to_float64_and_row_invariant(out_features, in_features, bias):
+@pytest.mark.parametrize("path", OURS)
+@pytest.mark.parametrize("out_features,in_features,bias", [(5, 3, False), (160, 96, True), (130, 1537, True),
+                                                           (576, 576, False)])
+def test_ours_are_close_to_float64_and_row_invariant(path, out_features, in_features, bias):
     g = torch.Generator().manual_seed(out_features)
     weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
     b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None
-    layer = TiledLinear(weight, b)
-    x = torch.randn(2, 10, in_features, generator=g).to(torch.bfloat16)  # [B, T, in]: 20 rows, 4 passes of 6
+    layer = NativeLinear(weight, b, path)
+    x = torch.randn(2, 16, in_features, generator=g).to(torch.bfloat16)  # [B, T, in]: 32 rows, several passes
     with torch.inference_mode():
         got = layer(x)
         exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
-        assert got.shape == (2, 10, out_features) and got.dtype == torch.bfloat16
+        assert got.shape == (2, 16, out_features) and got.dtype == torch.bfloat16
         # fp32 sums, then one rounding to bf16 (relative step 2^-8) of values about sqrt(in) in size.
         bound = exact.abs() * 2**-8 + in_features * 2**-20 * exact.abs().max()
         assert ((got.double() - exact).abs() <= bound).all()
-        for rows in (1, 2, 5, 6, 7, 13):  # every row bitwise the same whatever shares its call
-            assert torch.equal(layer(x.view(20, in_features)[:rows]), got.view(20, out_features)[:rows])
+        for rows in range(1, 33):  # every row bitwise the same whatever shares its call
+            assert torch.equal(layer(x.view(32, in_features)[:rows]), got.view(32, out_features)[:rows]), rows
         assert torch.equal(layer(x[1:, 9:]), got[1:, 9:])
 
 
-@needs_tiled
+def test_the_widened_builds_agree_bitwise_and_with_a_sequential_fp32_sum():
+    """avx512 and avx2 sum each output as one fp32 FMA chain in feature order: the same numbers on both."""
+    runnable = [p for p in ("avx512", "avx2") if path_problem(p) is None]
+    if not runnable:
+        pytest.skip("neither widened build runs here: " + "; ".join(f"{p}: {path_problem(p)}" for p in ("avx512", "avx2")))
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(70, 9, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 9, generator=g).to(torch.bfloat16)
+    outs = [NativeLinear(weight, None, p)(x) for p in runnable]
+    w, xs = weight.float().numpy(), x.float().numpy()
+    want = torch.empty(3, 70, dtype=torch.bfloat16)
+    for m in range(3):
+        for n in range(70):
+            acc = np.float32(0)
+            for k in range(9):  # bf16 x bf16 is exact in fp32, so this one rounding is what an FMA does
+                acc = np.float32(acc + xs[m, k] * w[n, k])
+            want[m, n] = float(acc)
+    for out in outs:
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("path", OURS)
 @pytest.mark.parametrize("kind", ["ngram", "layerskip", "draft"])
-def test_greedy_speculation_is_exact_on_the_tiled_kernel(kind):
+def test_greedy_speculation_is_exact_on_our_kernels(path, kind):
     target = varied_model(0, dtype=torch.bfloat16)
-    assert target.pack_weights("tiled") == "tiled" and target.pack_weights() == "tiled"  # idempotent
+    assert target.pack_weights(path) == path and target.pack_weights() == path  # idempotent
     draft = varied_model(0, keep_layers=[0, 1], dtype=torch.bfloat16)
-    draft.pack_weights("tiled")
+    draft.pack_weights(path)
     drafter = {"ngram": NgramDrafter(max_ngram=3, min_ngram=1), "layerskip": LayerSkipDrafter(target, [1]),
                "draft": DraftModelDrafter(draft)}[kind]
     prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9], [90, 3, 17, 44, 2, 60]]
@@ -63,30 +88,30 @@ def test_greedy_speculation_is_exact_on_the_tiled_kernel(kind):
     assert accepted > 0 or kind == "ngram"  # ... and acceptances kept (the bf16 model does not loop)
 
 
-@needs_tiled
-def test_plain_decoding_on_the_tiled_kernel_runs_one_row_per_step():
+@pytest.mark.parametrize("path", OURS)
+def test_plain_decoding_on_our_kernels_runs_one_row_per_step(path):
     target = varied_model(0, dtype=torch.bfloat16)
-    target.pack_weights("tiled")
+    target.pack_weights(path)
     rows: list[int] = []
     target.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[1]))
     engine = Engine(target)
-    engine.warmup()  # no row padding is tuned under the tiled kernel
+    engine.warmup()  # no row padding is tuned under our kernels
     rows.clear()
     engine.generate([7, 8, 9, 10], max_new_tokens=6)
     assert rows == [3] + [1] * 6  # prefill of all but the last token, then one row per step (no filler, no padding)
 
 
-@needs_tiled
-def test_pack_weights_names_what_is_wrong():
+@pytest.mark.parametrize("path", OURS)
+def test_pack_weights_names_what_is_wrong(path):
     model = varied_model(0, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="'fast' is not one of auto, tiled, onednn, torch"):
+    with pytest.raises(ValueError, match="'fast' is not one of auto, tiled, avx512, avx2, onednn, torch"):
         model.pack_weights("fast")
     assert model.pack_weights("torch") == "torch" and model.linear_kernel == "torch"
-    assert model.pack_weights("tiled") == "tiled"
-    with pytest.raises(ValueError, match="already run on tiled; cannot switch to onednn"):
+    assert model.pack_weights(path) == path
+    with pytest.raises(ValueError, match=f"already run on {path}; cannot switch to onednn"):
         model.pack_weights("onednn")
-    with pytest.raises(ValueError, match="needs a bf16 model on the CPU .*float32"):
-        tiny_model("llama").pack_weights("tiled")
+    with pytest.raises(ValueError, match=f"the {path} kernel needs a bf16 model on the CPU .*float32"):
+        tiny_model("llama").pack_weights(path)
 
 
 @needs_onednn

@@ -14,8 +14,11 @@ import torch
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.config import ModelConfig
 from specdecode.models.linear import can_pack
-from specdecode.models.transformer import Transformer, apply_rope, causal_hidden, grouped_attention, rope_inv_freq
-from tiny_models import random_hf_tensors, tiny_config, tiny_model
+from specdecode.models import native
+from specdecode.models.linear import NATIVE_KERNELS
+from specdecode.models.transformer import Transformer, apply_rope, causal_hidden, rope_inv_freq
+from kernel_paths import path_params, require_path
+from tiny_models import random_hf_tensors, tiny_config, tiny_model, varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -322,21 +325,73 @@ def test_rope_roll_equals_rotate_half_bitwise():
     assert torch.equal(apply_rope(x, cos, signed_sin), x * cos + rotated * sin)
 
 
+def _attention_on(path: str):
+    """The row-invariant attention a model packed for ``path`` runs (``Block.attend``), as a function."""
+    require_path(path)
+    block = varied_model(0, dtype=torch.bfloat16).layers[0]
+    ops = native.kernel("avx512" if path == "tiled" else path) if path in NATIVE_KERNELS else None
+
+    def attend(q, keys, values, window=None):
+        block.attention_ops, block.window, block.head_dim = ops, window, q.shape[-1]
+        return block.attend(q, keys, values)
+    return attend
+
+
+def _reference_attention(q, keys, values, window=None):
+    """float64, each new token over its own (windowed) keys."""
+    t, length = q.shape[2], keys.shape[2]
+    group = q.shape[1] // keys.shape[1]
+    k, v = keys.double().repeat_interleave(group, 1), values.double().repeat_interleave(group, 1)
+    scores = q.double() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # [B, H, T, L]
+    query_pos = torch.arange(length - t, length)[:, None]
+    key_pos = torch.arange(length)[None, :]
+    hidden = (key_pos > query_pos) | ((key_pos <= query_pos - window) if window else False)
+    return scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("path", path_params())
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64)])  # SmolLM2, Qwen 1.5B / 0.5B
-def test_grouped_attention_rows_do_not_depend_on_the_call(heads, kv_heads, head_dim):
-    """Each new token's attention equals, bitwise, a call with only that token over only its keys.
+def test_attention_rows_do_not_depend_on_the_call(path, heads, kv_heads, head_dim):
+    """Each new token's attention equals, bitwise, a call with only that token over only its keys, on every
+    path, for 1..32 new tokens and contexts up to 4,096 keys, with and without a sliding window.
 
     This is what lets one verification forward reproduce token-by-token decoding exactly (bf16).
     """
+    attend = _attention_on(path)
     g = torch.Generator().manual_seed(heads)
-    for start, t in [(5, 2), (63, 5), (200, 9), (700, 17)]:
+    cases = [(5, 2, None), (63, 5, None), (300, 1, None), *[(700, t, None) for t in range(2, 33, 3)], (4064, 32, None),
+             (4095, 1, None), (2000, 17, 512)]
+    for start, t, window in cases:
         keys = torch.randn(1, kv_heads, start + t, head_dim, generator=g).to(torch.bfloat16)
         values = torch.randn(1, kv_heads, start + t, head_dim, generator=g).to(torch.bfloat16)
         q = torch.randn(1, heads, t, head_dim, generator=g).to(torch.bfloat16)
-        batched = grouped_attention(q, keys, values, causal_hidden(t, start + t, heads // kv_heads))
+        batched = attend(q, keys, values, window)
+        assert batched.shape == q.shape and batched.dtype == torch.bfloat16
+        # bf16 output of a float32 computation: within a few bf16 steps of the exact result
+        assert (batched.double() - _reference_attention(q, keys, values, window)).abs().max() < 0.02, (start, t)
         for i in range(t):
-            alone = grouped_attention(q[:, :, i:i + 1], keys[:, :, :start + i + 1], values[:, :, :start + i + 1])
-            assert torch.equal(batched[:, :, i:i + 1], alone), (start, t, i)
+            end = start + i + 1
+            lo = 0 if window is None else max(0, end - window)
+            alone = attend(q[:, :, i:i + 1], keys[:, :, lo:end], values[:, :, lo:end], window)
+            assert torch.equal(batched[:, :, i:i + 1], alone), (path, start, t, i)
+
+
+@pytest.mark.parametrize("path", path_params())
+def test_verification_forward_equals_decode_steps_on_every_path(path):
+    """One forward over 9 new tokens gives, bitwise, the logits of 9 one-token forwards (a sliding window included)."""
+    require_path(path)
+    for overrides in ({}, {"sliding_window": 12}):
+        config = tiny_config("mistral" if overrides else "llama", tie_word_embeddings=False, **overrides)
+        model = Transformer.from_hf_tensors(config, random_hf_tensors(config, seed=4, scale=0.2), dtype=torch.bfloat16)
+        assert model.pack_weights(path) == path
+        ids = torch.randint(0, config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
+        with torch.inference_mode():
+            cache = model.new_cache(CacheConfig(max_len=32))
+            model(ids[:, :21], cache, logits="none")
+            batched = model(ids[:, 21:], cache, invariant_rows=True)[0]
+            cache.trim(0, 21)
+            steps = torch.cat([model(ids[:, i:i + 1], cache, invariant_rows=True)[0] for i in range(21, 30)])
+        assert torch.equal(batched, steps), (path, overrides)
 
 
 def test_causal_hidden_mask():

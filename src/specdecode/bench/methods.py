@@ -67,6 +67,11 @@ class Method:
         params: settings worth recording in the JSON (draft sizes, peer options).
         memory: bytes the configuration holds (weights and KV caches by part), for our engine.
         signal_names: names of the drafter's per-token signals in step records (our drafting methods).
+        kernel: what the target's projections ran on: our ``Transformer.linear_kernel`` (e.g. "tiled",
+            "onednn", "int8"), "transformers" or "llama.cpp".
+        dtype: the target's parameter dtype ("bfloat16", ...); "gguf" for llama.cpp (the file's own types).
+        draft_kernel: the separate draft model's kernel (``draft`` and ``hf-assisted``), else None.
+        draft_dtype: the separate draft model's dtype, else None.
     """
 
     name: str
@@ -76,11 +81,20 @@ class Method:
     params: dict[str, Any] = field(default_factory=dict)
     memory: Callable[[], dict[str, int]] | None = None
     signal_names: tuple[str, ...] = ()
+    kernel: str | None = None
+    dtype: str | None = None
+    draft_kernel: str | None = None
+    draft_dtype: str | None = None
 
     @property
     def kind(self) -> str:
         """"ours" or "peer"."""
         return "ours" if self.family in OUR_FAMILIES else "peer"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the JSON document spells it: "bfloat16" for ``torch.bfloat16``."""
+    return str(dtype).replace("torch.", "")
 
 
 def method_name(family: str, gamma: int | str | None) -> str:
@@ -135,20 +149,24 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         params["gamma_max"] = gamma_max
     if gamma in ("confidence", "adaptive"):
         params["controller_file"] = controller_file
+    drafts_with = draft_model.model if family == "draft" and draft_model is not None else None
     return Method(method_name(family, gamma), family, run, gamma, params, memory=engine.memory_bytes,
-                  signal_names=drafter.signal_names if drafter is not None else ())
+                  signal_names=drafter.signal_names if drafter is not None else (),
+                  kernel=target.model.linear_kernel, dtype=dtype_name(target.model.dtype),
+                  draft_kernel=drafts_with.linear_kernel if drafts_with else None,
+                  draft_dtype=dtype_name(drafts_with.dtype) if drafts_with else None)
 
 
 # ----------------------------------------------------------------------------------------------
 # transformers peers
 
 def build_hf_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
-    """A transformers ``*ForCausalLM`` holding the same weights as our decoder, in the same dtype.
+    """A transformers ``*ForCausalLM`` holding the same weights as our decoder.
 
     Args:
         config: the checkpoint's architecture (``ModelConfig.to_hf()`` becomes the HF config).
         tensors: HF-named float32 tensors from ``models.loader.load_checkpoint``.
-        dtype: parameter dtype (the one our decoder runs in).
+        dtype: parameter dtype (``runner.peer_dtype``: our decoder's, or float32 where bf16 is slow here).
 
     Raises:
         RuntimeError: transformers is missing, or the tensors do not fit its model.
@@ -231,7 +249,10 @@ def hf_method(family: str, hf_model, eos_token_ids: frozenset[int], sampling: Sa
         finish = "eos" if tokens and tokens[-1] in eos_set else "length"
         return Output(tokens, seconds, None, finish)
 
-    return Method(family, family, run, lookup_tokens if family == "hf-lookup" else None, params)
+    return Method(family, family, run, lookup_tokens if family == "hf-lookup" else None, params,
+                  kernel="transformers", dtype=dtype_name(hf_model.dtype),
+                  draft_kernel="transformers" if assistant is not None else None,
+                  draft_dtype=dtype_name(assistant.dtype) if assistant is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,4 +305,5 @@ def llamacpp_method(family: str, gguf_path: str | Path, eos_token_ids: frozenset
         seconds = time.perf_counter() - start
         return Output(tokens, seconds, None, finish)
 
-    return Method(family, family, run, lookup_tokens if family == "llamacpp-lookup" else None, params)
+    return Method(family, family, run, lookup_tokens if family == "llamacpp-lookup" else None, params,
+                  kernel="llama.cpp", dtype="gguf")

@@ -238,7 +238,8 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
                  "identical_to_none": f["overall"]["identical_to_none"],
                  "compared_to_none": f["overall"]["compared_to_none"],
                  "rss_mb": _r(result.rss_mb.get(m.name)),
-                 "memory_mb": {k: _r(v / 2**20) for k, v in m.memory().items()} if m.memory else None}
+                 "memory_mb": {k: _r(v / 2**20) for k, v in m.memory().items()} if m.memory else None,
+                 "kernel": m.kernel, "dtype": m.dtype, "draft_kernel": m.draft_kernel, "draft_dtype": m.draft_dtype}
         methods.append(entry)
     built = {m.name for m in result.methods}
     for name, error in result.failed.items():  # peers that could not even be built
@@ -247,7 +248,8 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
                             "gamma": None, "params": {}, "status": "failed", "error": error,
                             "overall": empty_figures(), "by_category": {c: empty_figures() for c in categories},
                             "identical_to_none": None, "compared_to_none": None, "rss_mb": None,
-                            "memory_mb": None})
+                            "memory_mb": None, "kernel": None, "dtype": None, "draft_kernel": None,
+                            "draft_dtype": None})
     identity_checked = greedy and "none" in names
     ours_compared = [e for e in methods if e["kind"] == "ours" and e["name"] != "none" and e["compared_to_none"]]
     identical = sum(e["identical_to_none"] for e in ours_compared) if identity_checked else None
@@ -266,7 +268,8 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
     return {
         "schema_version": SCHEMA_VERSION,
         "config": {**config_echo, "model_source": result.model_source, "draft_model_source": result.draft_source,
-                   "torch_dtype": result.torch_dtype, "linear_kernel": result.linear_kernel},
+                   "torch_dtype": result.torch_dtype, "peer_dtype": result.peer_dtype,
+                   "linear_kernel": result.linear_kernel},
         "environment": environment,
         "prompts": {"count": len(result.prompts), "categories": categories,
                     "by_category": {c: len(v) for c, v in by_category.items()},
@@ -308,6 +311,21 @@ def _identity_cell(entry: dict[str, Any]) -> str:
     return f"{entry['identical_to_none']}/{entry['compared_to_none']}{mark}"
 
 
+def dtypes(config: dict[str, Any]) -> str:
+    """Our dtype, the peers' if other, and our kernel: "dtype bfloat16 (peers float32), projections on tiled"."""
+    ours, peers = config["torch_dtype"], config.get("peer_dtype")  # older documents lack peer_dtype
+    return (f"dtype {ours}" + (f" (peers {peers})" if peers and peers != ours else "")
+            + (f", projections on {config['linear_kernel']}" if config.get("linear_kernel") else ""))
+
+
+def runs_on(entry: dict[str, Any]) -> str:
+    """A method's kernel and dtype, and its draft model's: "onednn bfloat16; draft int8 bfloat16" ("-": unknown)."""
+    if not entry.get("kernel"):  # failed to build, or a document older than the per-method record
+        return "-"
+    out = f"{entry['kernel']} {entry['dtype']}"
+    return out + (f"; draft {entry['draft_kernel']} {entry['draft_dtype']}" if entry.get("draft_kernel") else "")
+
+
 def memory_total(entry: dict[str, Any]) -> float | None:
     """MB a configuration holds (weights + KV caches), or None for peers."""
     return None if entry.get("memory_mb") is None else sum(entry["memory_mb"].values())
@@ -341,8 +359,7 @@ def format_table(doc: dict[str, Any]) -> str:
     lines += [_columns(grid), ""]
     c = doc["config"]
     lines.append(f"{doc['prompts']['count']} prompts x {c['repeats']} repeat(s), budget {c['max_new_tokens']} tokens, "
-                 f"temperature {c['temperature']}, dtype {c['torch_dtype']}"
-                 + (f", projections on {c['linear_kernel']}" if c.get("linear_kernel") else "") + f"; peak RSS {_x(doc['memory']['peak_rss_mb'], 0)} MB")
+                 f"temperature {c['temperature']}, {dtypes(c)}; peak RSS {_x(doc['memory']['peak_rss_mb'], 0)} MB")
     if doc["identical_outputs"] is not None:
         ok = doc["identical_outputs"] == doc["identity_comparisons"]
         lines.append(f"greedy outputs identical to 'none': {doc['identical_outputs']}/{doc['identity_comparisons']}"
@@ -401,8 +418,7 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
     cats = doc["prompts"]["categories"]
     ok = [e for e in doc["methods"] if e["overall"]["samples"]]
     out = ["# specdecode bench report", "",
-           f"- model: `{c['model']}` ({c['model_source']}), dtype {c['torch_dtype']}"
-           + (f", projections on {c['linear_kernel']}" if c.get("linear_kernel") else "")
+           f"- model: `{c['model']}` ({c['model_source']}), {dtypes(c)}"
            + (f", draft model `{c['draft_model']}`" if c.get("draft_model") else ""),
            f"- prompts: {doc['prompts']['count']} in {len(cats)} categories ({', '.join(cats)}), "
            f"{c['repeats']} repeat(s), budget {c['max_new_tokens']} new tokens, temperature {c['temperature']}",
@@ -410,6 +426,10 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
            f"torch threads {doc['environment'].get('torch_threads')}; torch {doc['environment'].get('torch')}, "
            f"transformers {doc['environment'].get('transformers')}",
            ""]
+    env = doc["environment"]
+    if "cpu_model" in env:  # documents written before the machine was recorded lack it
+        flags = " ".join(env["cpu_flags"]) or "none of the relevant x86 flags"
+        out.insert(-1, f"- machine: {env['cpu_model']} ({env['cpu_family']}; {flags}), {env['cpu_count']} CPUs")
     if "kv_dtype" in c:  # documents written before the KV settings existed lack them
         window = "none" if c["kv_window"] is None else f"{c['kv_window']} + {c['kv_sinks']} sinks"
         out.insert(-1, f"- KV cache: {c['kv_dtype']} (draft {c['draft_kv_dtype']}), window {window}, budget "
@@ -433,11 +453,13 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
                      _n(f["mean_accepted_length"]), _n(f["acceptance_rate"]), _n(f["mean_gamma"]),
                      _n(f["predicted_speedup"]),
                      "-" if e["compared_to_none"] is None else f"{e['identical_to_none']}/{e['compared_to_none']}",
-                     _n(f["kv_bytes_per_token"]), _n(memory_total(e)), _n(e["rss_mb"]), _n(f["control_share"])])
+                     _n(f["kv_bytes_per_token"]), _n(memory_total(e)), _n(e["rss_mb"]), _n(f["control_share"]),
+                     runs_on(e)])
     out += [_md_table(["method", "tokens/s", "vs hf", "vs none", "tau", "acceptance", "mean gamma", "predicted",
-                       "identical", "KV bytes/token", "memory MB", "RSS MB", "control share"], rows), "",
+                       "identical", "KV bytes/token", "memory MB", "RSS MB", "control share", "runs on"], rows), "",
             "memory MB: what the configuration holds (weights, packed copies included, and KV caches); "
-            "RSS MB: the whole process after the method's calls (every method's weights are loaded at once).", ""]
+            "RSS MB: the whole process after the method's calls (every method's weights are loaded at once); "
+            "runs on: the kernel of the projections and the dtype (the draft model's after `draft`).", ""]
     for curve in doc.get("cost_curves", []):
         width = len(curve["v"]) - 1
         out += [f"## Verification cost v(k): {Path(curve['model']).name}", "",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import resource
 import sys
 import time
@@ -22,18 +23,22 @@ from specdecode.control import GAMMA_POLICIES
 from specdecode.control.records import record_json
 from specdecode.engine import MAX_GAMMA
 from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method,
-                                      build_hf_model, engine_method, hf_method, llamacpp_available,
+                                      build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
                                       llamacpp_method)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
 from specdecode.bench.prompts import Prompt, render
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.kv.cache import CacheConfig
-from specdecode.models.build import LoadedModel, from_checkpoint, resolve_dtype
+from specdecode.models.build import LoadedModel, cpu_has_fast_bf16, from_checkpoint, resolve_dtype
 from specdecode.models.loader import load_checkpoint
+from specdecode.models.native import cpu_flags
 from specdecode.models.transformer import resolve_linear_kernel
 from specdecode.sampling import SamplingParams
 
 Log = Callable[[str], None]
+# The x86 features that decide which kernels run and how fast (recorded with every result).
+RELEVANT_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                      "amx_bf16", "amx_int8", "avx_vnni")
 
 
 @dataclass
@@ -48,7 +53,8 @@ class BenchConfig:
         max_new_tokens: the budget of every method.
         temperature: 0 = greedy (identity check on); > 0 samples with seed ``seed + prompt index``.
         repeats: timed runs of each method on each prompt.
-        dtype: "auto", "bfloat16", "float32" or "float16" (our decoder and transformers alike).
+        dtype: "auto", "bfloat16", "float32" or "float16"; an explicit one applies to our decoder and
+            transformers alike, "auto" picks each its own (see ``peer_dtype``).
         seed: base seed.
         skip_layers: "auto" (stored calibration, or calibrate now) or a layer list like "4,6,8-12".
         ngram_sizes: (min, max) n-gram sizes of our ngram drafter (max is also HF lookup's).
@@ -167,6 +173,7 @@ class RunResult:
     model_source: str
     draft_source: str | None
     torch_dtype: str
+    peer_dtype: str
     linear_kernel: str
     load_s: float
     run_s: float
@@ -278,11 +285,29 @@ class _Loaded:
     hf_draft: Any
     hf_error: str | None
     torch_dtype: torch.dtype
+    peer_dtype: torch.dtype
+
+
+def peer_dtype(requested: str, ours: torch.dtype) -> torch.dtype:
+    """The dtype of the transformers peers.
+
+    Our kernels widen bf16 to fp32 and so run bf16 fast on any AVX2 CPU; transformers computes bf16
+    fast only where the CPU multiplies it natively, elsewhere it would be slowed by emulation, which
+    is no fair comparison. So under "auto" a peer runs bf16 only there, float32 otherwise.
+
+    Args:
+        requested: the ``--dtype`` asked for ("auto" or a dtype name).
+        ours: the dtype our decoder runs in; an explicit ``--dtype`` applies to peers too.
+    """
+    if requested != "auto":
+        return ours
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
 def _load(config: BenchConfig, log: Log) -> _Loaded:
     """Loads the target (and draft) once; our decoder and transformers get the same tensors."""
     torch_dtype = resolve_dtype(config.dtype)
+    hf_dtype = peer_dtype(config.dtype, torch_dtype)
     resolve_linear_kernel(config.linear, torch_dtype, torch.device("cpu"), log)  # refuse before loading
     wants_hf = transformers_available() and any(f.startswith("hf") for f in config.families)
     hf_error = None
@@ -295,7 +320,7 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
         peer = None
         if hf and hf_error is None:
             try:
-                peer = build_hf_model(ckpt.config, ckpt.tensors, torch_dtype)
+                peer = build_hf_model(ckpt.config, ckpt.tensors, hf_dtype)
             except Exception as exc:  # a peer that cannot be built is reported, not fatal
                 hf_error = f"{type(exc).__name__}: {exc}"
         ckpt.tensors.clear()  # the float32 copy is no longer needed
@@ -306,7 +331,7 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
     if config.draft_model and any(f in DRAFT_MODEL_FAMILIES for f in config.families):
         draft, hf_draft = load(config.draft_model, "draft model", "hf-assisted" in config.families, config.draft_quant)
         check_draft_pair(target, draft)
-    return _Loaded(target, draft, hf_target, hf_draft, hf_error, torch_dtype)
+    return _Loaded(target, draft, hf_target, hf_draft, hf_error, torch_dtype, hf_dtype)
 
 
 def _skip_layers(config: BenchConfig, target: LoadedModel, log: Log) -> tuple[int, ...]:
@@ -503,17 +528,42 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
         rss_mb=rss, peak_rss_mb=peak_rss_mb(), rss_after_load_mb=rss_after_load,
         model_source=loaded.target.source, draft_source=loaded.draft.source if loaded.draft else None,
         linear_kernel=loaded.target.model.linear_kernel,
-        torch_dtype=str(loaded.torch_dtype).replace("torch.", ""), load_s=load_s, run_s=run_s, cost_curves=curves)
+        torch_dtype=dtype_name(loaded.torch_dtype), peer_dtype=dtype_name(loaded.peer_dtype), load_s=load_s,
+        run_s=run_s, cost_curves=curves)
+
+
+def cpu_model() -> str:
+    """The CPU's name: /proc/cpuinfo's "model name", else ``platform.processor()``, else "unknown"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_family(flags: frozenset[str]) -> str:
+    """A short label of what the CPU offers our kernels, e.g. "x86-64 AVX512-BF16"."""
+    if "avx512_bf16" in flags:
+        return "x86-64 AVX512-BF16"
+    if "avx512f" in flags:
+        return "x86-64 AVX512F (no BF16)"
+    if "avx2" in flags:
+        return "x86-64 AVX2"
+    return platform.machine()
 
 
 def environment() -> dict[str, Any]:
     """Versions and machine facts recorded with every result."""
-    import platform
-
     import specdecode
 
+    flags = cpu_flags()
     env: dict[str, Any] = {"specdecode": specdecode.__version__, "python": platform.python_version(),
                            "torch": torch.__version__, "platform": platform.platform(),
+                           "cpu_model": cpu_model(), "cpu_family": cpu_family(flags),
+                           "cpu_flags": sorted(f for f in RELEVANT_CPU_FLAGS if f in flags),
                            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     for name in ("transformers", "llama_cpp"):
         try:

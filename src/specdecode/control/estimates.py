@@ -83,7 +83,7 @@ def smoothed(old: float | None, new: float, weight: float) -> float:
 def verify_shape(k: int, slope: float) -> float:
     """Prior verification cost of k drafted tokens relative to a plain step: 1 + slope * k.
 
-    Where plain steps run two rows (outside the tiled kernel, see ``Engine._verify``) k = 0 really costs
+    Where plain steps run two rows (outside our kernels, see ``Engine._verify``) k = 0 really costs
     about what k = 1 does; the learnt curve corrects that once a plain step has run.
     """
     return 1.0 + slope * k

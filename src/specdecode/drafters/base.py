@@ -95,12 +95,13 @@ def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingP
         fed: tokens not yet in the cache (at least the last token of the sequence).
         k: tokens to draft (>= 1).
         sampling: the request's sampling parameters.
-        generator: the request's random generator.
+        generator: the request's random generator (on the model's device).
         layers: layers to run (None = all).
         stop: the early-stop rule (see ``Drafter.propose``); signals are MODEL_SIGNALS.
     """
     tokens, qs, signals = [], [], []
-    logits = model(torch.tensor([fed]), cache, layers=layers, logits="last")[0, -1]
+    device = model.device
+    logits = model(torch.tensor([fed], device=device), cache, layers=layers, logits="last")[0, -1]
     for i in range(k):
         token, q = draw(logits, sampling, generator)
         tokens.append(token)
@@ -110,5 +111,5 @@ def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingP
             if stop(i, signals[-1]):
                 break
         if i + 1 < k:
-            logits = model(torch.tensor([[token]]), cache, layers=layers, logits="last")[0, -1]
+            logits = model(torch.tensor([[token]], device=device), cache, layers=layers, logits="last")[0, -1]
     return Draft(tokens, None if sampling.greedy else torch.stack(qs), signals)

@@ -108,7 +108,8 @@ def block_influence(model: Transformer, sequences: Sequence[list[int]]) -> list[
         hooks.append(block.register_forward_hook(hook))
     try:
         for seq in sequences:
-            model(torch.tensor([seq]), model.new_cache(CacheConfig(max_len=len(seq))), logits="none")
+            model(torch.tensor([seq], device=model.device), model.new_cache(CacheConfig(max_len=len(seq))),
+                  logits="none")
             count += len(seq)
     finally:
         for h in hooks:
@@ -147,8 +148,8 @@ def calibrate_skip_set(model: Transformer, prompts: Sequence[list[int]], new_tok
         hits = total = 0
         for prompt, full in references:
             cache = model.new_cache(CacheConfig(max_len=len(full)))
-            logits = model(torch.tensor([full[:-1]]), cache, layers=layers)[0, len(prompt) - 1:]
-            hits += int((logits.argmax(-1) == torch.tensor(full[len(prompt):])).sum())
+            logits = model(torch.tensor([full[:-1]], device=model.device), cache, layers=layers)[0, len(prompt) - 1:]
+            hits += int((logits.argmax(-1) == torch.tensor(full[len(prompt):], device=model.device)).sum())
             total += len(full) - len(prompt)
         return hits / total
 
@@ -174,9 +175,9 @@ def calibrate_skip_set(model: Transformer, prompts: Sequence[list[int]], new_tok
 def _greedy_continuation(model: Transformer, prompt: list[int], new_tokens: int) -> tuple[list[int], list[int]]:
     cache = model.new_cache(CacheConfig(max_len=len(prompt) + new_tokens))
     seq = list(prompt)
-    logits = model(torch.tensor([seq]), cache, logits="last")[0, -1]
+    logits = model(torch.tensor([seq], device=model.device), cache, logits="last")[0, -1]
     for _ in range(new_tokens):
         seq.append(int(logits.argmax()))
-        logits = model(torch.tensor([[seq[-1]]]), cache, logits="last")[0, -1]
+        logits = model(torch.tensor([[seq[-1]]], device=model.device), cache, logits="last")[0, -1]
     return prompt, seq
 

@@ -12,28 +12,39 @@ from typing import Callable
 import torch
 
 from specdecode.models.loader import Checkpoint, load_checkpoint
-from specdecode.models.tiled import cpu_flags
+from specdecode.models import native
 from specdecode.models.tokenizer import Tokenizer
+from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer, resolve_linear_kernel
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DRAFT_QUANT = ("none", "int8")  # weight-only quantization offered for draft models
+DEVICES = ("auto", "cpu", "cuda")  # also "cuda:N"
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere libraries emulate it slowly."""
+    return bool({"avx512_bf16", "amx_bf16"} & native.cpu_flags())
+
+
+def cpu_runs_bf16() -> bool:
+    """True when one of our kernels can run bf16 projections here: natively, or widened to fp32 in
+    registers (AVX512F, AVX2 + FMA), from half the bytes of fp32 weights. Judged from the CPU flags
+    alone, without compiling; a build that then fails to compile falls back (see ``native``)."""
+    flags = native.cpu_flags()
+    return any(set(native.BUILDS[name].needs) <= flags for name in NATIVE_KERNELS)
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """Maps "auto" / "bfloat16" / "float32" / "float16" to a torch dtype.
 
     Args:
-        name: the requested dtype; "auto" picks bf16 where the hardware computes it fast, else fp32.
+        name: the requested dtype; "auto" picks bf16 where the hardware or our kernels compute it fast
+            (``cpu_runs_bf16``; on CUDA where the GPU supports it), else fp32.
         device: "cpu" or "cuda".
     """
     if name == "auto":
-        fast = torch.cuda.is_bf16_supported() if device.startswith("cuda") else cpu_has_fast_bf16()
+        fast = torch.cuda.is_bf16_supported() if device.startswith("cuda") else cpu_runs_bf16()
         return torch.bfloat16 if fast else torch.float32
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
@@ -55,6 +66,32 @@ class LoadedModel:
     source: str
 
 
+def resolve_device(name: str) -> str:
+    """Maps "auto" / "cpu" / "cuda" / "cuda:N" to the device a model is loaded on.
+
+    Args:
+        name: "auto" picks "cuda" where ``torch.cuda.is_available()``, else "cpu".
+
+    Raises:
+        ValueError: an unknown name, or a CUDA device this machine does not have (the message names it).
+    """
+    name = str(name)  # a torch.device too
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    kind, sep, index = name.partition(":")
+    if kind != "cuda" or (sep and not index.isdigit()):
+        raise ValueError(f"device {name!r} is not one of auto, cpu, cuda, cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: torch.cuda.is_available() is False (this torch build is CPU-only or no "
+                         "GPU is visible)")
+    if sep and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return name
+
+
 def load_model(source: str, dtype: str = "auto", device: str = "cpu",
                progress: Callable[[str], None] | None = None, linear: str = "auto",
                quantize: str = "none") -> LoadedModel:
@@ -63,11 +100,12 @@ def load_model(source: str, dtype: str = "auto", device: str = "cpu",
     Args:
         source: what to load.
         dtype: "auto", "bfloat16", "float32" or "float16".
-        device: torch device string.
+        device: "cpu", "cuda", "cuda:N" or "auto" (see ``resolve_device``).
         progress: called with one-line status messages (fetching, loading).
         linear: kernel for the projections, see ``Transformer.pack_weights`` ("auto" picks the fastest).
         quantize: "int8" for int8 weight-only projections (draft models; different numbers), or "none".
     """
+    device = resolve_device(device)  # a missing GPU is refused before any weights are read
     torch_dtype = resolve_dtype(dtype, device)
     if quantize not in DRAFT_QUANT:
         raise ValueError(f"quantize {quantize!r} is not one of {', '.join(DRAFT_QUANT)}")
@@ -87,7 +125,7 @@ def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", l
         device: torch device string.
         linear: kernel for the projections (see ``Transformer.pack_weights``).
         quantize: "int8" replaces the projections with int8 weight-only ones (then ``linear`` is ignored).
-        progress: told about a first compile of the tiled kernel.
+        progress: told about a first compile of one of our kernels.
     """
     model = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=dtype).to(device)
     if quantize == "int8":

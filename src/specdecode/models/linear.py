@@ -1,10 +1,12 @@
-"""Linear layers for CPU decoding: bf16 weights pre-packed once (our tiled kernel or oneDNN), or int8.
+"""Linear layers for CPU decoding: bf16 weights pre-packed once (our kernels or oneDNN), or int8.
 
-``TiledLinear`` runs ``kernels/tiled_bf16.cpp`` (see ``tiled.py``): weights stream once per call
-whatever the row count, and each row's result is bitwise independent of the rows beside it. On this
-project's CPU it makes a SmolLM2 decode step ~1.4x and a Qwen 1.5B step ~2x cheaper than oneDNN, whose
-1-row bf16 path reaches about half the memory bandwidth. Its sums run in a different order than
-``F.linear``'s, so its numbers differ from oneDNN's in the last bits (within bf16 rounding).
+``NativeLinear`` runs one of our compiled kernels (see ``native.py``): ``tiled`` (AVX512-BF16 dot
+products, ``kernels/tiled_bf16.cpp``) or ``avx512`` / ``avx2`` (bf16 widened to fp32 in registers,
+fp32 FMAs, ``kernels/widened_bf16.cpp``). Weights stream once per call whatever the row count, and each
+row's result is bitwise independent of the rows beside it. On an AVX512-BF16 CPU the tiled kernel makes
+a SmolLM2 decode step ~1.4x and a Qwen 1.5B step ~2x cheaper than oneDNN, whose 1-row bf16 path reaches
+about half the memory bandwidth. Their sums run in another order than ``F.linear``'s, so their numbers
+differ from oneDNN's in the last bits (within bf16 rounding); the avx512 and avx2 builds agree bitwise.
 
 ``F.linear`` on a CPU in bf16 reorders the whole weight matrix into oneDNN's blocked layout on every
 call; for the 1-17 rows of a decode or verification step that reorder costs more than the product
@@ -25,15 +27,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.models import tiled
+from specdecode.models import native
 
-LINEAR_KERNELS = ("auto", "tiled", "onednn", "torch")  # what --linear offers (see Transformer.pack_weights)
+# What --linear offers (see Transformer.pack_weights); the first three are ours (native.BUILDS).
+LINEAR_KERNELS = ("auto", "tiled", "avx512", "avx2", "onednn", "torch")
+NATIVE_KERNELS = tuple(native.BUILDS)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """True where a oneDNN pre-packed copy of ``weight`` can be made (CPU, bf16, oneDNN built in)."""
+    """True where a oneDNN pre-packed copy of ``weight`` can be made (CPU, bf16, oneDNN built in, and a
+    CPU it packs bf16 for: AVX512BW/VL/DQ or AVX-NE-CONVERT; not an AVX2-only one)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -61,31 +67,34 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-class TiledLinear(nn.Module):
-    """``y = x W^T + b`` with the tiled AVX512-BF16 kernel (``tiled.kernel()`` must not be None).
+class NativeLinear(nn.Module):
+    """``y = x W^T + b`` with one of our compiled kernels (``native.kernel(path)`` must not be None).
 
     Args:
         weight: ``[out_features, in_features]``, CPU bf16.
         bias: ``[out_features]`` or None.
+        path: a build of ``native.BUILDS``: "tiled", "avx512" or "avx2".
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, path: str = "tiled") -> None:
         super().__init__()
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-            raise ValueError(f"TiledLinear needs a CPU bf16 weight, got {weight.dtype} on {weight.device}")
-        ops = tiled.kernel()
+            raise ValueError(f"the {path} kernel needs a CPU bf16 weight, got {weight.dtype} on {weight.device}")
+        ops = native.kernel(path)
         if ops is None:
-            raise RuntimeError(f"the tiled bf16 kernel is unavailable: {tiled.unavailable_reason()}")
-        self._op = ops.tiled_linear
+            raise RuntimeError(f"the {path} kernel is unavailable: {native.unavailable_reason(path)}")
+        self.path = path
+        self._op = ops.tiled_linear if path == "tiled" else ops.widened_linear
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", tiled.pack(weight))  # [N/64, K/2, 64, 2]
+        self.register_buffer("packed", native.pack(weight, native.BUILDS[path].tile))  # [N/T, K/2, T, 2]
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.packed, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, tiled"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.path}")
 
 
 class Int8Linear(nn.Module):

@@ -12,6 +12,7 @@ trim the cache after a forward when draft tokens are rejected.
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 from typing import Callable, Literal, Mapping, NamedTuple, Sequence
 
@@ -22,8 +23,8 @@ from torch import nn
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.factory import make_cache
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
-from specdecode.models import tiled
-from specdecode.models.linear import LINEAR_KERNELS, Int8Linear, PackedLinear, TiledLinear, can_pack
+from specdecode.models import native
+from specdecode.models.linear import LINEAR_KERNELS, NATIVE_KERNELS, Int8Linear, NativeLinear, PackedLinear, can_pack
 
 Logits = Literal["all", "last", "none"]
 
@@ -65,9 +66,8 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
     The query heads sharing a key head are stacked as rows of one matmul, so no key is repeated. Scores
     are computed in the model dtype and the softmax in float32, like transformers' eager attention.
-    On x86 CPUs each row's result is bitwise independent of how many rows share the call and of masked
-    keys past its own position (tests/models/test_transformer.py checks it against one call per row),
-    which is what lets a verification reproduce one-token decoding exactly.
+    Whether a row's result depends on how many rows share the call is up to the matmul library (on one
+    Intel CPU it did for bf16 at 717 keys): ``rowwise_attention`` calls it one new token at a time.
 
     Args:
         q: ``[B, H, T, D]``, the queries of the last T positions of ``keys``.
@@ -87,6 +87,31 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         scores.masked_fill_(hidden, float("-inf"))  # in place on the float copy: one tensor less per layer
     probs = scores.softmax(-1).to(values.dtype)
     return torch.matmul(probs, values).view(b, h, t, d)
+
+
+def rowwise_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      window: int | None = None) -> torch.Tensor:
+    """Attention of the T newest tokens, each over exactly its own keys by one ``grouped_attention`` call.
+
+    Each call is the one a one-token decode step at that position makes, so every row is bitwise what
+    decoding computes, on any device and library: row-invariant by construction, at T calls per layer.
+
+    Args:
+        q: ``[B, H, T, D]``, the queries of the last T positions of ``keys``.
+        keys: ``[B, Hkv, L, D]``.
+        values: ``[B, Hkv, L, D]``.
+        window: each token sees at most its last ``window`` keys (Mistral's sliding window), or None.
+
+    Returns:
+        ``[B, H, T, D]``.
+    """
+    t, length = q.shape[2], keys.shape[2]
+    rows = []
+    for i in range(t):
+        end = length - t + i + 1
+        start = 0 if window is None else max(0, end - window)
+        rows.append(grouped_attention(q[:, :, i:i + 1], keys[:, :, start:end], values[:, :, start:end]))
+    return rows[0] if t == 1 else torch.cat(rows, dim=2)
 
 
 @lru_cache(maxsize=8)  # every layer of a forward asks for the same mask
@@ -114,7 +139,7 @@ def linear_kernel_problem(kernel: str, dtype: torch.dtype, device: torch.device,
         kernel: one of LINEAR_KERNELS.
         dtype: the model's parameter dtype.
         device: where the model lives.
-        log: told about a first compile of the tiled kernel (asking builds it).
+        log: told about a first compile of one of our kernels (asking builds it).
     """
     if kernel not in LINEAR_KERNELS:
         return f"linear kernel {kernel!r} is not one of {', '.join(LINEAR_KERNELS)}"
@@ -122,26 +147,36 @@ def linear_kernel_problem(kernel: str, dtype: torch.dtype, device: torch.device,
         return None
     if dtype != torch.bfloat16 or device.type != "cpu":
         return f"the {kernel} kernel needs a bf16 model on the CPU (this one is {dtype} on {device})"
-    if kernel == "tiled":
-        reason = tiled.unavailable_reason(log)
-        return None if reason is None else f"the tiled kernel is unavailable: {reason}"
-    return None if can_pack(torch.empty(0, dtype=dtype)) else "oneDNN cannot pack weights in this torch build"
+    if kernel in NATIVE_KERNELS:
+        reason = native.unavailable_reason(kernel, log)
+        return None if reason is None else f"the {kernel} kernel is unavailable: {reason}"
+    return None if can_pack(torch.empty(0, dtype=dtype)) else "oneDNN cannot pack bf16 weights for this CPU or torch build"
+
+
+LINEAR_ENV = "SPECDECODE_LINEAR"  # forces a path wherever "auto" is asked for (tests, CI, the CLI)
 
 
 def resolve_linear_kernel(kernel: str, dtype: torch.dtype, device: torch.device,
                           log: Callable[[str], None] | None = None) -> str:
-    """The kernel a model's projections will run on: ``kernel`` itself, or for "auto" the first of tiled
-    (ours, ``models/tiled.py``), oneDNN and torch (``F.linear``) that can run here.
+    """The kernel a model's projections will run on: ``kernel`` itself, or for "auto" the path in
+    ``$SPECDECODE_LINEAR`` if set, else the first of tiled, avx512, avx2 (ours, ``models/native.py``),
+    oneDNN and torch (``F.linear``) that can run here.
 
     Raises:
         ValueError: ``kernel`` is unknown or cannot run here; the message says why.
     """
+    forced = os.environ.get(LINEAR_ENV, "auto").strip() or "auto"
+    if kernel == "auto" and forced != "auto":
+        problem = linear_kernel_problem(forced, dtype, device, log)
+        if problem is not None:
+            raise ValueError(f"{LINEAR_ENV}={forced}: {problem}")
+        return forced
     if kernel != "auto":
         problem = linear_kernel_problem(kernel, dtype, device, log)
         if problem is not None:
             raise ValueError(problem)
         return kernel
-    return next((k for k in ("tiled", "onednn") if linear_kernel_problem(k, dtype, device, log) is None), "torch")
+    return next((k for k in (*NATIVE_KERNELS, "onednn") if linear_kernel_problem(k, dtype, device, log) is None), "torch")
 
 
 class _HeadView(NamedTuple):
@@ -166,6 +201,14 @@ class Block(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.attention_ops = None  # our compiled attention (``native``), set by Transformer.pack_weights
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Row-invariant attention of the T newest tokens (``[B, H, T, D]``) over the keys (``[B, Hkv, L, D]``):
+        our kernel where it was compiled for this model, else ``rowwise_attention``."""
+        if self.attention_ops is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            return self.attention_ops.attention(q, keys, values, self.window or 0, self.head_dim ** -0.5)
+        return rowwise_attention(q, keys, values, self.window)
 
     def forward(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, invariant_rows: bool) -> torch.Tensor:
@@ -177,17 +220,8 @@ class Block(nn.Module):
         k = qk[:, :, self.heads:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)
         keys, values = cache.update(layer, slots, starts, k, v)  # [B, Hkv, L, D]
-        length = keys.shape[2]
-        if (invariant_rows or mask is None) and self.window is not None and length > self.window:
-            # Mistral's window cuts: each new token over exactly its last `window` entries, so that no
-            # row's softmax runs over masked leading keys (that would change its summation order).
-            ends = range(length - t + 1, length + 1)
-            attn = torch.cat([grouped_attention(q[:, :, i:i + 1], keys[:, :, max(0, e - self.window):e],
-                                                values[:, :, max(0, e - self.window):e])
-                              for i, e in enumerate(ends)], dim=2)  # [B, H, T, D]
-        elif invariant_rows or mask is None:
-            # Single sequence (or rows of equal length with one token each): batched and row-invariant.
-            attn = grouped_attention(q, keys, values, causal_hidden(t, length, self.heads // self.kv_heads, keys.device))
+        if invariant_rows or mask is None:
+            attn = self.attend(q, keys, values)  # [B, H, T, D]
         else:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=self.heads != self.kv_heads)
@@ -212,7 +246,7 @@ class Transformer(nn.Module):
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Set by pack_weights() / quantize_weights(); a tied head then gets its own copy.
-        self.head_layer: TiledLinear | PackedLinear | Int8Linear | None = None
+        self.head_layer: NativeLinear | PackedLinear | Int8Linear | None = None
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
@@ -251,10 +285,10 @@ class Transformer(nn.Module):
             slots: cache slot of each row.
             layers: indices of the layers to run (self-speculation); None runs all of them.
             logits: "all" positions ``[B, T, V]``, "last" position ``[B, 1, V]``, or "none" (prefill).
-            invariant_rows: compute attention with ``grouped_attention`` (single sequence only), whose
-                rows are bitwise independent of how many new tokens share the call; the fused kernel's
-                summation order is not. The linear layers are row-invariant in bf16 on x86 CPUs for small
-                models (see tests), so this makes greedy verification reproduce decoding exactly.
+            invariant_rows: compute attention so that each row is bitwise independent of how many new
+                tokens share the call (``Block.attend``; single sequence only); the fused kernel's
+                summation order is not. With projections on our kernels (row-invariant too) this makes
+                greedy verification reproduce decoding exactly.
 
         Returns:
             Logits in float32, or None when ``logits="none"``.
@@ -289,15 +323,17 @@ class Transformer(nn.Module):
     def pack_weights(self, kernel: str = "auto", log: Callable[[str], None] | None = None) -> str:
         """Swaps every projection for a pre-packed bf16 copy run by a faster kernel.
 
-        A tied output head keeps the embedding table for lookups and gains a packed copy, which costs
-        ``vocab_size * hidden_size`` elements more (see ``weight_nbytes``). Packing twice is a no-op.
+        On our paths (tiled, avx512, avx2) attention runs on our compiled kernel too (the avx512 build's
+        for tiled); elsewhere on ``rowwise_attention``. A tied output head keeps the embedding table for
+        lookups and gains a packed copy, which costs ``vocab_size * hidden_size`` elements more (see
+        ``weight_nbytes``). Packing twice is a no-op.
 
         Args:
             kernel: one of LINEAR_KERNELS (see ``resolve_linear_kernel``).
-            log: told about a first compile of the tiled kernel.
+            log: told about a first compile of one of our kernels.
 
         Returns:
-            The kernel the projections now run on: "tiled", "onednn" or "torch".
+            The path the projections now run on: "tiled", "avx512", "avx2", "onednn" or "torch".
 
         Raises:
             ValueError: an unknown kernel, or one that cannot run this model here (the reason is named).
@@ -308,16 +344,21 @@ class Transformer(nn.Module):
                 return current
             raise ValueError(f"the projections already run on {current}; cannot switch to {kernel}")
         kernel = resolve_linear_kernel(kernel, self.dtype, self.device, log)
-        if kernel == "tiled":
-            self._swap_projections(lambda layer: TiledLinear(layer.weight, layer.bias))
+        if kernel in NATIVE_KERNELS:
+            attention = native.kernel("avx512" if kernel == "tiled" else kernel, log)
+            self._swap_projections(lambda layer: NativeLinear(layer.weight, layer.bias, kernel))
+            for block in self.layers:
+                block.attention_ops = attention
         elif kernel == "onednn":
             self._swap_projections(lambda layer: PackedLinear(layer.weight, layer.bias))
         return kernel
 
     @property
     def linear_kernel(self) -> str:
-        """What the projections run on: "tiled", "onednn", "int8" or "torch"."""
-        kinds = {TiledLinear: "tiled", PackedLinear: "onednn", Int8Linear: "int8"}
+        """What the projections run on: "tiled", "avx512", "avx2", "onednn", "int8" or "torch"."""
+        if isinstance(self.head_layer, NativeLinear):
+            return self.head_layer.path
+        kinds = {PackedLinear: "onednn", Int8Linear: "int8"}
         return kinds.get(type(self.head_layer), "torch")
 
     def quantize_weights(self) -> None:

@@ -1,6 +1,6 @@
 // y = x W^T (+ b) in bf16 with fp32 accumulation, for the 1-20 rows of a decode or verification step.
 //
-// W is packed once (models/tiled.py) as [N/64, K/2, 64, 2]: for each tile of 64 outputs, consecutive
+// W is packed once (models/native.py) as [N/64, K/2, 64, 2]: for each tile of 64 outputs, consecutive
 // pairs of input features, so a tile streams from memory as one sequential run. Each step of the inner
 // loop loads 4 vectors of W (64 outputs x 2 features) and, for each of up to 6 rows of x, broadcasts that
 // row's 2 features and accumulates with vdpbf16ps (AVX512-BF16). Output (m, n) is one fp32 lane summed
@@ -8,7 +8,7 @@
 // every row's result is bitwise the same whether it runs alone or in a batch (what exact verification
 // needs). Rows beyond 6 take further passes over the tile, which is then in L2.
 //
-// It does not handle other dtypes, non-x86 CPUs or autograd; models/tiled.py decides when to use it.
+// It does not handle other dtypes, non-x86 CPUs or autograd; models/native.py builds it, models/transformer.py decides when to use it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

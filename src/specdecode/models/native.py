@@ -1,0 +1,136 @@
+"""Builds and loads our compiled CPU kernels on first use, one build per instruction set.
+
+Three builds, each a torch C++ extension compiled once per torch version with the system's C++
+compiler and ninja (about 30 s each; torch caches them under ``~/.cache/torch_extensions``):
+
+- ``tiled``: ``kernels/tiled_bf16.cpp``, bf16 dot products (AVX512-BF16).
+- ``avx512``: ``kernels/widened_bf16.cpp`` built for AVX512F: bf16 weights widened to fp32 in registers.
+- ``avx2``: the same source built for AVX2 + FMA.
+
+The two widened builds also carry our attention kernel (the tiled path uses the ``avx512`` one). Where
+a build cannot run, ``unavailable_reason`` names the missing CPU feature or tool and callers fall back.
+
+This module does not choose between paths (``transformer.resolve_linear_kernel`` does) and never
+compiles anything at import time.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+KERNELS = Path(__file__).with_name("kernels")
+
+
+@dataclass(frozen=True)
+class Build:
+    """One compiled variant: its source, the CPU flags it needs (as /proc/cpuinfo names them) and its flags."""
+
+    source: Path
+    needs: tuple[str, ...]
+    cflags: tuple[str, ...]
+    tile: int  # outputs per packed weight tile
+
+
+BUILDS: dict[str, Build] = {
+    "tiled": Build(KERNELS / "tiled_bf16.cpp", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), 64),
+    "avx512": Build(KERNELS / "widened_bf16.cpp", ("avx512f",), ("-mavx512f", "-DSPECDECODE_AVX512"), 64),
+    "avx2": Build(KERNELS / "widened_bf16.cpp", ("avx2", "fma"), ("-mavx2", "-mfma"), 32),
+}
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _static_reason(name: str) -> str | None:
+    """Why build ``name`` cannot run here, judged without compiling; None if it may."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"needs an x86-64 CPU (this is {platform.machine()})"
+    missing = set(BUILDS[name].needs) - cpu_flags()
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))}"
+    if shutil.which("ninja") is None:
+        return "ninja is not on PATH (needed to compile the kernel)"
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler on PATH"
+    return None
+
+
+_built: dict[str, tuple[ModuleType | None, str | None]] = {}  # name -> (module, reason), set by the first _build
+
+
+def _build(name: str, log: Callable[[str], None] | None) -> tuple[ModuleType | None, str | None]:
+    if name not in BUILDS:
+        raise ValueError(f"no kernel build named {name!r} (builds: {', '.join(BUILDS)})")
+    if name in _built:
+        return _built[name]
+    reason = _static_reason(name)
+    if reason is not None:
+        _built[name] = (None, reason)
+        return _built[name]
+    build = BUILDS[name]
+    if log is not None:
+        log(f"loading the {name} kernels (their first use compiles them: about 30 s)")
+    try:
+        from torch.utils.cpp_extension import load  # imports setuptools: a dependency of ours
+
+        module = load(f"specdecode_{name}", [str(build.source)], extra_cflags=["-O3", *build.cflags, "-fopenmp"],
+                      extra_ldflags=["-fopenmp"])
+        _built[name] = (module, None)
+    except Exception as exc:  # a compiler (or import) error: keep its last line; callers fall back
+        last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+        _built[name] = (None, f"compiling {build.source.name} for {name} failed: {last[0]}")
+    return _built[name]
+
+
+def kernel(name: str, log: Callable[[str], None] | None = None) -> ModuleType | None:
+    """The compiled module of build ``name``, or None where it is unavailable (see ``unavailable_reason``).
+
+    Args:
+        name: one of BUILDS.
+        log: told once, before a first build, that compiling may take a while.
+    """
+    return _build(name, log)[0]
+
+
+def unavailable_reason(name: str, log: Callable[[str], None] | None = None) -> str | None:
+    """Why build ``name`` cannot be used here, or None when it can (builds it if needed)."""
+    return _build(name, log)[1]
+
+
+def pack(weight: torch.Tensor, tile: int = 64) -> torch.Tensor:
+    """``[N, K]`` bf16 -> ``[ceil(N/tile), ceil(K/2), tile, 2]``, zero-padded, as the kernels read it."""
+    n, k = weight.shape
+    n_pad, k_pad = -n % tile, k % 2
+    padded = torch.nn.functional.pad(weight.detach(), (0, k_pad, 0, n_pad))  # [N', K']
+    return padded.view(-1, tile, (k + k_pad) // 2, 2).transpose(1, 2).contiguous()
