@@ -142,9 +142,9 @@ const uint16_t* bf16_ptr(const torch::Tensor& t) { return reinterpret_cast<const
 constexpr int kVecs = 4;                 // output vectors per tile
 constexpr int64_t kTile = kVecs * kLanes;  // outputs per tile: 32 (AVX2) or 64 (AVX512F)
 #ifdef SPECDECODE_AVX512
-constexpr int kMaxRows = 6;  // 6 x 4 accumulators + 8 widened weights fit 32 registers
+constexpr int kMaxRows = 6;  // 6 x 4 accumulators + 8 widened weights fill the 32 registers (not measured: no AVX512F CPU yet)
 #else
-constexpr int kMaxRows = 2;  // 2 x 4 accumulators + 8 widened weights fit 16 registers
+constexpr int kMaxRows = 4;  // 16 accumulators fill the 16 registers, so some spill; measured faster than 2 or 3 rows per pass
 #endif
 
 // R rows of x (fp32, row stride ldx) against one tile; y rows have stride n_out.
@@ -192,9 +192,9 @@ void tile_rows(const float* x, int64_t ldx, int64_t rows, const uint16_t* w, int
 #ifdef SPECDECODE_AVX512
     case 5: tile_pass<5>(xm, ldx, w, pairs, bias, ym, n_out, n0); break;
     case 4: tile_pass<4>(xm, ldx, w, pairs, bias, ym, n_out, n0); break;
+#endif
     case 3: tile_pass<3>(xm, ldx, w, pairs, bias, ym, n_out, n0); break;
     case 2: tile_pass<2>(xm, ldx, w, pairs, bias, ym, n_out, n0); break;
-#endif
     case 1: tile_pass<1>(xm, ldx, w, pairs, bias, ym, n_out, n0); break;
     default: break;
   }
