@@ -19,6 +19,7 @@ from specdecode.models import build
 from specdecode.models.build import load_model, resolve_device
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
+from test_cli import run
 from tiny_models import varied_model, write_tiny_hf_model
 
 NO_CUDA = "torch.cuda.is_available\\(\\) is False"
@@ -102,13 +103,6 @@ def test_sampling_generator_on_the_cpu_is_the_one_it_always_was():
 # --------------------------------------------------------------------------- the CLI (any machine)
 
 
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _one_error_line(rc: int, out: str, err: str) -> str:
@@ -126,14 +120,14 @@ def test_cli_device_cuda_without_cuda_is_one_error_line_before_loading(no_cuda, 
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr("specdecode.cli.load_model", never)
-    rc, out, err = _run(capsys, command[0], "--model", "/no/such/model", "--device", "cuda", *command[1:])
+    rc, out, err = run(capsys, command[0], "--model", "/no/such/model", "--device", "cuda", *command[1:])
     line = _one_error_line(rc, out, err)
     assert line == ("specdecode: error: --device cuda: torch.cuda.is_available() is False (this torch build is "
                     "CPU-only or no GPU is visible)")
 
 
 def test_cli_refuses_an_unknown_device(capsys):
-    rc, out, err = _run(capsys, "generate", "--device", "tpu", "hello")
+    rc, out, err = run(capsys, "generate", "--device", "tpu", "hello")
     assert "--device: invalid choice: 'tpu'" in _one_error_line(rc, out, err)
 
 
@@ -148,7 +142,7 @@ def test_cli_device_reaches_load_model(no_cuda, monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr("specdecode.cli.load_model", spy)
     for flag in ([], ["--device", "auto"], ["--device", "cpu"]):
-        rc, out, err = _run(capsys, "generate", "--model", folder, "--threads", "1", "--dtype", "float32", "--json",
+        rc, out, err = run(capsys, "generate", "--model", folder, "--threads", "1", "--dtype", "float32", "--json",
                             "--drafter", "draft", "--draft-model", folder, "--max-new-tokens", "4", *flag,
                             "the cat sat")
         assert rc == 0, err
@@ -264,7 +258,7 @@ def test_cli_generate_runs_on_cuda(capsys, tmp_path, monkeypatch):
     outputs = []
     for drafter in ("none", "ngram", "layerskip"):
         skip = ["--skip-layers", "1"] if drafter == "layerskip" else []
-        rc, out, err = _run(capsys, "generate", "--model", folder, "--device", "cuda", "--dtype", "float32", "--json",
+        rc, out, err = run(capsys, "generate", "--model", folder, "--device", "cuda", "--dtype", "float32", "--json",
                             "--drafter", drafter, *skip, "--max-new-tokens", "16", "the cat sat on the mat and the cat")
         assert rc == 0, err
         outputs.append(json.loads(out)["token_ids"])

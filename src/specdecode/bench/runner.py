@@ -31,7 +31,7 @@ from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel, cpu_has_fast_bf16, from_checkpoint, resolve_dtype
 from specdecode.models.loader import load_checkpoint
-from specdecode.models.native import cpu_flags
+from specdecode.models.native import cpu_flags, cpu_model
 from specdecode.models.transformer import resolve_linear_kernel
 from specdecode.sampling import SamplingParams
 
@@ -530,18 +530,6 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
         linear_kernel=loaded.target.model.linear_kernel,
         torch_dtype=dtype_name(loaded.torch_dtype), peer_dtype=dtype_name(loaded.peer_dtype), load_s=load_s,
         run_s=run_s, cost_curves=curves)
-
-
-def cpu_model() -> str:
-    """The CPU's name: /proc/cpuinfo's "model name", else ``platform.processor()``, else "unknown"."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def cpu_family(flags: frozenset[str]) -> str:
