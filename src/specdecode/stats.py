@@ -114,7 +114,7 @@ class RequestStats:
 
     @property
     def predicted_speedup(self) -> float | None:
-        """The DESIGN.md formula fed with this request's measured acceptance and costs (None without a step time)."""
+        """The speedup formula E / (k*c + v(k)) fed with this request's measured acceptance and costs (None without a step time)."""
         if not self.decode_step_s or not self.target_forwards:
             return None
         if not self.drafted_tokens:

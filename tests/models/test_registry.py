@@ -1,4 +1,4 @@
-"""The model registry: entries as in DESIGN.md, lookups and their errors."""
+"""The model registry: entries (name, package, file, sha256), lookups and their errors."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The verification cost curve v(k): what checking k drafted tokens costs, relative to one decode step.
 
-Speculation pays when v(k) stays near 1 (DESIGN.md: speedup = E / (k*c + v(k))). The curve is
-measured through ``Engine.verify_seconds``, i.e. the very forward, acceptance check and rollback that
-decoding runs, at the context of a real prompt; sizes are interleaved (k = 0..K, K..0, ...) so that
+Speculation pays when v(k) stays near 1 (speedup = E / (k*c + v(k)), E the expected tokens per step,
+c the draft cost per token). The curve is measured through ``Engine.verify_seconds``, i.e. the very
+forward, acceptance check and rollback that decoding runs, at the context of a real prompt; sizes are interleaved (k = 0..K, K..0, ...) so that
 drift on a noisy machine spreads over all of them. This module does not run prompts or print.
 """
 

@@ -442,7 +442,7 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
         out += [f"Identity check {doc['identity_note']}.", ""]
     out += ["## Overall", "",
             "Tokens/s: median over prompts. Speedups: per-prompt ratio of tokens/s, then median [min, max]. "
-            "tau: tokens per target forward. Predicted: the DESIGN.md formula with measured acceptance and costs "
+            "tau: tokens per target forward. Predicted: E / (k*c + v(k)) with measured acceptance and costs "
             "(compare with the measured speedup vs `none`).", ""]
     rows = []
     for e in doc["methods"]:

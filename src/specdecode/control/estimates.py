@@ -101,7 +101,7 @@ class StepCosts:
     Args:
         gamma_max: longest draft tracked.
         verify_slope: prior extra verification cost per drafted token, relative to a plain step
-            (torch on CPU: verifying 8 tokens costs about 1.13 plain steps, see DESIGN.md).
+            (torch on CPU: verifying 8 tokens costs about 1.13 plain steps, measured when this was written).
         smoothing: weight of the newest step in ``base`` and the draft cost.
         shape_smoothing: weight of the newest step in ``shape``.
     """

@@ -81,7 +81,7 @@ class Calibration:
     Args:
         skip: the chosen layers to skip.
         agreement: share of positions where the skipping model's argmax equals the full model's.
-        predicted_speedup: the DESIGN.md formula at ``gamma`` with draft cost = share of layers run.
+        predicted_speedup: E / (k*c + v(k)) at ``gamma`` with draft cost = share of layers run.
         gamma: the draft length the prediction assumes.
         history: (skip set, agreement, predicted speedup) for each candidate tried, in order.
     """

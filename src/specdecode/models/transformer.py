@@ -206,7 +206,7 @@ class Block(nn.Module):
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Row-invariant attention of the T newest tokens (``[B, H, T, D]``) over the keys (``[B, Hkv, L, D]``):
         our kernel where it was compiled for this model, else ``rowwise_attention``."""
-        if self.attention_ops is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        if self.attention_ops is not None:  # set only on bf16 CPU models (our paths)
             return self.attention_ops.attention(q, keys, values, self.window or 0, self.head_dim ** -0.5)
         return rowwise_attention(q, keys, values, self.window)
 
