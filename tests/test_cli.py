@@ -193,7 +193,7 @@ def test_a_budget_too_small_for_the_request_is_a_clean_error(tiny, capsys):
     (["--top-k", "-1"], ["top_k", ">= 0"]),
     (["--threads", "0"], ["--threads"]),
     (["--dtype", "int8"], ["--dtype", "int8"]),
-    (["--drafter", "medusa"], ["--drafter", "medusa"]),
+    (["--drafter", "tree"], ["--drafter", "tree"]),
     (["--kv-dtype", "int2"], ["--kv-dtype", "int2"]),
     (["--draft-kv-dtype", "fp8"], ["--draft-kv-dtype", "fp8"]),
     (["--kv-window", "0"], ["--kv-window", ">= 1"]),

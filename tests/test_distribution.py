@@ -9,7 +9,8 @@ exact joint (outcomes with small expected counts are pooled so every bin expects
 False-failure rate: each case uses significance level ALPHA = 1e-3, so a correct engine fails a given
 case with probability 0.1% for a random set of seeds; over the 15 cases at most ~1.5%. Seeds are fixed,
 so a run is reproducible. The test's power is shown by the negative control: the seed document's lossy
-rule ("accept if p >= q, else resample from p / (1 - q)") is rejected by the same test.
+rule ("accept if p >= q, else resample from p / (1 - q)") is rejected by the same test. The trained-head
+drafters (random heads here) draft over a 4-token vocabulary chosen where the target's mass is not.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from specdecode.kv.cache import CacheConfig
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 from specdecode.verify import Verdict
 from specdecode.models.transformer import Transformer
-from tiny_models import random_hf_tensors, tiny_config
+from tiny_models import random_hf_tensors, random_head_drafter, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,6 +103,11 @@ def sample_counts(engine: Engine, sampling: SamplingParams, samples: int = SAMPL
 
 
 def _drafter(kind: str, target: Transformer):
+    if kind in ("eagle", "medusa"):
+        # Draft vocabulary: the target's 4 least likely first tokens, so the head's mass sits where the
+        # target's mostly is not; the residual must still restore the target's distribution.
+        p1 = _next_probs(target, [PROMPT], SamplingParams(temperature=1.0))[0]
+        return random_head_drafter(kind, target, vocab=p1.argsort()[:4].tolist(), seed=5)
     if kind == "ngram":
         return NgramDrafter(min_ngram=1, max_ngram=2)
     if kind == "draft":
@@ -118,9 +124,18 @@ def test_speculative_sampling_matches_target_distribution(target, kind, sampling
     assert p_value > ALPHA, f"{kind} at {sampling}: chi-square p = {p_value:.2e}"
 
 
+@pytest.mark.parametrize("sampling", SETTINGS[::2], ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_head_drafts_over_a_reduced_vocabulary_keep_the_target_distribution(target, kind, sampling):
+    engine = Engine(target, drafter=_drafter(kind, target), spec=SpeculativeConfig(gamma=3))
+    counts = sample_counts(engine, sampling)
+    p_value = chi_square_p_value(counts, exact_joint(target, sampling))
+    assert p_value > ALPHA, f"{kind} at {sampling}: chi-square p = {p_value:.2e}"
+
+
 def test_drafts_are_actually_verified(target):
-    """Guards the test above: every drafter proposes and gets tokens accepted in this setting."""
-    for kind in ("ngram", "draft", "layerskip"):
+    """Guards the tests above: every drafter proposes and gets tokens accepted in this setting."""
+    for kind in ("ngram", "draft", "layerskip", "eagle", "medusa"):
         engine = Engine(target, drafter=_drafter(kind, target), spec=SpeculativeConfig(gamma=3))
         drafted = accepted = 0
         for seed in range(50):

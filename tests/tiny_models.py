@@ -103,3 +103,44 @@ def varied_model(seed: int = 0, keep_layers: list[int] | None = None, num_layers
         kept.update({f"model.layers.{j}." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
     return Transformer.from_hf_tensors(tiny_config("llama", num_layers=len(keep_layers)), kept, dtype=dtype)
 
+
+
+def random_head(kind: str, target: Transformer, seed: int = 0, medusa_heads: int = 3, scale: float = 0.1):
+    """An untrained EAGLE or Medusa head shaped for ``target``, float32, weights drawn from N(0, scale)."""
+    from specdecode.heads import new_head
+    from specdecode.heads.eagle import EagleConfig
+    from specdecode.heads.medusa import MedusaConfig
+
+    config = (EagleConfig.for_target(target.config) if kind == "eagle"
+              else MedusaConfig(target.config.hidden_size, medusa_heads)).to_dict()
+    net = new_head(kind, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + scale * torch.randn(p.shape, generator=g))
+    return net, config
+
+
+def random_head_drafter(kind: str, target: Transformer, vocab: Sequence[int] | None = None, seed: int = 0, cache=None):
+    """A drafter over a random head (``vocab``: the draft vocabulary, default all ids), ready for an Engine."""
+    from specdecode.drafters import EagleDrafter, MedusaDrafter
+    from specdecode.heads.vocab import VocabHead
+    from specdecode.kv.cache import CacheConfig
+
+    net, _ = random_head(kind, target, seed)
+    net = net.to(target.dtype).eval().requires_grad_(False)
+    ids = torch.tensor(list(vocab) if vocab is not None else range(target.config.vocab_size))
+    if kind == "eagle":
+        net.pack(target.linear_kernel)
+        return EagleDrafter(target, net, VocabHead(target, ids), cache or CacheConfig())
+    return MedusaDrafter(target, net, VocabHead(target, ids))
+
+
+def write_head_file(path: Path, kind: str, target: Transformer, vocab: Sequence[int] | None = None, seed: int = 0) -> Path:
+    """A head file with a random head for ``target``."""
+    from specdecode.heads.file import HeadFile, save_head, target_identity
+
+    net, config = random_head(kind, target, seed)
+    ids = torch.tensor(list(vocab) if vocab is not None else range(target.config.vocab_size))
+    save_head(path, HeadFile(kind, config, target_identity(target, "tiny"), {"test": True}, net.state_dict(), ids))
+    return path

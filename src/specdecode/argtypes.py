@@ -115,7 +115,7 @@ def cache_configs(args: argparse.Namespace, draft: bool) -> tuple[CacheConfig, C
     if args.kv_sinks and args.kv_window is None:
         raise ValueError(f"--kv-sinks {args.kv_sinks} needs --kv-window N (sinks are kept besides a window)")
     if args.draft_kv_dtype != "auto" and not draft:
-        raise ValueError("--draft-kv-dtype is only used with a draft model (--draft-model)")
+        raise ValueError("--draft-kv-dtype is only used with a draft model (--draft-model) or an eagle head")
     common = dict(window=args.kv_window, sinks=args.kv_sinks, budget=args.kv_budget, prefix_cache=args.prefix_cache)
     residual = CacheConfig().residual
     for flag, kv_dtype in (("--kv-dtype", args.kv_dtype), ("--draft-kv-dtype", args.draft_kv_dtype)):

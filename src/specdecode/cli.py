@@ -1,4 +1,4 @@
-"""Command line: ``specdecode generate | bench | models | calibrate-layerskip | fit-controller``.
+"""Command line: ``specdecode generate | bench | models | calibrate-layerskip | fit-controller | train-head``.
 
 Parsing, loading and printing only; the loop lives in ``engine.py``. Every user error ends with one
 line ``specdecode: error: ...`` on stderr and exit status 2.
@@ -18,10 +18,12 @@ from specdecode.bench.command import add_arguments as add_bench_arguments
 from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, ngram_sizes, positive_int
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.model_file import load_controller_file
-from specdecode.drafters import DRAFTERS, make_drafter
+from specdecode.drafters import DRAFTERS, HEAD_DRAFTERS, make_drafter
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
 from specdecode.engine import Engine, SpeculativeConfig
+from specdecode.heads import no_head_message, shipped_head
+from specdecode.heads.command import add_arguments as add_head_arguments
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import DEVICES, DRAFT_QUANT, LoadedModel, load_model, resolve_device
 from specdecode.models.linear import LINEAR_KERNELS
@@ -63,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8 = int8 weight-only draft model: cheaper drafts, output still exact (default none)")
     g.add_argument("--drafter", choices=DRAFTERS, default=None,
                    help="how to draft (default: draft when --draft-model is given, else ngram)")
+    g.add_argument("--head", default=None, metavar="FILE",
+                   help="head file for --drafter eagle|medusa (default: the head shipped for --model, if any)")
     g.add_argument("--gamma", type=gamma, default="adaptive",
                    help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)} (default adaptive)")
     g.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
@@ -100,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--alias", action="append", default=[], metavar="DRAFTER=FROM",
                    help="give DRAFTER the model fitted for FROM (same signals), e.g. draft=layerskip (repeatable)")
     f.add_argument("--l2", type=float, default=1.0, help="L2 penalty on the standardised weights (default 1)")
+
+    t = sub.add_parser("train-head", help="train an EAGLE or Medusa draft head on the target's own answers")
+    _model_args(t, device=False)  # trains on the CPU
+    add_head_arguments(t)
     return parser
 
 
@@ -130,6 +138,8 @@ def _drafter_kind(args: argparse.Namespace) -> str:
         raise UsageError(f"--draft-model is only used by --drafter draft, not {kind}")
     if kind != "draft" and args.draft_quant != "none":
         raise UsageError(f"--draft-quant applies to a draft model (--drafter draft), not {kind}")
+    if kind not in HEAD_DRAFTERS and args.head:
+        raise UsageError(f"--head is only used by --drafter eagle|medusa, not {kind}")
     return kind
 
 
@@ -145,7 +155,13 @@ def _engine_for(args: argparse.Namespace, target: LoadedModel, spec: Speculative
         draft_model = draft.model
     if drafter_kind == "layerskip":
         skip = resolve_skip_set(target, args.dtype, args.skip_layers, progress=_log)
-    drafter = make_drafter(drafter_kind, target.model, draft_model, skip, ngram_sizes=args.ngram, draft_cache=caches[1])
+    head = None
+    if drafter_kind in HEAD_DRAFTERS:
+        head = args.head or shipped_head(target.model, drafter_kind)
+        if head is None:
+            raise UsageError(no_head_message(drafter_kind, args.model) + " with --head FILE")
+    drafter = make_drafter(drafter_kind, target.model, draft_model, skip, ngram_sizes=args.ngram, draft_cache=caches[1],
+                           head=head)
     return Engine(target.model, target.tokenizer, drafter, spec, cache=caches[0])
 
 
@@ -157,7 +173,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)  # validated before any model is loaded
     if args.gamma in ("confidence", "adaptive"):
         load_controller_file(args.controller_file)
-    caches = cache_configs(args, draft=_drafter_kind(args) == "draft")
+    caches = cache_configs(args, draft=_drafter_kind(args) in ("draft", "eagle"))
     target = load_model(args.model, args.dtype, args.device, progress=_log, linear=args.linear)
     if args.chat:
         if not target.tokenizer.chat_template:
@@ -241,8 +257,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def cmd_train_head(args: argparse.Namespace) -> int:
+    from specdecode.heads.command import run_command
+
+    return run_command(args, _log)
+
+
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "models": cmd_models, "calibrate-layerskip": cmd_calibrate,
-            "fit-controller": cmd_fit_controller}
+            "fit-controller": cmd_fit_controller, "train-head": cmd_train_head}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

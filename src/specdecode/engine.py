@@ -159,6 +159,8 @@ class Engine:
         # there every forward gets at least two rows; our kernels' rows are alike at any count.
         self._min_rows = 1 if target.linear_kernel in NATIVE_KERNELS else 2
         self._padded_rows: dict[int, int] = {}  # rows needed -> rows run (tune_rows); default: _min_rows
+        # Target layers whose features the drafter reads (trained heads), handed over through its observe().
+        self._features: tuple[int, ...] = tuple(getattr(drafter, "feature_layers", ()))
 
     def warmup(self) -> None:
         """Runs a short dummy request (prefill, drafting, verification) so that one-time costs such as
@@ -321,9 +323,10 @@ class Engine:
         self.generated = generated = []
         start = time.perf_counter()
         prefix = self.memory.prefix_for(self.target, self.cache.config)
-        stats.prefix_hit_tokens = prefill(self.cache, 0, seq[:-1], self.target, prefix)
         if self.drafter is not None:
             self.drafter.reset(self.cache, prompt_ids, self.memory)
+        observe = getattr(self.drafter, "observe", None)  # drafters that read the target's features
+        stats.prefix_hit_tokens = prefill(self.cache, 0, seq[:-1], self.target, prefix, self._features, observe)
         _synchronize(self.target.device)
         stats.prefill_s = time.perf_counter() - start
         finish = "length"
@@ -340,7 +343,7 @@ class Engine:
             watch = timed_stop if controller.early_stop or self.on_step is not None else None
             draft = self.drafter.propose(seq, k, sampling, generator, watch) if k > 0 else Draft([])
             t1 = time.perf_counter()
-            verdict = self._verify(seq, draft, sampling, generator)
+            verdict = self._verify(seq, draft, sampling, generator, observe)
             t2 = time.perf_counter()
             self.cache.commit(0, self.cache.lengths[0])  # the fed token and the accepted drafts are verified
             stats.draft_s += t1 - t0
@@ -377,9 +380,10 @@ class Engine:
             text = text[:min(i for i in (text.find(s) for s in stop) if i >= 0)]
         return GenerationResult(text, list(generated), finish, stats)
 
-    def _verify(self, seq: list[int], draft: Draft, sampling: SamplingParams,
-                generator: torch.Generator) -> Verdict:
-        """One target forward over [last token, d_1..d_k], acceptance, and cache rollback."""
+    def _verify(self, seq: list[int], draft: Draft, sampling: SamplingParams, generator: torch.Generator,
+                observe: Callable[[int, torch.Tensor], None] | None = None) -> Verdict:
+        """One target forward over [last token, d_1..d_k], acceptance, and cache rollback; ``observe``
+        (a drafter's) is handed the kept rows' features."""
         held = self.cache.lengths[0]  # == len(seq) - 1: every token but the last is cached
         k = len(draft.tokens)
         # At least _min_rows rows per forward, so that greedy speculation reproduces plain decoding
@@ -389,8 +393,11 @@ class Engine:
         want = max(min(self._padded_rows.get(len(rows), self._min_rows), self.cache.stable_rows(0)), len(rows),
                    self._min_rows)
         rows += seq[-1:] * (want - len(rows))
-        logits = self.target(torch.tensor([rows], device=self.target.device), self.cache,
-                             invariant_rows=True)[0, :k + 1]  # [k + 1, V]
+        features = self._features if observe is not None else ()
+        out = self.target(torch.tensor([rows], device=self.target.device), self.cache, invariant_rows=True,
+                          features=features)
+        logits, hidden = out if features else (out, None)
+        logits = logits[0, :k + 1]  # [k + 1, V]
         if sampling.greedy:
             verdict = verify_greedy(logits, draft.tokens)
         else:
@@ -398,6 +405,8 @@ class Engine:
             verdict = verify_stochastic(p, draft.q, draft.tokens, generator)
         # Keep the last token and the accepted drafts; the emitted target token is fed next step.
         self.cache.trim(0, held + 1 + verdict.accepted)
+        if hidden is not None:
+            observe(held, hidden[0, :verdict.accepted + 1])
         return verdict
 
     def _kv_setting(self) -> str:
@@ -445,7 +454,8 @@ class Engine:
         draft = getattr(self.drafter, "model", None)
         own_draft = draft is not None and draft is not self.target
         draft_cache = getattr(self.drafter, "cache", None)
+        draft_weights = draft.weight_nbytes if own_draft else getattr(self.drafter, "weight_nbytes", 0)
         return {"target_weights": self.target.weight_nbytes,
                 "target_kv": self.cache.nbytes if self.cache is not None else 0,
-                "draft_weights": draft.weight_nbytes if own_draft else 0,
+                "draft_weights": draft_weights,
                 "draft_kv": draft_cache.nbytes if draft_cache is not None and draft_cache is not self.cache else 0}

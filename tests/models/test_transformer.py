@@ -424,3 +424,22 @@ def test_packed_model_gives_the_same_logits(arch, tied):
 def test_pack_weights_is_a_no_op_in_float32():
     model = tiny_model("llama")
     assert model.weight_nbytes > 0 and model.pack_weights() == "torch" and model.head_layer is None
+
+
+def test_features_are_returned_only_when_asked_and_change_nothing():
+
+    model = tiny_model("llama", seed=2)
+    n = model.config.num_layers
+    ids = torch.tensor([[3, 9, 27, 81, 5]])
+    plain = model(ids, model.new_cache(CacheConfig(max_len=16)))
+    logits, hidden = model(ids, model.new_cache(CacheConfig(max_len=16)), features=(1, n))
+    assert torch.equal(logits, plain) and hidden.shape == (1, 5, 2 * model.config.hidden_size)
+    # The last block: the normed state the output head reads.
+    assert torch.allclose(model.head(hidden[..., 64:]).float(), plain)
+    # Layer 1's output: what running layers 0 and 1 alone leaves in the residual stream.
+    _, first_two = model(ids, model.new_cache(CacheConfig(max_len=16)), layers=[0, 1], logits="none", features=(1,))
+    assert torch.equal(hidden[..., :64], first_two)
+    with pytest.raises(ValueError, match=r"features \[7\] are out of range 0\.\.4"):
+        model(ids, model.new_cache(CacheConfig(max_len=16)), features=(7,))
+    with pytest.raises(ValueError, match=r"features \[3\] name layers this forward skipped"):
+        model(ids, model.new_cache(CacheConfig(max_len=16)), layers=[0, 1], features=(3,))

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=positive_int, default=None, help="at most N prompts per category")
     p.add_argument("--skip-layers", default="auto",
                    help="layers layerskip skips, e.g. '4,6,8-12'; 'auto' uses (or runs) the stored calibration")
+    p.add_argument("--eagle-head", default=None, metavar="FILE",
+                   help="head file of the eagle methods (default: the one shipped for --model, if any)")
+    p.add_argument("--medusa-head", default=None, metavar="FILE",
+                   help="head file of the medusa methods (default: the one shipped for --model, if any)")
     p.add_argument("--ngram", type=ngram_sizes, default=(1, 3),
                    help="min,max n-gram sizes of the ngram drafter; max is also hf-lookup's (default 1,3)")
     p.add_argument("--no-chat", dest="chat", action="store_false",
@@ -103,19 +107,21 @@ def run_command(args: argparse.Namespace) -> int:
     families = args.methods
     if families is None:
         families = tuple(f for f in FAMILIES if args.draft_model or f not in DRAFT_MODEL_FAMILIES)
-    cache, draft_cache = cache_configs(args, draft=bool(args.draft_model))
+    cache, draft_cache = cache_configs(args, draft=bool(args.draft_model) or "eagle" in (args.methods or ()))
     config = BenchConfig(model=args.model, draft_model=args.draft_model, families=families, gammas=args.gammas,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          dtype=args.dtype, seed=args.seed, skip_layers=args.skip_layers, ngram_sizes=args.ngram,
                          gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, linear=args.linear,
                          draft_quant=args.draft_quant, controller_file=args.controller_file,
-                         record_steps=args.record_steps, cache=cache, draft_cache=draft_cache)
+                         record_steps=args.record_steps, cache=cache, draft_cache=draft_cache,
+                         heads={"eagle": args.eagle_head, "medusa": args.medusa_head})
     result = run_bench(config, prompts, progress=args.progress)
     echo: dict[str, Any] = {
         "model": args.model, "draft_model": args.draft_model, "methods": list(families),
         "gammas": list(args.gammas), "gamma_max": args.gamma_max, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "dtype": args.dtype,
         "prompts_file": args.prompts, "categories": categories, "limit": args.limit, "skip_layers": args.skip_layers,
+        "eagle_head": args.eagle_head, "medusa_head": args.medusa_head,
         "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None),
         "cost_curve": args.cost_curve, "linear": args.linear, "draft_quant": args.draft_quant,
         "controller_file": args.controller_file, "record_steps": args.record_steps,

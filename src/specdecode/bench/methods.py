@@ -26,7 +26,7 @@ from specdecode.models.build import LoadedModel
 from specdecode.models.config import ModelConfig
 from specdecode.sampling import SamplingParams
 
-OUR_FAMILIES = ("none", "ngram", "draft", "layerskip")
+OUR_FAMILIES = ("none", "ngram", "draft", "layerskip", "eagle", "medusa")
 PEER_FAMILIES = ("hf", "hf-assisted", "hf-lookup", "llamacpp", "llamacpp-lookup")
 FAMILIES = OUR_FAMILIES + PEER_FAMILIES
 # Families that need a separate draft model (--draft-model).
@@ -115,7 +115,8 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
                   max_new_tokens: int, draft_model: LoadedModel | None = None,
                   skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
                   gamma_max: int = 8, controller_file: str | None = None, record: bool = False,
-                  cache: CacheConfig = CacheConfig(), draft_cache: CacheConfig = CacheConfig()) -> Method:
+                  cache: CacheConfig = CacheConfig(), draft_cache: CacheConfig = CacheConfig(),
+                  head: str | Path | None = None) -> Method:
     """Our engine with one drafter (or none) and one gamma policy, under one KV cache setting.
 
     Each method gets its own Engine (own KV cache, prefix cache and drafter state); the target weights are shared.
@@ -123,7 +124,7 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
     with ``record``, keeping each step's record (which also makes the drafter compute its signals).
     """
     drafter = make_drafter(family, target.model, draft_model.model if draft_model else None, skip_layers,
-                           ngram_sizes=ngram_sizes, draft_cache=draft_cache)
+                           ngram_sizes=ngram_sizes, draft_cache=draft_cache, head=head)
     spec = SpeculativeConfig(gamma if gamma is not None else 0, gamma_max, controller_file)
     steps: list[StepRecord] = []
     engine = Engine(target.model, target.tokenizer, drafter, spec, on_step=steps.append if record else None,
@@ -145,6 +146,9 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         params["skip_layers"] = list(skip_layers or ())
     if family == "draft" and draft_model is not None:
         params["draft_model"] = draft_model.source
+    if head is not None:
+        params["head"] = str(head)
+        params["draft_vocab"] = int(drafter.vocab.ids.numel())
     if isinstance(gamma, str):
         params["gamma_max"] = gamma_max
     if gamma in ("confidence", "adaptive"):

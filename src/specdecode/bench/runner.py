@@ -27,7 +27,9 @@ from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILI
                                       llamacpp_method)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
 from specdecode.bench.prompts import Prompt, render
+from specdecode.drafters import HEAD_DRAFTERS
 from specdecode.drafters.draft_model import check_draft_pair
+from specdecode.heads import shipped_head
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel, cpu_has_fast_bf16, from_checkpoint, resolve_dtype
 from specdecode.models.loader import load_checkpoint
@@ -66,7 +68,9 @@ class BenchConfig:
         controller_file: acceptance models of the confidence and adaptive controllers (None: shipped).
         record_steps: a JSONL file to write every step of our drafting methods' timed calls to, or None.
         cache: our engine's KV cache settings (the same for every method of ours, ``none`` included).
-        draft_cache: the draft model's KV cache settings.
+        draft_cache: the draft model's (and EAGLE head's) KV cache settings.
+        heads: head files of the ``eagle`` and ``medusa`` methods by kind; None (or missing) = the one
+            shipped for the target, and without one those methods are skipped with a note.
     """
 
     model: str
@@ -89,6 +93,7 @@ class BenchConfig:
     record_steps: str | None = None
     cache: CacheConfig = CacheConfig()
     draft_cache: CacheConfig = CacheConfig()
+    heads: dict[str, str | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES]
@@ -216,8 +221,8 @@ class ProgressBar:
     """
 
     def __init__(self, total: int, stream: TextIO | None = None, width: int = 28, enabled: bool = True,
-                 log_every: float = 30.0) -> None:
-        self.total, self.done, self.width = max(total, 1), 0, width
+                 log_every: float = 30.0, unit: str = "timed calls") -> None:
+        self.total, self.done, self.width, self.unit = max(total, 1), 0, width, unit
         self.log_every = log_every
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
@@ -240,7 +245,7 @@ class ProgressBar:
     def _status(self, label: str) -> str:
         elapsed = time.perf_counter() - self.start
         eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
-        return f"{self.done}/{self.total} calls, {elapsed:.0f}s elapsed, ~{eta:.0f}s left  {label[:40]}"
+        return f"{self.done}/{self.total} {self.unit}, {elapsed:.0f}s elapsed, ~{eta:.0f}s left  {label[:40]}"
 
     def _draw(self, label: str) -> None:
         filled = int(self.done / self.total * self.width)
@@ -264,7 +269,7 @@ class ProgressBar:
         if self.tty:
             self.stream.write("\n")
         else:
-            self.stream.write(f"ran {self.done}/{self.total} timed calls in {time.perf_counter() - self.start:.1f} s\n")
+            self.stream.write(f"ran {self.done}/{self.total} {self.unit} in {time.perf_counter() - self.start:.1f} s\n")
         self.stream.flush()
 
 
@@ -356,14 +361,19 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
     for family in fams:
         if family in OUR_FAMILIES:
             gammas: Sequence[int | str | None] = [None] if family == "none" else config.gammas
-            skip = None
+            skip = head = None
             if family == "layerskip":
                 skip = _skip_layers(config, target, log)  # a bad --skip-layers is a usage error
+            if family in HEAD_DRAFTERS:
+                head = config.heads.get(family) or shipped_head(target.model, family)
+                if head is None:
+                    skipped.append((family, f"no {family} head for this model (train-head, then --{family}-head FILE)"))
+                    continue
             for g in gammas:
                 methods.append(engine_method(family, g, target, sampling, config.max_new_tokens, loaded.draft, skip,
                                              config.ngram_sizes, config.gamma_max, config.controller_file,
                                              record=config.record_steps is not None and family != "none",
-                                             cache=config.cache, draft_cache=config.draft_cache))
+                                             cache=config.cache, draft_cache=config.draft_cache, head=head))
         elif family.startswith("hf"):
             if not transformers_available():
                 skipped.append((family, "transformers is not installed"))

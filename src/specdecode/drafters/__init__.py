@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter
+from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.heads import load_head_drafter
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.transformer import Transformer
 
-DRAFTERS = ("none", "ngram", "draft", "layerskip")
+DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle", "medusa")
+HEAD_DRAFTERS = ("eagle", "medusa")  # trained heads: a head file, or the one shipped for the target
 
 
 def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None = None,
                  skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
-                 draft_cache: CacheConfig = CacheConfig()) -> Drafter | None:
+                 draft_cache: CacheConfig = CacheConfig(), head: str | Path | None = None) -> Drafter | None:
     """Builds the drafter a name asks for (None for "none").
 
     Args:
@@ -25,7 +30,8 @@ def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None
         draft_model: the separate draft model, required by "draft".
         skip_layers: layers layerskip skips, required by "layerskip".
         ngram_sizes: (min, max) tail lengths ngram matches.
-        draft_cache: the draft model's cache settings ("draft" only).
+        draft_cache: the draft model's (or EAGLE head's) cache settings.
+        head: the head file of "eagle" / "medusa" (its kind must match), required by them.
     """
     if kind == "none":
         return None
@@ -39,7 +45,15 @@ def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None
         if not skip_layers:
             raise ValueError("drafter 'layerskip' needs a set of layers to skip")
         return LayerSkipDrafter(target, skip_layers)
+    if kind in HEAD_DRAFTERS:
+        if head is None:
+            raise ValueError(f"drafter {kind!r} needs a head file (--head FILE)")
+        drafter = load_head_drafter(head, target, draft_cache)
+        if drafter.name != kind:
+            raise ValueError(f"{head}: is a {drafter.name} head, not a {kind} head")
+        return drafter
     raise ValueError(f"unknown drafter {kind!r}; expected one of {DRAFTERS}")
 
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "LayerSkipDrafter", "NgramDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "HEAD_DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "EagleDrafter", "LayerSkipDrafter",
+           "MedusaDrafter", "NgramDrafter", "make_drafter"]

@@ -41,7 +41,12 @@ class Draft:
 
 class Drafter(Protocol):
     """``name`` identifies the drafter (and its model in a controller file); ``signal_names`` names the
-    floats of each token's signal."""
+    floats of each token's signal.
+
+    A drafter that reads the target's features (trained heads) also has ``feature_layers`` (the layers
+    it wants, see ``Transformer.forward``) and ``observe(position, features [T, F])``: the engine calls it
+    after ``reset`` with the prompt's features and after every verification with the kept rows'.
+    """
 
     name: str
     signal_names: tuple[str, ...]

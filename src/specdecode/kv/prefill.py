@@ -13,7 +13,7 @@ This module does not pick the model or the cache (the engine and drafters do) an
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -42,7 +42,8 @@ class _Recorder:
                 for _, parts in sorted(self.written.items())]
 
 
-def prefill(cache: Cache, slot: int, tokens: Sequence[int], model: Any, prefix: PrefixCache | None = None) -> int:
+def prefill(cache: Cache, slot: int, tokens: Sequence[int], model: Any, prefix: PrefixCache | None = None,
+            features: Sequence[int] = (), observe: Callable[[int, torch.Tensor], None] | None = None) -> int:
     """Writes the K/V of ``tokens`` into ``slot`` (which must be empty).
 
     Args:
@@ -51,6 +52,9 @@ def prefill(cache: Cache, slot: int, tokens: Sequence[int], model: Any, prefix: 
         tokens: verified token ids (a prompt, all but its last token).
         model: called as ``model(ids [1, T], cache, slots=(slot,), logits="none")`` (a Transformer).
         prefix: the model's prefix cache, or None.
+        features: layers whose features ``observe`` is handed (see ``Transformer.forward``); none when empty.
+        observe: called with (first position, features ``[T, F]``) for every computed chunk; positions
+            loaded from the prefix cache have no features.
 
     Returns:
         Tokens whose K/V came from the prefix cache.
@@ -76,7 +80,11 @@ def prefill(cache: Cache, slot: int, tokens: Sequence[int], model: Any, prefix: 
         target = _Recorder(cache) if prefix is not None else cache
         device = getattr(model, "device", "cpu")
         for a in range(start, len(tokens), chunk):
-            model(torch.tensor([tokens[a:a + chunk]], device=device), target, slots=(slot,), logits="none")
+            ids = torch.tensor([tokens[a:a + chunk]], device=device)
+            if features and observe is not None:
+                observe(a, model(ids, target, slots=(slot,), logits="none", features=features)[1][0])
+            else:
+                model(ids, target, slots=(slot,), logits="none")
         whole = len(tokens) // chunk * chunk
         if prefix is not None and whole > start:
             prefix.insert(tokens[:whole], target.kv(whole - start), hit)

@@ -92,6 +92,10 @@ class NativeLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.packed, self.out_features, self.bias)
 
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The bf16 weight rows ``[len(rows), in_features]`` this layer was built from."""
+        return native.unpack(self.packed, self.out_features, self.in_features)[rows]
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self.path}")
@@ -124,3 +128,15 @@ class Int8Linear(nn.Module):
         y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> nn.Module:
+    """``y = x W^T + b`` on ``kernel``: one of ours, oneDNN, or (for "torch") a plain ``nn.Linear`` copy."""
+    if kernel in NATIVE_KERNELS:
+        return NativeLinear(weight, bias, kernel)
+    if kernel == "onednn":
+        return PackedLinear(weight, bias)
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return layer

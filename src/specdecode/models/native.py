@@ -134,3 +134,9 @@ def pack(weight: torch.Tensor, tile: int = 64) -> torch.Tensor:
     n_pad, k_pad = -n % tile, k % 2
     padded = torch.nn.functional.pad(weight.detach(), (0, k_pad, 0, n_pad))  # [N', K']
     return padded.view(-1, tile, (k + k_pad) // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The ``[N, K]`` weight that ``pack`` turned into ``packed`` (padding dropped)."""
+    tiles, pairs, tile, _ = packed.shape
+    return packed.transpose(1, 2).reshape(tiles * tile, pairs * 2)[:n, :k]

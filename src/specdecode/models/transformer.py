@@ -24,7 +24,8 @@ from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.factory import make_cache
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
 from specdecode.models import native
-from specdecode.models.linear import LINEAR_KERNELS, NATIVE_KERNELS, Int8Linear, NativeLinear, PackedLinear, can_pack
+from specdecode.models.linear import (LINEAR_KERNELS, NATIVE_KERNELS, Int8Linear, NativeLinear, PackedLinear, can_pack,
+                                      packed_linear)
 
 Logits = Literal["all", "last", "none"]
 
@@ -49,6 +50,14 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
     raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def rope_tables(inv_freq: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``, ``sin`` ``[n, D]`` for positions 0..n-1 (on ``inv_freq``'s device), as ``apply_rope`` takes them."""
+    angles = torch.outer(torch.arange(n, dtype=torch.float32, device=inv_freq.device), inv_freq)
+    sin = angles.sin()
+    # Halves of one frequency: the sine's first half is negated for apply_rope's roll.
+    return torch.cat((angles, angles), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -179,6 +188,14 @@ def resolve_linear_kernel(kernel: str, dtype: torch.dtype, device: torch.device,
     return next((k for k in (*NATIVE_KERNELS, "onednn") if linear_kernel_problem(k, dtype, device, log) is None), "torch")
 
 
+def attention_ops(kernel: str, log: Callable[[str], None] | None = None):
+    """Our compiled attention for a model whose projections run on ``kernel`` (the avx512 build's for
+    tiled), or None off our paths (``Block.attend`` then uses ``rowwise_attention``)."""
+    if kernel not in NATIVE_KERNELS:
+        return None
+    return native.kernel("avx512" if kernel == "tiled" else kernel, log)
+
+
 class _HeadView(NamedTuple):
     """A tied output head seen as a bias-free linear layer over the embedding table."""
 
@@ -210,25 +227,35 @@ class Block(nn.Module):
             return self.attention_ops.attention(q, keys, values, self.window or 0, self.head_dim ** -0.5)
         return rowwise_attention(q, keys, values, self.window)
 
-    def forward(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
-                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, invariant_rows: bool) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[B, H, T, D]``, keys and values ``[B, Hkv, T, D]`` of ``x [B, T, hidden]``, RoPE applied."""
         b, t, _ = x.shape
         h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
         qkv = self.wqkv(h).view(b, t, self.heads + 2 * self.kv_heads, self.head_dim)  # [B, T, H + 2 Hkv, D]
         qk = apply_rope(qkv[:, :, :self.heads + self.kv_heads], cos, sin)  # queries and keys in one go
         q = qk[:, :, :self.heads].transpose(1, 2)  # [B, H, T, D]
         k = qk[:, :, self.heads:].transpose(1, 2)  # [B, Hkv, T, D]
-        v = qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)
+        return q, k, qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the output projection of ``attn [B, H, T, D]`` and the MLP."""
+        b, t, _ = x.shape
+        x = x + self.wo(attn.transpose(1, 2).reshape(b, t, -1))
+        h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
+        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, invariant_rows: bool) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
         keys, values = cache.update(layer, slots, starts, k, v)  # [B, Hkv, L, D]
         if invariant_rows or mask is None:
             attn = self.attend(q, keys, values)  # [B, H, T, D]
         else:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=self.heads != self.kv_heads)
-        x = x + self.wo(attn.transpose(1, 2).reshape(b, t, -1))
-        h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
-        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        return self.finish(x, attn)
 
 
 class Transformer(nn.Module):
@@ -267,16 +294,12 @@ class Transformer(nn.Module):
         # Tables grow by doubling so that a long generation rebuilds them O(log n) times.
         if self._rope_cache is None or self._rope_cache[0] < length:
             n = max(length, 2 * self._rope_cache[0] if self._rope_cache else 256)
-            angles = torch.outer(torch.arange(n, dtype=torch.float32, device=self.device), self.inv_freq)
-            sin = angles.sin()
-            # Halves of one frequency: the sine's first half is negated for apply_rope's roll.
-            self._rope_cache = (n, torch.cat((angles, angles), dim=-1).cos().to(self.dtype),
-                                torch.cat((-sin, sin), dim=-1).to(self.dtype))  # [n, D]
+            self._rope_cache = (n, *rope_tables(self.inv_freq, n, self.dtype))
         return self._rope_cache[1], self._rope_cache[2]
 
     def forward(self, tokens: torch.Tensor, cache: Cache, slots: Sequence[int] = (0,),
                 layers: Sequence[int] | None = None, logits: Logits = "all",
-                invariant_rows: bool = False) -> torch.Tensor | None:
+                invariant_rows: bool = False, features: Sequence[int] = ()):
         """Runs new tokens through the model, appending their keys/values to the cache.
 
         Args:
@@ -289,9 +312,14 @@ class Transformer(nn.Module):
                 tokens share the call (``Block.attend``; single sequence only); the fused kernel's
                 summation order is not. With projections on our kernels (row-invariant too) this makes
                 greedy verification reproduce decoding exactly.
+            features: layers whose outputs to return for every new token (drafters built on the target's
+                features, e.g. ``drafters/eagle.py``): i < num_layers is layer i's output (the residual
+                stream), ``num_layers`` the final normed state the output head reads. Nothing is kept
+                when empty.
 
         Returns:
-            Logits in float32, or None when ``logits="none"``.
+            Logits in float32, or None when ``logits="none"``; with ``features``, a pair (logits, hidden
+            ``[B, T, len(features) * hidden]``, the asked layers side by side in the order given).
         """
         b, t = tokens.shape
         if invariant_rows and b != 1:
@@ -306,19 +334,56 @@ class Transformer(nn.Module):
             cos, sin = cos_table[pos][:, :, None], sin_table[pos][:, :, None]  # [B, T, 1, D]
         seen = [cache.visible(s) for s in slots]  # entries update() returns before each row's new tokens
         mask = None if invariant_rows else self._mask(seen, t)  # the row-by-row path needs none
+        n = self.config.num_layers
+        bad = [i for i in features if not 0 <= i <= n]
+        if bad:
+            raise ValueError(f"features {bad} are out of range 0..{n} (layer outputs, then {n} = the normed state)")
+        kept: dict[int, torch.Tensor] = {}
         x = self.embed(tokens)  # [B, T, hidden]
-        for i in range(self.config.num_layers) if layers is None else layers:
+        for i in range(n) if layers is None else layers:
             x = self.layers[i](x, i, cache, slots, starts, cos, sin, mask, invariant_rows)
+            if i in features:
+                kept[i] = x
         cache.advance(slots, t)
-        if logits == "none":
-            return None
-        if logits == "last":
-            x = x[:, -1:]
-        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        if n in features:
+            kept[n] = x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        out = None if logits == "none" else self._logits(x if logits == "all" else x[:, -1:], normed=n in features)
+        if not features:
+            return out
+        missing = [i for i in features if i not in kept]
+        if missing:
+            raise ValueError(f"features {missing} name layers this forward skipped")
+        return out, torch.cat([kept[i] for i in features], dim=-1)
+
+    def _logits(self, x: torch.Tensor, normed: bool) -> torch.Tensor:
+        """Float32 logits of the residual stream ``x [B, T, hidden]`` (``normed``: the final norm is applied)."""
+        if not normed:
+            x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        return self.head(x).float()
+
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The output head's weight rows ``[len(ids), hidden]`` for token ``ids``, in the model dtype (a
+        draft head's reduced vocabulary scores with these).
+
+        Raises:
+            ValueError: the head runs on oneDNN's opaque packed layout and the model has no tied copy.
+        """
+        if self.config.tie_word_embeddings:
+            return self.embed.weight[ids]
+        if self.lm_head is not None:
+            return self.lm_head.weight[ids]
+        if isinstance(self.head_layer, NativeLinear):
+            return self.head_layer.weight_rows(ids)
+        if isinstance(self.head_layer, Int8Linear):
+            return self.head_layer.dequantized()[ids].to(self.dtype)
+        raise ValueError("the output head is packed for oneDNN, which keeps no readable copy of its weights; "
+                         "load the model with --linear torch or one of our kernels")
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head over normed states ``[..., hidden]``, in the model dtype."""
         if self.head_layer is not None:
-            return self.head_layer(x).float()
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+            return self.head_layer(x)
+        return F.linear(x, self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     def pack_weights(self, kernel: str = "auto", log: Callable[[str], None] | None = None) -> str:
         """Swaps every projection for a pre-packed bf16 copy run by a faster kernel.
@@ -344,13 +409,10 @@ class Transformer(nn.Module):
                 return current
             raise ValueError(f"the projections already run on {current}; cannot switch to {kernel}")
         kernel = resolve_linear_kernel(kernel, self.dtype, self.device, log)
-        if kernel in NATIVE_KERNELS:
-            attention = native.kernel("avx512" if kernel == "tiled" else kernel, log)
-            self._swap_projections(lambda layer: NativeLinear(layer.weight, layer.bias, kernel))
+        if kernel in ("onednn", *NATIVE_KERNELS):
+            self._swap_projections(lambda layer: packed_linear(layer.weight, layer.bias, kernel))
             for block in self.layers:
-                block.attention_ops = attention
-        elif kernel == "onednn":
-            self._swap_projections(lambda layer: PackedLinear(layer.weight, layer.bias))
+                block.attention_ops = attention_ops(kernel, log)
         return kernel
 
     @property

@@ -1,0 +1,116 @@
+"""Drafting with a trained EAGLE-style head (``heads/eagle.py``) over the target's own features.
+
+The engine hands the drafter the target's features of every verified position (``observe``: the prompt's
+from prefill, the accepted rows' after each verification). Before drafting, the head catches up on the
+rows whose features arrived since the last step: row j pairs feature f_j with token x_{j+1}, so after a
+sequence of n tokens rows 0..n-2 are real. Its last output predicts the feature of the newest token and,
+through the draft vocabulary's output head, the first draft token; each further draft token feeds the
+head its own previous prediction. Drafted rows are trimmed from the head's cache at the end of
+``propose``; real rows are committed, so they roll back and compress like any cache's verified rows.
+
+On a prefix-cache hit the target computes no features for the reused prefix, so the head's cache starts
+at the first recomputed position (RoPE depends only on relative positions; the head just sees a shorter
+context). This drafter never touches the target's cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+
+from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, confidence, draw
+from specdecode.heads.eagle import EagleHead
+from specdecode.heads.vocab import VocabHead
+from specdecode.kv.cache import Cache, CacheConfig
+from specdecode.kv.memory import KVMemory
+from specdecode.models.transformer import Transformer
+from specdecode.sampling import SamplingParams
+
+
+class EagleDrafter:
+    """Drafts with ``head`` over ``target``'s features and a draft vocabulary.
+
+    Args:
+        target: the target transformer (its embedding table and output rows are used, frozen).
+        head: the trained head, already in the target's dtype and on its device (``heads.prepare_head``).
+        vocab: the draft vocabulary's output head.
+        cache: the head cache's settings (kv dtype, window, sinks); its size follows the target's cache.
+    """
+
+    name = "eagle"
+    signal_names = MODEL_SIGNALS
+
+    def __init__(self, target: Transformer, head: EagleHead, vocab: VocabHead,
+                 cache: CacheConfig = CacheConfig()) -> None:
+        self.target, self.head, self.vocab = target, head, vocab
+        self.feature_layers = (target.config.num_layers,)  # the normed final state
+        self.cache_config = cache
+        self.cache: Cache | None = None
+        self._memory: KVMemory | None = None
+        self._base = 0  # sequence position of the head cache's row 0
+        self._pending: list[torch.Tensor] = []  # features [T, h] observed but not yet run through the head
+
+    @property
+    def weight_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.head.parameters(), *self.head.buffers()]) + \
+            self.vocab.nbytes
+
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
+        if memory is None:
+            memory = self._memory or KVMemory()
+        if self.cache is None or self.cache.max_len < target_cache.max_len or memory is not self._memory:
+            config = replace(self.cache_config, max_len=target_cache.max_len)
+            self.cache, self._memory = memory.new_cache("draft", self.head, config), memory
+        self.cache.reset(0)
+        self._base, self._pending = 0, []
+
+    def observe(self, position: int, features: torch.Tensor) -> None:
+        """Features ``[T, h]`` of the target's verified positions position..position+T-1."""
+        expected = self._base + self.cache.lengths[0] + sum(len(f) for f in self._pending)
+        if self.cache.lengths[0] == 0 and not self._pending:
+            self._base = expected = position  # the first features (after a prefix hit: not position 0)
+        if position != expected:
+            raise RuntimeError(f"eagle drafter: features for position {position} arrived, expected {expected}")
+        self._pending.append(features)
+
+    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
+                stop: StopRule | None = None) -> Draft:
+        real = self._catch_up(seq)
+        if real is None:
+            return Draft([])
+        embed = self.target.embed
+        state = real  # [1, 1, h]: the predicted feature of the newest token
+        tokens, qs, signals = [], [], []
+        for i in range(k):
+            logits = self.vocab(state[0, -1])  # [Vd]
+            token, q = draw(self.vocab.full(logits), sampling, generator)
+            tokens.append(token)
+            qs.append(q)
+            if stop is not None:
+                signals.append(confidence(logits))
+                if stop(i, signals[-1]):
+                    break
+            if i + 1 < k:
+                ids = torch.tensor([[token]], device=self.target.device)
+                state = self.head.step(embed(ids), state, self.cache)
+        self.cache.trim(0, len(seq) - 1 - self._base)  # drop the drafted rows; the real ones stay
+        return Draft(tokens, None if sampling.greedy else torch.stack(qs), signals)
+
+    def _catch_up(self, seq: list[int]) -> torch.Tensor | None:
+        """Runs the head over the rows whose features arrived; returns its last output ``[1, 1, h]``."""
+        if not self._pending:
+            return None
+        features = torch.cat(self._pending)[None]  # [1, T, h]
+        first = self._base + self.cache.lengths[0]  # position of the first pending feature
+        ids = torch.tensor([seq[first + 1:first + 1 + features.shape[1]]], device=self.target.device)
+        if ids.shape[1] != features.shape[1]:
+            raise RuntimeError(f"eagle drafter: {features.shape[1]} features but {ids.shape[1]} tokens after them")
+        out = self.head.step(self.target.embed(ids), features.to(self.head.dtype), self.cache)
+        self.cache.commit(0, self.cache.lengths[0])
+        self._pending = []
+        return out[:, -1:]
+
+    def commit(self, seq: list[int]) -> None:
+        pass  # propose already left only real rows; the features of this step arrive through observe

@@ -1,0 +1,93 @@
+"""``specdecode train-head``: builds the training data on this machine, trains a head, writes its file.
+
+Parsing and orchestration only: data in ``data.py``, training in ``train.py``, the file in ``file.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from specdecode.argtypes import positive_int
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specdecode.heads.train import TrainConfig
+
+    d = TrainConfig()
+    p.add_argument("--kind", choices=["eagle", "medusa"], default="eagle", help="head architecture (default eagle)")
+    p.add_argument("--out", required=True, metavar="FILE", help="the head file to write (.safetensors)")
+    p.add_argument("--epochs", type=positive_int, default=d.epochs, help=f"passes over the data (default {d.epochs})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--batch-tokens", type=positive_int, default=d.batch_tokens,
+                   help=f"padded tokens per batch (default {d.batch_tokens})")
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                   help=f"tokens the head may propose, the most frequent in the data; 0 = all (default {d.draft_vocab})")
+    p.add_argument("--medusa-heads", type=positive_int, default=d.medusa_heads,
+                   help=f"heads of a medusa head file (default {d.medusa_heads})")
+    p.add_argument("--seed", type=int, default=d.seed, help="shuffling, noise, initialisation, held-out split")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help="prompts the target answers for self-distillation (default: the packaged training set)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=192, help="length limit of each answer (default 192)")
+    p.add_argument("--sampled", type=int, default=2,
+                   help="sampled answers per prompt besides the greedy one, at temperature 0.8 (default 2)")
+    p.add_argument("--text-chunks", type=int, default=150,
+                   help="256-token chunks of Python's standard-library sources, teacher-forced (default 150)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where answers and features are cached (default ~/.cache/specdecode/heads/<model, data>)")
+    p.add_argument("--resume", action="store_true", help="continue from FILE.ckpt (written after every epoch)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+
+def run_command(args: argparse.Namespace, log) -> int:
+    from specdecode.bench.runner import ProgressBar
+    from specdecode.heads.data import DataConfig, build_features
+    from specdecode.heads.file import HeadFile, save_head, target_identity
+    from specdecode.heads.train import TrainConfig, Trainer, train
+    from specdecode.models.build import load_model
+    from specdecode.models.fetch import cache_dir
+
+    out = Path(args.out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"--out {out}: a head file is named *.safetensors")
+    checkpoint = out.with_name(out.name + ".ckpt")
+    if args.resume and not checkpoint.exists():
+        raise ValueError(f"--resume: no checkpoint {checkpoint} to resume from")
+    if args.sampled < 0 or args.text_chunks < 0:
+        raise ValueError("--sampled and --text-chunks must be >= 0")
+    data_config = DataConfig(args.prompts, args.max_new_tokens, args.text_chunks, sampled=args.sampled)
+    train_config = TrainConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                               seed=args.seed, draft_vocab=args.draft_vocab, medusa_heads=args.medusa_heads)
+    started = time.perf_counter()
+    loaded = load_model(args.model, args.dtype, "cpu", progress=log, linear=args.linear)
+    identity = target_identity(loaded.model, loaded.source)
+    folder = Path(args.data_dir) if args.data_dir else cache_dir() / "heads" / data_config.key(identity["fingerprint"])
+
+    def bar(total: int, unit: str) -> ProgressBar:
+        return ProgressBar(total, sys.stderr, enabled=not args.no_progress, unit=unit)
+
+    data = build_features(loaded, data_config, folder, log, bar)
+    data_s = time.perf_counter() - started
+    trainer = Trainer(loaded.model, data, train_config, loaded.tokenizer.eos_token_ids)
+    if args.resume:
+        trainer.load_state(torch.load(checkpoint, weights_only=False))
+        log(f"resuming after epoch {trainer.epoch} from {checkpoint}")
+    log(f"training a {args.kind} head: {len(trainer.train_seqs)} sequences, {len(trainer.held_seqs)} held out, "
+        f"draft vocabulary {trainer.vocab.numel()}")
+    train_s = train(trainer, checkpoint, bar, log)
+    recipe = {"command": "specdecode " + " ".join(sys.argv[1:]) if sys.argv else "", "data": asdict(data_config),
+              "train": asdict(train_config), "positions": int(data.tokens.numel()), "sequences": len(data),
+              "history": trainer.history, "data_seconds": round(data_s, 1), "train_seconds": round(train_s, 1),
+              "threads": torch.get_num_threads()}
+    # Stored in bf16 (half the bytes): drafting runs in the target's dtype, bf16 wherever our kernels run.
+    weights = {n: t.to(torch.bfloat16) for n, t in trainer.head.state_dict().items()}
+    save_head(out, HeadFile(args.kind, trainer.head_config(), identity, recipe, weights, trainer.vocab))
+    checkpoint.unlink(missing_ok=True)
+    size = out.stat().st_size / 2**20
+    log(f"wrote {out} ({size:.1f} MiB); data {data_s:.0f} s, training {train_s:.0f} s")
+    return 0

@@ -1,0 +1,171 @@
+"""An EAGLE-style draft head: one decoder layer that predicts the target's next feature.
+
+Row j of the head's input fuses the target's feature f_j (its normed final state at position j, what
+its output head reads) with the embedding of token x_{j+1}: ``fc([embed(x_{j+1}), f_j])``. One decoder
+layer (the target's layer shapes, its RoPE, its own KV cache over earlier rows) turns that into f'_{j+1},
+a prediction of f_{j+1}, and the target's own output head, restricted to a draft vocabulary, scores the
+next token from it. Drafting feeds the head its own predictions after the target's last real feature.
+The embedding table and the output head are the target's, frozen; the head owns fc and the layer.
+
+This module holds the network and its two forwards (cached, for drafting; whole sequences, for
+training). It does not draft (``drafters/eagle.py``), train (``train.py``) or read files (``file.py``).
+EAGLE-3's fusion of low, middle and high layer features is not built: the head reads the final feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.kv.cache import Cache, CacheConfig
+from specdecode.kv.factory import make_cache
+from specdecode.models.config import ModelConfig
+from specdecode.models.linear import NATIVE_KERNELS, packed_linear
+from specdecode.models.transformer import Block, attention_ops, rope_inv_freq, rope_tables
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """The head's architecture: one layer shaped like the target's (``layer``, with num_layers = 1)."""
+
+    layer: ModelConfig
+
+    @classmethod
+    def for_target(cls, target: ModelConfig) -> "EagleConfig":
+        return cls(replace(target, num_layers=1, sliding_window=None))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer.to_hf()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EagleConfig":
+        return cls(ModelConfig.from_hf(data["layer"]))
+
+
+class EagleHead(nn.Module):
+    """fc (2h -> h, with bias) and one decoder layer.
+
+    Args:
+        config: the architecture.
+    """
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.head_config = config
+        self.config = config.layer  # what KVMemory reads to size the head's cache
+        h = config.layer.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.block = Block(config.layer)
+        self.register_buffer("inv_freq", rope_inv_freq(config.layer), persistent=False)
+        self._rope: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.block.attn_norm.dtype  # a parameter that packing leaves in place
+
+    @property
+    def device(self) -> torch.device:
+        return self.block.attn_norm.device
+
+    def pack(self, kernel: str) -> None:
+        """Runs the projections on ``kernel`` (the target's path; "torch" leaves them as they are) and,
+        on our paths, attention on our kernel, as ``Transformer.pack_weights`` does for the target."""
+        if kernel not in ("onednn", *NATIVE_KERNELS):
+            return
+        self.fc = packed_linear(self.fc.weight, self.fc.bias, kernel)
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            layer = getattr(self.block, name)
+            setattr(self.block, name, packed_linear(layer.weight, layer.bias, kernel))
+        self.block.attention_ops = attention_ops(kernel)
+
+    def new_cache(self, config: CacheConfig) -> Cache:
+        c = self.config
+        return make_cache(1, c.num_kv_heads, c.head_dim, config, dtype=self.dtype, device=self.device)
+
+    def _angles(self, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE ``cos``, ``sin`` ``[1, T, 1, D]`` of positions start..start+t-1."""
+        if self._rope is None or self._rope[0] < start + t:
+            n = max(start + t, 2 * self._rope[0] if self._rope else 256)
+            self._rope = (n, *rope_tables(self.inv_freq, n, self.dtype))
+        return self._rope[1][start:start + t][None, :, None], self._rope[2][start:start + t][None, :, None]
+
+    def step(self, embedded: torch.Tensor, features: torch.Tensor, cache: Cache) -> torch.Tensor:
+        """Predicted next features ``[1, T, h]`` of T new rows, appended to ``cache`` (slot 0).
+
+        Args:
+            embedded: ``[1, T, h]`` embeddings of tokens x_{j+1}.
+            features: ``[1, T, h]`` features f_j (the target's, or the head's own predictions).
+            cache: the head's cache; its length is the position of the first new row.
+        """
+        start = cache.lengths[0]
+        cos, sin = self._angles(start, embedded.shape[1])
+        x = self.fc(torch.cat((embedded, features), dim=-1))  # [1, T, h]
+        x = self.block(x, 0, cache, (0,), [start], cos, sin, None, invariant_rows=True)
+        cache.advance((0,), embedded.shape[1])
+        return x
+
+    def forward(self, embedded: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
+        """Training forward over whole sequences, no cache, drafting ``steps`` tokens from every row at once.
+
+        Step 1 is row j on the target's feature f_j (seeing rows 0..j). Step s + 1 feeds row p the
+        prediction step s made for position p (so row p there is the (s+1)-th token of a draft that left
+        the target's features at row p - s) and lets it see what drafting would: the real rows up to
+        p - s, and its own draft's rows of steps 2..s+1 (EAGLE-3's "training-time test").
+
+        Args:
+            embedded: ``[B, T, h]`` embeddings of tokens x_{j+1}.
+            features: ``[B, T, h]`` the target's features f_j.
+            steps: draft depth to train.
+
+        Returns:
+            Per step, predicted features ``[B, T, h]`` (row p: of position p + 1; rows p < step - 1 are
+            meaningless and must be left out of the loss).
+        """
+        t = embedded.shape[1]
+        cos, sin = self._angles(0, t)
+        outs, keys, values = [], [], []
+        for step in range(steps):
+            x = self.fc(torch.cat((embedded, features), dim=-1))
+            q, k, v = self.block.qkv(x, cos, sin)  # [B, H, T, D], [B, Hkv, T, D]
+            keys.append(k)
+            values.append(v)
+            if step == 0:
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+            else:
+                attn = _draft_attention(q, keys, values)
+            outs.append(self.block.finish(x, attn))
+            features = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # row p gets the prediction made at row p - 1
+        return outs
+
+
+def _draft_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Attention of draft step s = len(keys) - 1 (s >= 1): row p sees real rows 0..p - s (``keys[0]``) and,
+    for t = 1..s, the row of step t at position p - (s - t) (its own draft's earlier tokens, itself last).
+
+    Args:
+        q: ``[B, H, T, D]`` this step's queries.
+        keys: per step so far, ``[B, Hkv, T, D]`` (the last is this step's).
+        values: same shapes as ``keys``.
+    """
+    s, (b, h, t, d) = len(keys) - 1, q.shape
+    group = h // keys[0].shape[1]
+    scale = d ** -0.5
+    expand = lambda x: x.repeat_interleave(group, dim=1)  # noqa: E731 - [B, Hkv, T, D] -> [B, H, T, D]
+    real = (q @ expand(keys[0]).transpose(-1, -2)) * scale  # [B, H, T, T]
+    pos = torch.arange(t, device=q.device)
+    real = real.masked_fill(pos[None, :] > pos[:, None] - s, float("-inf"))
+    diag, diag_values = [], []
+    for step in range(1, s + 1):
+        shift = s - step  # this step's row p reads step `step`'s row p - shift
+        k = F.pad(expand(keys[step]), (0, 0, shift, 0))[:, :, :t]
+        diag.append(((q * k).sum(-1) * scale).masked_fill(pos < shift, float("-inf")))  # [B, H, T]
+        diag_values.append(F.pad(expand(values[step]), (0, 0, shift, 0))[:, :, :t])
+    probs = torch.cat((real, torch.stack(diag, dim=-1)), dim=-1).float().softmax(-1).to(q.dtype)  # [B, H, T, T + s]
+    out = probs[..., :t] @ expand(values[0])
+    for i, v in enumerate(diag_values):
+        out = out + probs[..., t + i, None] * v
+    return out

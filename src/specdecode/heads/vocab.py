@@ -1,0 +1,64 @@
+"""The draft vocabulary: which token ids a head may propose, and the reduced output head that scores them.
+
+A head drafts over a subset of the target's vocabulary (the most frequent tokens of its training data),
+which makes each draft token's output head that much cheaper. Verification still scores the full
+vocabulary, so this stays lossless: the draft distribution q is zero outside the subset and the
+residual max(0, p - q) keeps the target's mass there. This module does not train or draft.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from specdecode.models.linear import packed_linear
+
+
+def frequent_tokens(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> torch.Tensor:
+    """The ``size`` most frequent ids (``always`` first, e.g. end-of-sequence ids), sorted by id.
+
+    Args:
+        counts: ``[V]`` occurrences of each id in the training data.
+        size: ids to keep (at most V; 0 or V = the whole vocabulary).
+        always: ids kept whatever their count.
+    """
+    v = counts.numel()
+    if size <= 0 or size >= v:
+        return torch.arange(v)
+    boosted = counts.double().clone()
+    boosted[list(always)] = float("inf")
+    # Ties broken by id, so that equal counts give one answer on every machine.
+    order = sorted(range(v), key=lambda i: (-boosted[i].item(), i))
+    return torch.tensor(sorted(order[:size]), dtype=torch.int64)
+
+
+class VocabHead(nn.Module):
+    """The target's output head restricted to ``ids``: ``[..., h]`` -> ``[..., Vd]`` logits in float32.
+
+    Args:
+        target: the target ``Transformer`` (its rows are copied once, then packed like its projections).
+        ids: ``[Vd]`` token ids.
+    """
+
+    def __init__(self, target, ids: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("ids", ids.to(target.device, torch.int64))
+        self.vocab_size = target.config.vocab_size
+        kernel = target.linear_kernel
+        rows = target.output_rows(self.ids)  # [Vd, h]
+        self.linear = packed_linear(rows, None, kernel if kernel != "int8" else "torch")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).float()
+
+    def full(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., Vd]`` draft logits -> ``[..., V]`` with -inf outside the draft vocabulary."""
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.ids] = logits
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.linear.parameters(), *self.linear.buffers()])

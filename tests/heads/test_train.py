@@ -1,0 +1,135 @@
+"""Head training on a tiny model: the loss falls, a trained head drafts what the target says (so the
+targets are aligned with drafting), and a resumed run ends with the same weights as an uninterrupted one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.drafters import EagleDrafter, MedusaDrafter
+from specdecode.engine import Engine, SpeculativeConfig
+from specdecode.heads.data import DISTILLED, Features, answer_batch, target_features
+from specdecode.heads.train import TrainConfig, Trainer, batches
+from specdecode.heads.vocab import VocabHead, frequent_tokens
+from tiny_models import varied_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPTS = [[3, 7, 11, 5], [20, 4, 9], [33, 2, 40, 41, 8], [60, 61], [12, 13, 14, 15, 16, 17]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return varied_model(0)
+
+
+@pytest.fixture(scope="module")
+def data(target) -> Features:
+    """The target's greedy answers to PROMPTS, with its features and guesses, as ``build_features`` stores them."""
+    answers = answer_batch(target, PROMPTS, 24, frozenset())
+    seqs = [p + a for p, a in zip(PROMPTS, answers)]
+    parts = [target_features(target, s) for s in seqs]
+    lengths = torch.tensor([len(s) for s in seqs])
+    return Features(tokens=torch.tensor([t for s in seqs for t in s]), labels=torch.cat([p[0] for p in parts]),
+                    features=torch.cat([p[1] for p in parts]),
+                    offsets=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))),
+                    kinds=torch.full((len(seqs),), DISTILLED), answer_starts=torch.tensor(list(map(len, PROMPTS))))
+
+
+def test_answer_batch_matches_decoding_each_prompt_alone(target):
+    answers = answer_batch(target, PROMPTS[:3], 10, frozenset())
+    for prompt, answer in zip(PROMPTS[:3], answers):
+        assert Engine(target).generate(prompt, max_new_tokens=10, eos_token_ids=()).token_ids == answer
+    sampled = answer_batch(target, PROMPTS[:3], 10, frozenset(), temperature=1.0, seed=3)
+    assert sampled == answer_batch(target, PROMPTS[:3], 10, frozenset(), temperature=1.0, seed=3) != answers
+
+
+def test_labels_are_the_targets_next_token_guesses(target, data):
+    """In an answer, the target's guess at position j is the answer's token j + 1 (greedy self-distillation)."""
+    tokens, labels, _ = data.sequence(0)
+    start = len(PROMPTS[0])
+    assert torch.equal(labels[start - 1:-1], tokens[start:])
+
+
+def _trained(target, data, kind, epochs, **overrides) -> Trainer:
+    config = TrainConfig(kind=kind, epochs=epochs, lr=3e-3, batch_tokens=64, draft_vocab=0, held_out=0.2,
+                         eval_sequences=1, warmup=5, **overrides)
+    trainer = Trainer(target, data, config)
+    trainer.train_seqs = list(range(len(data)))  # memorise every sequence (the tests draft on them)
+    while trainer.epoch < epochs:
+        trainer.train_epoch()
+    return trainer
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_a_few_steps_lower_the_loss(target, data, kind):
+    trainer = _trained(target, data, kind, 0)
+    everything = list(range(len(data)))
+    before = trainer.loss(everything, None)[0].item()
+    for _ in range(15):
+        trainer.train_epoch()
+    after = trainer.loss(everything, None)[0].item()
+    assert after < (0.7 if kind == "eagle" else 0.85) * before, (before, after)  # without gradients: equal
+
+
+def test_a_trained_eagle_head_drafts_what_the_target_says(target, data):
+    """Memorising the target's answers must make the engine accept the head's drafts: a head trained on
+    targets one position off would draft the wrong tokens and be rejected."""
+    trainer = _trained(target, data, "eagle", 60)
+    head = trainer.head.eval().requires_grad_(False)
+    drafter = EagleDrafter(target, head, VocabHead(target, trainer.vocab))
+    engine = Engine(target, drafter=drafter, spec=SpeculativeConfig(gamma=4))
+    plain = Engine(target)
+    taus = []
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=24, eos_token_ids=())
+        assert result.token_ids == plain.generate(prompt, max_new_tokens=24, eos_token_ids=()).token_ids
+        taus.append(result.stats.mean_accepted_length)
+    assert sum(taus) / len(taus) > 2.5, taus
+    assert trainer.held_out_tau() > 2.5
+
+
+def test_a_trained_medusa_head_drafts_what_the_target_says(target, data):
+    trainer = _trained(target, data, "medusa", 60, medusa_heads=3)
+    drafter = MedusaDrafter(target, trainer.head.eval().requires_grad_(False), VocabHead(target, trainer.vocab))
+    engine = Engine(target, drafter=drafter, spec=SpeculativeConfig(gamma=3))
+    result = engine.generate(PROMPTS[0], max_new_tokens=24, eos_token_ids=())
+    assert result.token_ids == Engine(target).generate(PROMPTS[0], max_new_tokens=24, eos_token_ids=()).token_ids
+    assert result.stats.mean_accepted_length > 1.8
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_resuming_from_a_checkpoint_gives_the_uninterrupted_weights(target, data, kind):
+    straight = _trained(target, data, kind, 3)
+    first = _trained(target, data, kind, 1)
+    state = first.state()
+    config = first.config
+    resumed = Trainer(target, data, TrainConfig(**{**config.__dict__, "epochs": 3}))
+    resumed.train_seqs = first.train_seqs
+    with pytest.raises(ValueError, match="other training settings"):
+        resumed.load_state(state)  # epochs differ: a different run
+    resumed = Trainer(target, data, config)
+    resumed.train_seqs = first.train_seqs
+    resumed.load_state(state)
+    resumed.config = straight.config  # the same run, continued to 3 epochs
+    resumed.total_steps = straight.total_steps
+    while resumed.epoch < 3:
+        resumed.train_epoch()
+    for (name, a), b in zip(straight.head.state_dict().items(), resumed.head.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_batches_keep_sequences_whole_and_within_budget(data):
+    seqs = list(range(len(data)))
+    groups = batches(data, seqs, 64, seed=1)
+    assert sorted(s for g in groups for s in g) == seqs
+    for g in groups:
+        longest = max(int(data.offsets[s + 1] - data.offsets[s]) for s in g)
+        assert len(g) == 1 or longest * len(g) <= 64
+    assert groups == batches(data, seqs, 64, seed=1) != batches(data, seqs, 64, seed=2)
+
+
+def test_frequent_tokens_keeps_the_most_common_and_the_forced_ids():
+    counts = torch.tensor([5, 0, 9, 9, 1, 0])
+    assert frequent_tokens(counts, 2).tolist() == [2, 3]
+    assert frequent_tokens(counts, 3, always=[5]).tolist() == [2, 3, 5]
+    assert frequent_tokens(counts, 0).tolist() == list(range(6))
