@@ -36,7 +36,9 @@ def test_greedy_speculation_is_identical_to_plain(smollm2, prompts, plain, kind,
     drafter = NgramDrafter() if kind == "ngram" else LayerSkipDrafter(model, skip=list(range(4, 26, 3)))
     engine = Engine(model, smollm2.tokenizer, drafter, SpeculativeConfig(gamma=gamma))
     accepted = 0
-    for prompt, expected in zip(prompts, plain):
+    # layerskip drafts with 20 of the 30 layers, so its cases cost twice ngram's: half the prompts do.
+    cases = list(zip(prompts, plain))[:None if kind == "ngram" else len(prompts) // 2]
+    for prompt, expected in cases:
         result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_ids=())
         assert len(result.token_ids) == NEW_TOKENS
         assert result.token_ids == expected

@@ -141,6 +141,8 @@ def write_head_file(path: Path, kind: str, target: Transformer, vocab: Sequence[
     from specdecode.heads.file import HeadFile, save_head, target_identity
 
     net, config = random_head(kind, target, seed)
-    ids = torch.tensor(list(vocab) if vocab is not None else range(target.config.vocab_size))
-    save_head(path, HeadFile(kind, config, target_identity(target, "tiny"), {"test": True}, net.state_dict(), ids))
+    first = list(vocab) if vocab is not None else []
+    ranking = torch.tensor(first + [i for i in range(target.config.vocab_size) if i not in first])  # vocab ranked first
+    save_head(path, HeadFile(kind, config, target_identity(target, "tiny"), {"test": True}, net.state_dict(), ranking,
+                             len(first)))
     return path

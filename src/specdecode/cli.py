@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how to draft (default: draft when --draft-model is given, else ngram)")
     g.add_argument("--head", default=None, metavar="FILE",
                    help="head file for --drafter eagle|medusa (default: the head shipped for --model, if any)")
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="--drafter eagle|medusa: draft over the N most frequent tokens (0 = all; default: as trained)")
     g.add_argument("--gamma", type=gamma, default="adaptive",
                    help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)} (default adaptive)")
     g.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--alias", action="append", default=[], metavar="DRAFTER=FROM",
                    help="give DRAFTER the model fitted for FROM (same signals), e.g. draft=layerskip (repeatable)")
     f.add_argument("--l2", type=float, default=1.0, help="L2 penalty on the standardised weights (default 1)")
+    f.add_argument("--merge", default=None, metavar="FILE",
+                   help="keep this controller file's models for the drafters the records do not cover")
 
     t = sub.add_parser("train-head", help="train an EAGLE or Medusa draft head on the target's own answers")
     _model_args(t, device=False)  # trains on the CPU
@@ -138,8 +142,8 @@ def _drafter_kind(args: argparse.Namespace) -> str:
         raise UsageError(f"--draft-model is only used by --drafter draft, not {kind}")
     if kind != "draft" and args.draft_quant != "none":
         raise UsageError(f"--draft-quant applies to a draft model (--drafter draft), not {kind}")
-    if kind not in HEAD_DRAFTERS and args.head:
-        raise UsageError(f"--head is only used by --drafter eagle|medusa, not {kind}")
+    if kind not in HEAD_DRAFTERS and (args.head or args.draft_vocab is not None):
+        raise UsageError(f"--head and --draft-vocab are only used by --drafter eagle|medusa, not {kind}")
     return kind
 
 
@@ -161,7 +165,7 @@ def _engine_for(args: argparse.Namespace, target: LoadedModel, spec: Speculative
         if head is None:
             raise UsageError(no_head_message(drafter_kind, args.model) + " with --head FILE")
     drafter = make_drafter(drafter_kind, target.model, draft_model, skip, ngram_sizes=args.ngram, draft_cache=caches[1],
-                           head=head)
+                           head=head, draft_vocab=args.draft_vocab)
     return Engine(target.model, target.tokenizer, drafter, spec, cache=caches[0])
 
 
@@ -240,6 +244,10 @@ def cmd_fit_controller(args: argparse.Namespace) -> int:
             raise UsageError(f"--alias {item!r}: expected DRAFTER=FROM, e.g. draft=layerskip")
         aliases[name] = source
     entries = fit_controller(read_records(args.records), aliases, args.l2)
+    if args.merge:  # read before anything is written: --merge and --out may name the same file
+        kept = {k: v for k, v in load_controller_file(args.merge).entries.items() if k not in entries}
+        entries = {**kept, **entries}
+        _log(f"kept {', '.join(sorted(kept)) or 'nothing'} from {args.merge}")
     save_controller_file(entries, args.out)
     for name, m in sorted(entries.items()):
         v = m.validation

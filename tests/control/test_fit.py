@@ -87,3 +87,15 @@ def test_fit_controller_command_writes_a_loadable_file(tmp_path, capsys):
     records.write_text('{"version": 1}\n')
     assert main(["fit-controller", str(records), "--out", str(out)]) == 2
     assert f"{records}:1:" in capsys.readouterr().err
+
+
+def test_fit_controller_merge_keeps_the_other_drafters_models(tmp_path, capsys):
+    records = tmp_path / "steps.jsonl"
+    records.write_text("".join(json.dumps(line) + "\n" for line in _synthetic(300, drafter="eagle")))
+    out = tmp_path / "controller.json"
+    shipped = load_controller_file()
+    assert main(["fit-controller", str(records), "--out", str(out), "--merge", str(shipped.path)]) == 0
+    merged = load_controller_file(out)
+    assert set(merged.entries) == set(shipped.entries) | {"eagle"}
+    assert merged.entries["ngram"].to_json() == shipped.entries["ngram"].to_json()
+    assert "kept " in capsys.readouterr().err

@@ -43,7 +43,7 @@ def trained(tmp_path_factory):
 
 def test_train_head_writes_a_checked_file_with_its_recipe(trained):
     head = load_head(trained["eagle"])
-    assert head.kind == "eagle" and head.vocab.numel() == 40
+    assert head.kind == "eagle" and head.draft_vocab == 40 and head.vocab.numel() == 97
     assert head.recipe["train"]["epochs"] == 2 and len(head.recipe["history"]) == 2
     assert head.recipe["sequences"] == 3 * len(PROMPTS) + 2  # greedy and 2 sampled answers each + text chunks
     assert not (trained["root"] / "eagle.safetensors.ckpt").exists()  # the checkpoint goes once the file is written
@@ -65,7 +65,7 @@ def test_head_errors_are_one_line(trained, capsys, tmp_path):
     assert_usage_error(rc, out, err, "is a medusa head, not a eagle head")
     rc, out, err = run(capsys, "generate", "--model", trained["target"], *FAST, "--drafter", "ngram",
                        "--head", trained["eagle"], "x")
-    assert_usage_error(rc, out, err, "--head is only used by --drafter eagle|medusa")
+    assert_usage_error(rc, out, err, "--head and --draft-vocab are only used by --drafter eagle|medusa")
     rc, out, err = run(capsys, "generate", "--model", trained["target"], *FAST, "--drafter", "eagle", "x")
     assert_usage_error(rc, out, err, "no eagle head ships for", "--head FILE")
     other = write_tiny_hf_model(tmp_path / "other", seed=5)

@@ -19,10 +19,13 @@ def target():
 def test_round_trip_keeps_weights_vocabulary_and_metadata(tmp_path, target, kind):
     path = write_head_file(tmp_path / "h.safetensors", kind, target, vocab=[0, 5, 9], seed=3)
     head = load_head(path)
-    assert head.kind == kind and head.vocab.tolist() == [0, 5, 9] and head.recipe == {"test": True}
+    assert head.kind == kind and head.vocab[:3].tolist() == [0, 5, 9] and head.recipe == {"test": True}
     assert head.target["hidden_size"] == 64 and head.target["vocab_size"] == 97
     drafter = load_head_drafter(path, target)
     assert drafter.name == kind and drafter.vocab.ids.tolist() == [0, 5, 9]
+    assert head.draft_vocab == 3 and head.vocab.numel() == 97  # every id ranked; the trained size first
+    assert load_head_drafter(path, target, draft_vocab=2).vocab.ids.tolist() == [0, 5]
+    assert load_head_drafter(path, target, draft_vocab=0).vocab.ids.numel() == 97
 
 
 def test_a_changed_byte_is_a_checksum_mismatch(tmp_path, target):

@@ -9,8 +9,8 @@ import torch
 from specdecode.drafters import EagleDrafter, MedusaDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.heads.data import DISTILLED, Features, answer_batch, target_features
-from specdecode.heads.train import TrainConfig, Trainer, batches
-from specdecode.heads.vocab import VocabHead, frequent_tokens
+from specdecode.heads.train import TrainConfig, Trainer, batches, split
+from specdecode.heads.vocab import VocabHead, draft_ids, frequency_ranking
 from tiny_models import varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -128,8 +128,26 @@ def test_batches_keep_sequences_whole_and_within_budget(data):
     assert groups == batches(data, seqs, 64, seed=1) != batches(data, seqs, 64, seed=2)
 
 
-def test_frequent_tokens_keeps_the_most_common_and_the_forced_ids():
+def test_draft_vocabulary_is_the_most_frequent_tokens_with_the_forced_ids_first():
     counts = torch.tensor([5, 0, 9, 9, 1, 0])
-    assert frequent_tokens(counts, 2).tolist() == [2, 3]
-    assert frequent_tokens(counts, 3, always=[5]).tolist() == [2, 3, 5]
-    assert frequent_tokens(counts, 0).tolist() == list(range(6))
+    ranking = frequency_ranking(counts, always=[5])
+    assert ranking.tolist() == [5, 2, 3, 0, 4, 1]  # forced, then by count, ties by id
+    assert draft_ids(ranking, 3).tolist() == [2, 3, 5]  # sorted by id
+    assert draft_ids(ranking, 0).tolist() == draft_ids(ranking, 99).tolist() == list(range(6))
+
+
+def test_held_out_answers_share_no_prompt_with_training_answers(target):
+    """Two answers per prompt: a prompt's answers are held out together or trained on together."""
+    prompts = PROMPTS * 2
+    answers = answer_batch(target, PROMPTS, 6, frozenset()) + answer_batch(target, PROMPTS, 6, frozenset(), 1.0, 7)
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    lengths = torch.tensor([len(s) for s in seqs])
+    data = Features(tokens=torch.tensor([t for s in seqs for t in s]), labels=torch.zeros(int(lengths.sum()), dtype=torch.int64),
+                    features=torch.zeros(int(lengths.sum()), 4),
+                    offsets=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))),
+                    kinds=torch.full((len(seqs),), DISTILLED), answer_starts=torch.tensor([len(p) for p in prompts]))
+    train, held = split(data, 0.4, seed=0)
+    assert held and sorted(train + held) == list(range(len(seqs)))
+    held_prompts = {tuple(prompts[s]) for s in held}
+    assert not held_prompts & {tuple(prompts[s]) for s in train}
+    assert len(held) == 2 * len(held_prompts)

@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="head file of the eagle methods (default: the one shipped for --model, if any)")
     p.add_argument("--medusa-head", default=None, metavar="FILE",
                    help="head file of the medusa methods (default: the one shipped for --model, if any)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="draft vocabulary of the eagle and medusa methods: the N most frequent tokens (0 = all; "
+                        "default: as each head was trained)")
     p.add_argument("--ngram", type=ngram_sizes, default=(1, 3),
                    help="min,max n-gram sizes of the ngram drafter; max is also hf-lookup's (default 1,3)")
     p.add_argument("--no-chat", dest="chat", action="store_false",
@@ -114,14 +117,14 @@ def run_command(args: argparse.Namespace) -> int:
                          gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, linear=args.linear,
                          draft_quant=args.draft_quant, controller_file=args.controller_file,
                          record_steps=args.record_steps, cache=cache, draft_cache=draft_cache,
-                         heads={"eagle": args.eagle_head, "medusa": args.medusa_head})
+                         heads={"eagle": args.eagle_head, "medusa": args.medusa_head}, draft_vocab=args.draft_vocab)
     result = run_bench(config, prompts, progress=args.progress)
     echo: dict[str, Any] = {
         "model": args.model, "draft_model": args.draft_model, "methods": list(families),
         "gammas": list(args.gammas), "gamma_max": args.gamma_max, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "dtype": args.dtype,
         "prompts_file": args.prompts, "categories": categories, "limit": args.limit, "skip_layers": args.skip_layers,
-        "eagle_head": args.eagle_head, "medusa_head": args.medusa_head,
+        "eagle_head": args.eagle_head, "medusa_head": args.medusa_head, "draft_vocab": args.draft_vocab,
         "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None),
         "cost_curve": args.cost_curve, "linear": args.linear, "draft_quant": args.draft_quant,
         "controller_file": args.controller_file, "record_steps": args.record_steps,

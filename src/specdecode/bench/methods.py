@@ -116,7 +116,7 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
                   skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
                   gamma_max: int = 8, controller_file: str | None = None, record: bool = False,
                   cache: CacheConfig = CacheConfig(), draft_cache: CacheConfig = CacheConfig(),
-                  head: str | Path | None = None) -> Method:
+                  head: str | Path | None = None, draft_vocab: int | None = None) -> Method:
     """Our engine with one drafter (or none) and one gamma policy, under one KV cache setting.
 
     Each method gets its own Engine (own KV cache, prefix cache and drafter state); the target weights are shared.
@@ -124,7 +124,7 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
     with ``record``, keeping each step's record (which also makes the drafter compute its signals).
     """
     drafter = make_drafter(family, target.model, draft_model.model if draft_model else None, skip_layers,
-                           ngram_sizes=ngram_sizes, draft_cache=draft_cache, head=head)
+                           ngram_sizes=ngram_sizes, draft_cache=draft_cache, head=head, draft_vocab=draft_vocab)
     spec = SpeculativeConfig(gamma if gamma is not None else 0, gamma_max, controller_file)
     steps: list[StepRecord] = []
     engine = Engine(target.model, target.tokenizer, drafter, spec, on_step=steps.append if record else None,

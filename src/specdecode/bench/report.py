@@ -65,7 +65,7 @@ def empty_figures() -> dict[str, Any]:
     for b in BASELINES:
         keys += [f"speedup_vs_{b}", f"speedup_vs_{b}_min", f"speedup_vs_{b}_max"]
     keys += ["mean_accepted_length", "acceptance_rate", "acceptance_by_position", "mean_gamma", "predicted_speedup",
-             "control_share", "identical_to_none", "compared_to_none", "kv_bytes", "kv_bytes_per_token",
+             "draft_ms_per_token", "draft_cost", "control_share", "identical_to_none", "compared_to_none", "kv_bytes", "kv_bytes_per_token",
              "draft_kv_bytes_per_token"]
     out: dict[str, Any] = {k: None for k in keys}
     out.update(prompts=0, samples=0, tokens=0, seconds=0.0)
@@ -111,11 +111,17 @@ def figures(samples: Sequence[Any], tps: dict[str, float], baselines: dict[str, 
                 a_pos[i] += a
         predicted = [st["predicted_speedup"] for st in stats if st.get("predicted_speedup") is not None]
         wall = sum(st["wall_s"] for st in stats)
+        # Drafting time per drafted token (a head catching up on verified rows included), and as a share
+        # of a plain decode step (c in the speedup formula).
+        per_token = sum(st.get("draft_s", 0.0) for st in stats) / drafted if drafted else None
+        step = _median([st["decode_step_s"] for st in stats if st.get("decode_step_s")])
         out.update(mean_accepted_length=_r(generated / forwards) if forwards else None,
                    acceptance_rate=_r(accepted / drafted) if drafted else None,
                    acceptance_by_position=[_r(a / d) for a, d in zip(a_pos, d_pos) if d],
                    mean_gamma=_r(drafted / forwards) if forwards else None,
                    predicted_speedup=_r(_median(predicted)),
+                   draft_ms_per_token=_r(per_token * 1000) if per_token is not None else None,
+                   draft_cost=_r(per_token / step) if per_token is not None and step else None,
                    control_share=_r(sum(st["control_s"] for st in stats) / wall) if wall > 0 else None,
                    kv_bytes=max(st["kv_bytes"] for st in stats),
                    kv_bytes_per_token=_r(_median([st["kv_bytes_per_token"] for st in stats])),

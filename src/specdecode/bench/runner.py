@@ -71,6 +71,7 @@ class BenchConfig:
         draft_cache: the draft model's (and EAGLE head's) KV cache settings.
         heads: head files of the ``eagle`` and ``medusa`` methods by kind; None (or missing) = the one
             shipped for the target, and without one those methods are skipped with a note.
+        draft_vocab: their draft vocabulary size (0 = all tokens); None = as each head was trained.
     """
 
     model: str
@@ -94,6 +95,7 @@ class BenchConfig:
     cache: CacheConfig = CacheConfig()
     draft_cache: CacheConfig = CacheConfig()
     heads: dict[str, str | None] = field(default_factory=dict)
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES]
@@ -373,7 +375,8 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
                 methods.append(engine_method(family, g, target, sampling, config.max_new_tokens, loaded.draft, skip,
                                              config.ngram_sizes, config.gamma_max, config.controller_file,
                                              record=config.record_steps is not None and family != "none",
-                                             cache=config.cache, draft_cache=config.draft_cache, head=head))
+                                             cache=config.cache, draft_cache=config.draft_cache, head=head,
+                                             draft_vocab=config.draft_vocab))
         elif family.startswith("hf"):
             if not transformers_available():
                 skipped.append((family, "transformers is not installed"))

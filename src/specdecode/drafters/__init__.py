@@ -21,7 +21,8 @@ HEAD_DRAFTERS = ("eagle", "medusa")  # trained heads: a head file, or the one sh
 
 def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None = None,
                  skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
-                 draft_cache: CacheConfig = CacheConfig(), head: str | Path | None = None) -> Drafter | None:
+                 draft_cache: CacheConfig = CacheConfig(), head: str | Path | None = None,
+                 draft_vocab: int | None = None) -> Drafter | None:
     """Builds the drafter a name asks for (None for "none").
 
     Args:
@@ -32,6 +33,7 @@ def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None
         ngram_sizes: (min, max) tail lengths ngram matches.
         draft_cache: the draft model's (or EAGLE head's) cache settings.
         head: the head file of "eagle" / "medusa" (its kind must match), required by them.
+        draft_vocab: their draft vocabulary size (0 = all tokens); None = the one the head was trained with.
     """
     if kind == "none":
         return None
@@ -48,7 +50,7 @@ def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None
     if kind in HEAD_DRAFTERS:
         if head is None:
             raise ValueError(f"drafter {kind!r} needs a head file (--head FILE)")
-        drafter = load_head_drafter(head, target, draft_cache)
+        drafter = load_head_drafter(head, target, draft_cache, draft_vocab)
         if drafter.name != kind:
             raise ValueError(f"{head}: is a {drafter.name} head, not a {kind} head")
         return drafter

@@ -84,10 +84,38 @@ def draw(logits: torch.Tensor, sampling: SamplingParams,
 
 
 def confidence(logits: torch.Tensor) -> Signal:
-    """MODEL_SIGNALS of one ``logits [V]`` row at temperature 1: top-1 probability and entropy (nats)."""
+    """MODEL_SIGNALS of one ``logits [V]`` row at temperature 1: top-1 probability and entropy (nats);
+    -inf entries (tokens outside a draft vocabulary) have probability 0 and add nothing."""
     logp = torch.log_softmax(logits.float(), -1)
     p = logp.exp()
-    return float(p.max()), float(-(p * logp).sum())
+    return float(p.max()), float(-torch.where(p > 0, p * logp, 0.0).sum())
+
+
+def chain_draft(logits: torch.Tensor, advance: Callable[[int], torch.Tensor], k: int, sampling: SamplingParams,
+                generator: torch.Generator, stop: StopRule | None = None) -> Draft:
+    """Draws up to ``k`` tokens one after another: from ``logits [V]``, then from ``advance(token)``, the
+    drafter's logits after it has taken the token just drawn (called only while more tokens are due).
+
+    Args:
+        logits: the first token's logits over the whole vocabulary (-inf where it may not be drafted).
+        advance: feeds a drawn token to the drafter and returns the next token's logits.
+        k: tokens to draft (>= 1).
+        sampling: the request's sampling parameters.
+        generator: the request's random generator.
+        stop: the early-stop rule (see ``Drafter.propose``); signals are MODEL_SIGNALS.
+    """
+    tokens, qs, signals = [], [], []
+    for i in range(k):
+        token, q = draw(logits, sampling, generator)
+        tokens.append(token)
+        qs.append(q)
+        if stop is not None:
+            signals.append(confidence(logits))
+            if stop(i, signals[-1]):
+                break
+        if i + 1 < k:
+            logits = advance(token)
+    return Draft(tokens, None if sampling.greedy else torch.stack(qs), signals)
 
 
 def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingParams,
@@ -104,17 +132,10 @@ def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingP
         layers: layers to run (None = all).
         stop: the early-stop rule (see ``Drafter.propose``); signals are MODEL_SIGNALS.
     """
-    tokens, qs, signals = [], [], []
     device = model.device
+
+    def advance(token: int) -> torch.Tensor:
+        return model(torch.tensor([[token]], device=device), cache, layers=layers, logits="last")[0, -1]
+
     logits = model(torch.tensor([fed], device=device), cache, layers=layers, logits="last")[0, -1]
-    for i in range(k):
-        token, q = draw(logits, sampling, generator)
-        tokens.append(token)
-        qs.append(q)
-        if stop is not None:
-            signals.append(confidence(logits))
-            if stop(i, signals[-1]):
-                break
-        if i + 1 < k:
-            logits = model(torch.tensor([[token]], device=device), cache, layers=layers, logits="last")[0, -1]
-    return Draft(tokens, None if sampling.greedy else torch.stack(qs), signals)
+    return chain_draft(logits, advance, k, sampling, generator, stop)

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, confidence, draw
+from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, chain_draft
 from specdecode.heads.eagle import EagleHead
 from specdecode.heads.vocab import VocabHead
 from specdecode.kv.cache import Cache, CacheConfig
@@ -77,26 +77,19 @@ class EagleDrafter:
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
-        real = self._catch_up(seq)
-        if real is None:
+        state = self._catch_up(seq)  # [1, 1, h]: the predicted feature of the newest token
+        if state is None:
             return Draft([])
-        embed = self.target.embed
-        state = real  # [1, 1, h]: the predicted feature of the newest token
-        tokens, qs, signals = [], [], []
-        for i in range(k):
-            logits = self.vocab(state[0, -1])  # [Vd]
-            token, q = draw(self.vocab.full(logits), sampling, generator)
-            tokens.append(token)
-            qs.append(q)
-            if stop is not None:
-                signals.append(confidence(logits))
-                if stop(i, signals[-1]):
-                    break
-            if i + 1 < k:
-                ids = torch.tensor([[token]], device=self.target.device)
-                state = self.head.step(embed(ids), state, self.cache)
+
+        def advance(token: int) -> torch.Tensor:
+            nonlocal state
+            ids = torch.tensor([[token]], device=self.target.device)
+            state = self.head.step(self.target.embed(ids), state, self.cache)
+            return self.vocab.full(self.vocab(state[0, -1]))
+
+        draft = chain_draft(self.vocab.full(self.vocab(state[0, -1])), advance, k, sampling, generator, stop)
         self.cache.trim(0, len(seq) - 1 - self._base)  # drop the drafted rows; the real ones stay
-        return Draft(tokens, None if sampling.greedy else torch.stack(qs), signals)
+        return draft
 
     def _catch_up(self, seq: list[int]) -> torch.Tensor | None:
         """Runs the head over the rows whose features arrived; returns its last output ``[1, 1, h]``."""

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, confidence, draw
+from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, chain_draft
 from specdecode.heads.medusa import MedusaHeads
 from specdecode.heads.vocab import VocabHead
 from specdecode.kv.cache import Cache
@@ -57,17 +57,9 @@ class MedusaDrafter:
             return Draft([])
         k = min(k, self.heads.head_config.heads)
         states = self.heads(self._last.to(self.heads.weight.dtype))[:k]  # [k, h]
-        logits = self.vocab(states)  # [k, Vd]
-        tokens, qs, signals = [], [], []
-        for i in range(k):
-            token, q = draw(self.vocab.full(logits[i]), sampling, generator)
-            tokens.append(token)
-            qs.append(q)
-            if stop is not None:
-                signals.append(confidence(logits[i]))
-                if stop(i, signals[-1]):
-                    break
-        return Draft(tokens, None if sampling.greedy else torch.stack(qs), signals)
+        logits = self.vocab.full(self.vocab(states))  # [k, V]: head i guesses the token i + 1 after the newest
+        later = iter(logits[1:])
+        return chain_draft(logits[0], lambda token: next(later), k, sampling, generator, stop)
 
     def commit(self, seq: list[int]) -> None:
         pass

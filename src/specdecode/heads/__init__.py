@@ -18,7 +18,7 @@ from torch import nn
 from specdecode.heads.eagle import EagleConfig, EagleHead
 from specdecode.heads.file import HeadFileError, check_target, load_head, read_metadata, target_identity
 from specdecode.heads.medusa import MedusaConfig, MedusaHeads
-from specdecode.heads.vocab import VocabHead
+from specdecode.heads.vocab import VocabHead, draft_ids
 from specdecode.kv.cache import CacheConfig
 
 HEAD_KINDS = ("eagle", "medusa")
@@ -53,7 +53,7 @@ def no_head_message(kind: str, source: str) -> str:
             "--out FILE` and pass its file")
 
 
-def load_head_drafter(path: str | Path, target, cache: CacheConfig = CacheConfig()):
+def load_head_drafter(path: str | Path, target, cache: CacheConfig = CacheConfig(), draft_vocab: int | None = None):
     """A ready ``EagleDrafter`` or ``MedusaDrafter`` from a head file, in the target's dtype, on its device
     and kernel path.
 
@@ -61,6 +61,7 @@ def load_head_drafter(path: str | Path, target, cache: CacheConfig = CacheConfig
         path: the head file.
         target: the target ``Transformer``.
         cache: the EAGLE head cache's settings.
+        draft_vocab: draft vocabulary size (the most frequent tokens first; 0 = all); None = as trained.
 
     Raises:
         HeadFileError: unreadable, corrupt, or made for another model (the message names the file and the mismatch).
@@ -78,8 +79,10 @@ def load_head_drafter(path: str | Path, target, cache: CacheConfig = CacheConfig
     vocab_size = target.config.vocab_size
     if head.vocab.numel() == 0 or int(head.vocab.min()) < 0 or int(head.vocab.max()) >= vocab_size:
         raise HeadFileError(f"{path}: draft vocabulary ids must lie in 0..{vocab_size - 1}")
+    if draft_vocab is not None and draft_vocab < 0:
+        raise ValueError(f"draft vocabulary size must be >= 0 (0 = all tokens), got {draft_vocab}")
     net = net.to(target.device, target.dtype).eval().requires_grad_(False)
-    vocab = VocabHead(target, head.vocab)
+    vocab = VocabHead(target, draft_ids(head.vocab, head.draft_vocab if draft_vocab is None else draft_vocab))
     if head.kind == "eagle":
         net.pack(target.linear_kernel)
         return EagleDrafter(target, net, vocab, cache)

@@ -86,7 +86,8 @@ def run_command(args: argparse.Namespace, log) -> int:
               "threads": torch.get_num_threads()}
     # Stored in bf16 (half the bytes): drafting runs in the target's dtype, bf16 wherever our kernels run.
     weights = {n: t.to(torch.bfloat16) for n, t in trainer.head.state_dict().items()}
-    save_head(out, HeadFile(args.kind, trainer.head_config(), identity, recipe, weights, trainer.vocab))
+    save_head(out, HeadFile(args.kind, trainer.head_config(), identity, recipe, weights, trainer.ranking,
+                            int(trainer.vocab.numel())))
     checkpoint.unlink(missing_ok=True)
     size = out.stat().st_size / 2**20
     log(f"wrote {out} ({size:.1f} MiB); data {data_s:.0f} s, training {train_s:.0f} s")

@@ -151,7 +151,7 @@ def _draft_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
         keys: per step so far, ``[B, Hkv, T, D]`` (the last is this step's).
         values: same shapes as ``keys``.
     """
-    s, (b, h, t, d) = len(keys) - 1, q.shape
+    s, (_, h, t, d) = len(keys) - 1, q.shape
     group = h // keys[0].shape[1]
     scale = d ** -0.5
     expand = lambda x: x.repeat_interleave(group, dim=1)  # noqa: E731 - [B, Hkv, T, D] -> [B, H, T, D]

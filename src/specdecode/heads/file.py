@@ -1,9 +1,10 @@
 """Head files: a trained draft head's weights, its draft vocabulary, its config, the target it was trained
 on and how, in one checksummed safetensors file.
 
-Layout: tensors ``head.*`` (the head's weights) and ``vocab`` (int64 ``[Vd]``, the draft vocabulary's
-token ids); metadata ``format``, ``kind``, ``config``, ``target``, ``recipe`` (JSON strings) and
-``sha256`` (over every tensor's name, dtype, shape and bytes). Files are written to a temporary name and
+Layout: tensors ``head.*`` (the head's weights) and ``vocab`` (int64 ``[V]``, every token id ranked by its
+frequency in the training data: a draft vocabulary of n tokens is the first n); metadata ``format``,
+``kind``, ``draft_vocab`` (the size it was trained with), ``config``, ``target``, ``recipe`` (JSON strings)
+and ``sha256`` (over every tensor's name, dtype, shape and bytes). Files are written to a temporary name and
 renamed, so an interrupted write never leaves a half-written head. This module does not build or run
 heads (see ``eagle.py`` and ``medusa.py``).
 """
@@ -41,7 +42,8 @@ class HeadFile:
         target: the identity of the target it drafts for (``target_identity``).
         recipe: how it was trained (command, data, steps, seed, wall time), free-form.
         weights: the head's tensors, by name.
-        vocab: ``[Vd]`` int64, the draft vocabulary (token ids the head may propose).
+        vocab: ``[V]`` int64, token ids most frequent first (see ``vocab.frequency_ranking``).
+        draft_vocab: the draft vocabulary size it was trained with (the first ids of ``vocab``; 0 = all).
     """
 
     kind: str
@@ -50,6 +52,7 @@ class HeadFile:
     recipe: dict[str, Any]
     weights: dict[str, torch.Tensor]
     vocab: torch.Tensor
+    draft_vocab: int = 0
 
 
 def target_identity(model, source: str = "") -> dict[str, Any]:
@@ -98,12 +101,15 @@ def save_head(path: str | Path, head: HeadFile) -> None:
     path = Path(path)
     tensors = {f"head.{n}": t.detach().to("cpu").contiguous() for n, t in head.weights.items()}
     tensors["vocab"] = head.vocab.to("cpu", torch.int64).contiguous()
-    meta = {"format": FORMAT, "kind": head.kind, "config": json.dumps(head.config),
+    meta = {"format": FORMAT, "kind": head.kind, "draft_vocab": str(head.draft_vocab), "config": json.dumps(head.config),
             "target": json.dumps(head.target), "recipe": json.dumps(head.recipe), "sha256": _checksum(tensors)}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as a plain open() would create it, not mkstemp's 0600
         save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, path)
     except BaseException:
@@ -143,7 +149,8 @@ def load_head(path: str | Path) -> HeadFile:
         raise HeadFileError(f"{path}: head file lacks its draft vocabulary or kind")
     try:
         config, target, recipe = (json.loads(meta[k]) for k in ("config", "target", "recipe"))
-    except (KeyError, json.JSONDecodeError) as err:
+        draft_vocab = int(meta.get("draft_vocab", "0"))
+    except (KeyError, ValueError) as err:
         raise HeadFileError(f"{path}: unreadable metadata ({err})") from None
     weights = {n.removeprefix("head."): t for n, t in tensors.items() if n.startswith("head.")}
-    return HeadFile(meta["kind"], config, target, recipe, weights, tensors["vocab"])
+    return HeadFile(meta["kind"], config, target, recipe, weights, tensors["vocab"], draft_vocab)

@@ -31,7 +31,7 @@ from torch import nn
 from specdecode.heads.data import DISTILLED, Features
 from specdecode.heads.eagle import EagleConfig, EagleHead
 from specdecode.heads.medusa import MedusaConfig, MedusaHeads
-from specdecode.heads.vocab import frequent_tokens
+from specdecode.heads.vocab import draft_ids, frequency_ranking
 from specdecode.kv.cache import CacheConfig
 
 Log = Callable[[str], None]
@@ -53,7 +53,7 @@ class TrainConfig:
         noise: half-width of the uniform noise added to EAGLE's input features.
         unroll: EAGLE draft steps trained at once (1 = EAGLE-1; more = on its own predictions, weighted 0.8^s).
         ce_weight: weight of EAGLE's cross-entropy next to the feature regression (EAGLE-1: 0.1).
-        held_out: share of the self-distilled sequences kept for measuring accepted length.
+        held_out: share of the prompts whose answers are kept for measuring accepted length.
         eval_k: draft length of that measurement.
         eval_sequences: held-out sequences it drafts over (every ``eval_stride``-th position).
         eval_stride: see ``eval_sequences``.
@@ -78,11 +78,18 @@ class TrainConfig:
 
 
 def split(data: Features, share: float, seed: int) -> tuple[list[int], list[int]]:
-    """Train and held-out sequence indices; held-out ones are self-distilled, chosen from the seed."""
+    """Train and held-out sequence indices. Held-out ones are self-distilled, chosen by prompt from the
+    seed: every answer to a held-out prompt (greedy and sampled) is held out, so that no sibling answer
+    sharing its beginning is trained on."""
     g = torch.Generator().manual_seed(seed)
-    distilled = [s for s in range(len(data)) if int(data.kinds[s]) == DISTILLED]
-    order = torch.randperm(len(distilled), generator=g).tolist()
-    held = sorted(distilled[i] for i in order[:max(1, round(share * len(distilled)))])
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for s in range(len(data)):
+        if int(data.kinds[s]) == DISTILLED:
+            tokens, _, _ = data.sequence(s)
+            by_prompt.setdefault(tuple(tokens[:int(data.answer_starts[s])].tolist()), []).append(s)
+    groups = list(by_prompt.values())
+    order = torch.randperm(len(groups), generator=g).tolist()
+    held = sorted(s for i in order[:max(1, round(share * len(groups)))] for s in groups[i])
     held_set = set(held)
     return [s for s in range(len(data)) if s not in held_set], held
 
@@ -132,7 +139,8 @@ class Trainer:
         self.target, self.data, self.config = target, data, config
         self.train_seqs, self.held_seqs = split(data, config.held_out, config.seed)
         counts = torch.bincount(torch.cat((data.tokens, data.labels)), minlength=target.config.vocab_size)
-        self.vocab = frequent_tokens(counts, config.draft_vocab, eos_ids)  # [Vd]
+        self.ranking = frequency_ranking(counts, eos_ids)  # [V], stored in the head file
+        self.vocab = draft_ids(self.ranking, config.draft_vocab)  # [Vd]
         index = torch.full((target.config.vocab_size,), IGNORE, dtype=torch.int64)
         index[self.vocab] = torch.arange(self.vocab.numel())
         self.index = index  # token id -> draft vocabulary row, IGNORE outside it

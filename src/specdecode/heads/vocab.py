@@ -16,22 +16,25 @@ from torch import nn
 from specdecode.models.linear import packed_linear
 
 
-def frequent_tokens(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> torch.Tensor:
-    """The ``size`` most frequent ids (``always`` first, e.g. end-of-sequence ids), sorted by id.
+def frequency_ranking(counts: torch.Tensor, always: Iterable[int] = ()) -> torch.Tensor:
+    """Every token id, most frequent first (``always`` before all, e.g. end-of-sequence ids; ties by id,
+    so that equal counts give one answer on every machine). A draft vocabulary of size n is its first n.
 
     Args:
         counts: ``[V]`` occurrences of each id in the training data.
-        size: ids to keep (at most V; 0 or V = the whole vocabulary).
-        always: ids kept whatever their count.
+        always: ids ranked first whatever their count.
     """
-    v = counts.numel()
-    if size <= 0 or size >= v:
-        return torch.arange(v)
     boosted = counts.double().clone()
     boosted[list(always)] = float("inf")
-    # Ties broken by id, so that equal counts give one answer on every machine.
-    order = sorted(range(v), key=lambda i: (-boosted[i].item(), i))
-    return torch.tensor(sorted(order[:size]), dtype=torch.int64)
+    order = sorted(range(counts.numel()), key=lambda i: (-boosted[i].item(), i))
+    return torch.tensor(order, dtype=torch.int64)
+
+
+def draft_ids(ranking: torch.Tensor, size: int) -> torch.Tensor:
+    """The draft vocabulary of ``size`` tokens (0, or at least the vocabulary: all of them), sorted by id."""
+    if size <= 0 or size >= ranking.numel():
+        size = ranking.numel()
+    return ranking[:size].sort().values
 
 
 class VocabHead(nn.Module):
