@@ -10,17 +10,10 @@ import torch
 
 from specdecode.cli import main
 from specdecode.heads.file import load_head
-from test_cli import FAST, assert_usage_error, generate_json, run
+from test_cli import FAST, _restore_threads, assert_usage_error, generate_json, run  # noqa: F401 - autouse fixture
 from tiny_models import WORDS, write_tiny_hf_model
 
 PROMPTS = [{"id": f"p{i}", "category": "qa", "prompt": " ".join(WORDS[i * 7:i * 7 + 9])} for i in range(8)]
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +74,16 @@ def test_head_errors_are_one_line(trained, capsys, tmp_path):
     rc, out, err = run(capsys, "train-head", "--model", trained["target"], *FAST, "--out", tmp_path / "h.safetensors",
                        "--resume")
     assert_usage_error(rc, out, err, "no checkpoint")
+    rc, out, err = run(capsys, "train-head", "--model", trained["target"], *FAST, "--out", tmp_path / "h.safetensors",
+                       "--draft-vocab", "-1")
+    assert_usage_error(rc, out, err, "--draft-vocab must be >= 0")
+    rc, out, err = run(capsys, "train-head", "--model", trained["target"], *FAST, "--out", tmp_path / "h.safetensors",
+                       "--prompts", tmp_path / "missing.jsonl")
+    assert_usage_error(rc, out, err, "missing.jsonl")
+    assert "loading" not in err  # both refused before the model is read
 
 
-def test_resume_continues_from_the_checkpoint(trained, capsys, tmp_path):
+def test_resume_continues_from_the_checkpoint(trained, capsys, tmp_path, monkeypatch):
     """Interrupted after epoch 1 (the checkpoint is what it left), resumed to 2: the uninterrupted run's file."""
     import specdecode.heads.train as train_module
 
@@ -98,11 +98,9 @@ def test_resume_continues_from_the_checkpoint(trained, capsys, tmp_path):
             raise KeyboardInterrupt
         return real_train_epoch(self, progress)
 
-    train_module.Trainer.train_epoch = interrupted
-    try:
-        rc, _, err = run(capsys, *args, "--out", out)
-    finally:
-        train_module.Trainer.train_epoch = real_train_epoch
+    monkeypatch.setattr(train_module.Trainer, "train_epoch", interrupted)
+    rc, _, err = run(capsys, *args, "--out", out)
+    monkeypatch.undo()
     assert rc == 130 and not out.exists() and (tmp_path / "m.safetensors.ckpt").exists(), err
     rc, _, err = run(capsys, *args, "--out", out, "--resume")
     assert rc == 0, err

@@ -441,5 +441,7 @@ def test_features_are_returned_only_when_asked_and_change_nothing():
     assert torch.equal(hidden[..., :64], first_two)
     with pytest.raises(ValueError, match=r"features \[7\] are out of range 0\.\.4"):
         model(ids, model.new_cache(CacheConfig(max_len=16)), features=(7,))
-    with pytest.raises(ValueError, match=r"features \[3\] name layers this forward skipped"):
-        model(ids, model.new_cache(CacheConfig(max_len=16)), layers=[0, 1], features=(3,))
+    cache = model.new_cache(CacheConfig(max_len=16))
+    with pytest.raises(ValueError, match=r"features \[3\] name layers this forward skips"):
+        model(ids, cache, layers=[0, 1], features=(3,))
+    assert cache.lengths[0] == 0  # refused before anything was written

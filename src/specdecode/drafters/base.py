@@ -7,12 +7,12 @@ far to draft: it drafts k tokens unless the ``stop`` it is handed says enough (s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 import torch
 
-from specdecode.kv.cache import Cache
+from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 
@@ -71,6 +71,27 @@ class Drafter(Protocol):
 
     def commit(self, seq: list[int]) -> None:
         """Told the sequence after verification (the previous seq + accepted draft + one target token)."""
+
+
+class OwnCache:
+    """For drafters with a KV cache of their own (a draft model, an EAGLE head): ``cache_config`` says its
+    kind, and ``_claim_cache`` sizes it like the target's (the draft never holds more tokens than the target
+    verifies) under the engine's KV budget, reusing it across requests while it fits."""
+
+    cache_config: CacheConfig
+    cache: Cache | None = None
+    _memory: KVMemory | None = None
+
+    def _claim_cache(self, model, target_cache: Cache, memory: KVMemory | None) -> KVMemory:
+        """Empties slot 0 of the cache (allocated for ``model`` when missing, too small, or under another
+        budget) and returns the KV memory it lives in."""
+        if memory is None:
+            memory = self._memory or KVMemory()
+        if self.cache is None or self.cache.max_len < target_cache.max_len or memory is not self._memory:
+            config = replace(self.cache_config, max_len=target_cache.max_len)
+            self.cache, self._memory = memory.new_cache("draft", model, config), memory
+        self.cache.reset(0)
+        return memory
 
 
 def draw(logits: torch.Tensor, sampling: SamplingParams,

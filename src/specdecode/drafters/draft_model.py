@@ -9,12 +9,11 @@ back and committed with the target's in ``commit``. This module does not load mo
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, model_draft
+from specdecode.drafters.base import MODEL_SIGNALS, Draft, OwnCache, StopRule, model_draft
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
@@ -53,7 +52,7 @@ def check_draft_pair(target, draft) -> None:
                           target.model.config.vocab_size, draft.model.config.vocab_size)
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(OwnCache):
     """Drafting with a separate (smaller) model.
 
     Args:
@@ -74,17 +73,9 @@ class DraftModelDrafter:
                 f"{target.config.vocab_size}; a draft model must use the target's vocabulary")
         self.model = model
         self.cache_config = cache
-        self.cache: Cache | None = None
-        self._memory: KVMemory | None = None
 
     def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
-        if memory is None:
-            memory = self._memory or KVMemory()
-        # Same capacity as the target's: the draft never holds more tokens than the target verifies.
-        if self.cache is None or self.cache.max_len < target_cache.max_len or memory is not self._memory:
-            config = replace(self.cache_config, max_len=target_cache.max_len)
-            self.cache, self._memory = memory.new_cache("draft", self.model, config), memory
-        self.cache.reset(0)
+        memory = self._claim_cache(self.model, target_cache, memory)
         # Prefill here, so that drafting time counts drafting only.
         prefill(self.cache, 0, list(prompt[:-1]), self.model, memory.prefix_for(self.model, self.cache.config))
 

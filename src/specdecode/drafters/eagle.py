@@ -15,12 +15,11 @@ context). This drafter never touches the target's cache.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, chain_draft
+from specdecode.drafters.base import MODEL_SIGNALS, Draft, OwnCache, StopRule, chain_draft
 from specdecode.heads.eagle import EagleHead
 from specdecode.heads.vocab import VocabHead
 from specdecode.kv.cache import Cache, CacheConfig
@@ -29,7 +28,7 @@ from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 
 
-class EagleDrafter:
+class EagleDrafter(OwnCache):
     """Drafts with ``head`` over ``target``'s features and a draft vocabulary.
 
     Args:
@@ -47,8 +46,6 @@ class EagleDrafter:
         self.target, self.head, self.vocab = target, head, vocab
         self.feature_layers = (target.config.num_layers,)  # the normed final state
         self.cache_config = cache
-        self.cache: Cache | None = None
-        self._memory: KVMemory | None = None
         self._base = 0  # sequence position of the head cache's row 0
         self._pending: list[torch.Tensor] = []  # features [T, h] observed but not yet run through the head
 
@@ -58,12 +55,7 @@ class EagleDrafter:
             self.vocab.nbytes
 
     def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
-        if memory is None:
-            memory = self._memory or KVMemory()
-        if self.cache is None or self.cache.max_len < target_cache.max_len or memory is not self._memory:
-            config = replace(self.cache_config, max_len=target_cache.max_len)
-            self.cache, self._memory = memory.new_cache("draft", self.head, config), memory
-        self.cache.reset(0)
+        self._claim_cache(self.head, target_cache, memory)
         self._base, self._pending = 0, []
 
     def observe(self, position: int, features: torch.Tensor) -> None:

@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace, log) -> int:
+    from specdecode.bench.prompts import load_prompts
     from specdecode.bench.runner import ProgressBar
     from specdecode.heads.data import DataConfig, build_features
     from specdecode.heads.file import HeadFile, save_head, target_identity
@@ -58,8 +59,12 @@ def run_command(args: argparse.Namespace, log) -> int:
     checkpoint = out.with_name(out.name + ".ckpt")
     if args.resume and not checkpoint.exists():
         raise ValueError(f"--resume: no checkpoint {checkpoint} to resume from")
-    if args.sampled < 0 or args.text_chunks < 0:
-        raise ValueError("--sampled and --text-chunks must be >= 0")
+    for flag, value in (("--sampled", args.sampled), ("--text-chunks", args.text_chunks),
+                        ("--draft-vocab", args.draft_vocab)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    if args.prompts:
+        load_prompts(args.prompts)  # a missing or malformed prompt file is refused before the model loads
     data_config = DataConfig(args.prompts, args.max_new_tokens, args.text_chunks, sampled=args.sampled)
     train_config = TrainConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                                seed=args.seed, draft_vocab=args.draft_vocab, medusa_heads=args.medusa_heads)

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sysconfig
-import tempfile
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdecode.bench.prompts import Prompt, load_prompts, render
+from specdecode.heads.file import atomic_write
 from specdecode.kv.cache import CacheConfig
 
 Log = Callable[[str], None]
@@ -93,17 +92,6 @@ class Features:
         """Tokens ``[L]``, labels ``[L]`` and features ``[L, h]`` of sequence ``s``."""
         a, b = int(self.offsets[s]), int(self.offsets[s + 1])
         return self.tokens[a:b], self.labels[a:b], self.features[a:b]
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def python_source_chunks(tokenizer, count: int, chunk_tokens: int) -> list[list[int]]:
@@ -242,6 +230,6 @@ def build_features(loaded, config: DataConfig, folder: Path, log: Log, progress_
                     offsets=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))),
                     kinds=torch.tensor([k for _, k, _ in sequences]),
                     answer_starts=torch.tensor([a for _, _, a in sequences]))
-    _atomic_save(asdict(data), path)
+    atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in asdict(data).items()}, tmp))
     log(f"cached {int(lengths.sum())} positions in {path} ({path.stat().st_size / 2**20:.0f} MiB)")
     return data

@@ -17,7 +17,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from safetensors import SafetensorError
@@ -98,11 +98,17 @@ def save_head(path: str | Path, head: HeadFile) -> None:
     """Writes ``head`` to ``path`` atomically (a temporary file in the same folder, then a rename)."""
     if head.kind not in KINDS:
         raise ValueError(f"head kind {head.kind!r} is not one of {KINDS}")
-    path = Path(path)
     tensors = {f"head.{n}": t.detach().to("cpu").contiguous() for n, t in head.weights.items()}
     tensors["vocab"] = head.vocab.to("cpu", torch.int64).contiguous()
     meta = {"format": FORMAT, "kind": head.kind, "draft_vocab": str(head.draft_vocab), "config": json.dumps(head.config),
             "target": json.dumps(head.target), "recipe": json.dumps(head.recipe), "sha256": _checksum(tensors)}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
+    """Calls ``write(tmp)`` on a temporary file beside ``path``, then renames it to ``path``: an interrupt
+    leaves ``path`` as it was and no temporary file behind."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -110,7 +116,7 @@ def save_head(path: str | Path, head: HeadFile) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # as a plain open() would create it, not mkstemp's 0600
-        save_file(tensors, tmp, metadata=meta)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -17,8 +17,6 @@ data or parse command lines.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ from torch import nn
 
 from specdecode.heads.data import DISTILLED, Features
 from specdecode.heads.eagle import EagleConfig, EagleHead
+from specdecode.heads.file import atomic_write
 from specdecode.heads.medusa import MedusaConfig, MedusaHeads
 from specdecode.heads.vocab import draft_ids, frequency_ranking
 from specdecode.kv.cache import CacheConfig
@@ -156,7 +155,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=config.lr, weight_decay=0.0)
         self.epoch, self.step = 0, 0
         self.history: list[dict] = []
-        self.total_steps = config.epochs * len(batches(data, self.train_seqs, config.batch_tokens, config.seed))
+        self.total_steps = sum(len(self.epoch_batches(e)) for e in range(config.epochs))
 
     def head_config(self) -> dict:
         return self.head.head_config.to_dict()
@@ -168,6 +167,11 @@ class Trainer:
             self.head.fc.weight[:, h:] = torch.eye(h)
             self.head.fc.weight[:, :h].normal_(0.0, 0.02)
             self.head.fc.bias.zero_()
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The batches of ``epoch`` (0-based): the training sequences shuffled from the seed and the epoch."""
+        c = self.config
+        return batches(self.data, self.train_seqs, c.batch_tokens, c.seed * 1000 + epoch)
 
     def _lr(self) -> float:
         c = self.config
@@ -213,7 +217,7 @@ class Trainer:
         c = self.config
         generator = torch.Generator().manual_seed(c.seed * 1000 + self.epoch)
         losses = []
-        for seqs in batches(self.data, self.train_seqs, c.batch_tokens, c.seed * 1000 + self.epoch):
+        for seqs in self.epoch_batches(self.epoch):
             for group in self.opt.param_groups:
                 group["lr"] = self._lr()
             loss, _ = self.loss(seqs, generator)
@@ -238,13 +242,13 @@ class Trainer:
         for s in self.held_seqs[:c.eval_sequences]:
             tokens, labels, feats = self.data.sequence(s)
             start = int(self.data.answer_starts[s])
-            for n, accepted in self._draft_matches(tokens, labels, feats.float(), start):
+            for accepted in self._draft_matches(tokens, labels, feats.float(), start):
                 emitted, steps = emitted + accepted + 1, steps + 1
         self.head.train()
         return emitted / max(1, steps)
 
     def _draft_matches(self, tokens, labels, feats, start: int):
-        """(n, accepted drafts) at each evaluated point n (n tokens known; drafts compared with labels[n-1:])."""
+        """Accepted drafts at each evaluated point n (n tokens known; drafts compared with labels[n-1:])."""
         c = self.config
         k, length = c.eval_k, len(tokens)
         points = range(max(start, 2), length - k, c.eval_stride)
@@ -252,7 +256,7 @@ class Trainer:
             for n in points:
                 states = self.head(feats[n - 2])[:k]  # [k, h]
                 guesses = self.vocab[(states @ self.rows.T).argmax(-1)]
-                yield n, _leading_matches(guesses, labels[n - 1:n - 1 + k])
+                yield _leading_matches(guesses, labels[n - 1:n - 1 + k])
             return
         from specdecode.kv.factory import make_cache
         lc = self.head.config
@@ -268,7 +272,7 @@ class Trainer:
                 if i + 1 < k:
                     state = self.head.step(self.embed[[token]][None], state, cache)
             cache.trim(0, n - 1)
-            yield n, _leading_matches(torch.tensor(guesses), labels[n - 1:n - 1 + k])
+            yield _leading_matches(torch.tensor(guesses), labels[n - 1:n - 1 + k])
 
     def state(self) -> dict:
         return {"head": self.head.state_dict(), "opt": self.opt.state_dict(), "epoch": self.epoch, "step": self.step,
@@ -288,24 +292,16 @@ def _leading_matches(guesses: torch.Tensor, truth: torch.Tensor) -> int:
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
-    """``torch.save`` under a temporary name, then a rename: an interrupt leaves the previous checkpoint."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """``torch.save`` through ``atomic_write``: an interrupt leaves the previous checkpoint."""
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 def train(trainer: Trainer, checkpoint: Path | None, progress_bar, log: Log) -> float:
     """Runs the remaining epochs, checkpointing after each; returns the wall seconds spent."""
     start = time.perf_counter()
     c = trainer.config
-    per_epoch = len(batches(trainer.data, trainer.train_seqs, c.batch_tokens, c.seed))
     while trainer.epoch < c.epochs:
-        bar = progress_bar(per_epoch, f"steps of epoch {trainer.epoch + 1}/{c.epochs}")
+        bar = progress_bar(len(trainer.epoch_batches(trainer.epoch)), f"steps of epoch {trainer.epoch + 1}/{c.epochs}")
         loss = trainer.train_epoch(bar.update)
         bar.close()
         tau = trainer.held_out_tau()

@@ -335,12 +335,17 @@ class Transformer(nn.Module):
         seen = [cache.visible(s) for s in slots]  # entries update() returns before each row's new tokens
         mask = None if invariant_rows else self._mask(seen, t)  # the row-by-row path needs none
         n = self.config.num_layers
-        bad = [i for i in features if not 0 <= i <= n]
-        if bad:
-            raise ValueError(f"features {bad} are out of range 0..{n} (layer outputs, then {n} = the normed state)")
+        run = range(n) if layers is None else layers
+        if features:  # checked before anything is written to the cache
+            bad = [i for i in features if not 0 <= i <= n]
+            if bad:
+                raise ValueError(f"features {bad} are out of range 0..{n} (layer outputs, then {n} = the normed state)")
+            missing = [i for i in features if i < n and i not in run]
+            if missing:
+                raise ValueError(f"features {missing} name layers this forward skips")
         kept: dict[int, torch.Tensor] = {}
         x = self.embed(tokens)  # [B, T, hidden]
-        for i in range(n) if layers is None else layers:
+        for i in run:
             x = self.layers[i](x, i, cache, slots, starts, cos, sin, mask, invariant_rows)
             if i in features:
                 kept[i] = x
@@ -348,12 +353,7 @@ class Transformer(nn.Module):
         if n in features:
             kept[n] = x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
         out = None if logits == "none" else self._logits(x if logits == "all" else x[:, -1:], normed=n in features)
-        if not features:
-            return out
-        missing = [i for i in features if i not in kept]
-        if missing:
-            raise ValueError(f"features {missing} name layers this forward skipped")
-        return out, torch.cat([kept[i] for i in features], dim=-1)
+        return (out, torch.cat([kept[i] for i in features], dim=-1)) if features else out
 
     def _logits(self, x: torch.Tensor, normed: bool) -> torch.Tensor:
         """Float32 logits of the residual stream ``x [B, T, hidden]`` (``normed``: the final norm is applied)."""
