@@ -18,7 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode import engine as engine_module
+from specdecode import verify as verify_module
+from specdecode.batch.executor import BatchEngine
+from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
@@ -155,8 +157,30 @@ def _lossy_seed_rule(p, q, draft, generator):
 
 
 def test_negative_control_detects_the_lossy_seed_rule(target, monkeypatch):
-    monkeypatch.setattr(engine_module, "verify_stochastic", _lossy_seed_rule)
+    monkeypatch.setattr(verify_module, "verify_stochastic", _lossy_seed_rule)
     sampling = SamplingParams(temperature=1.0)
     engine = Engine(target, drafter=_drafter("draft", target), spec=SpeculativeConfig(gamma=3))
     p_value = chi_square_p_value(sample_counts(engine, sampling), exact_joint(target, sampling))
     assert p_value < ALPHA, f"the lossy rule went undetected (p = {p_value:.3f})"
+
+
+@pytest.mark.parametrize("kind, sampling", [("none", SETTINGS[0]), ("ngram", SETTINGS[0]), ("ngram", SETTINGS[3])],
+                         ids=["plain-T1.0", "ngram-T1.0", "ngram-T1.0-k8-p0.9"])
+def test_batched_sampling_matches_target_distribution(target, kind, sampling):
+    """Requests served 4 at a time (different seeds, so different drafts in each step) keep the target's
+    distribution, and each request's tokens are those it gets served alone with the same seed."""
+    new = (lambda: _drafter("ngram", target)) if kind == "ngram" else None
+    engine = BatchEngine(target, new_drafter=new, spec=SpeculativeConfig(gamma=3),
+                         scheduler=SchedulerConfig(max_running=4, max_waiting=SAMPLES), max_len=64)
+    params = [SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=s) for s in range(SAMPLES)]
+    results = engine.run([dict(prompt=PROMPT, sampling=p, max_new_tokens=NEW_TOKENS, eos_token_ids=()) for p in params])
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    for r in results:
+        counts[tuple(r.token_ids)] += 1
+    p_value = chi_square_p_value(counts, exact_joint(target, sampling))
+    assert p_value > ALPHA, f"batched {kind} at {sampling}: chi-square p = {p_value:.2e}"
+    solo = Engine(target, drafter=_drafter(kind, target) if new else None, spec=SpeculativeConfig(gamma=3))
+    for p, r in list(zip(params, results))[:50]:
+        assert solo.generate(PROMPT, p, NEW_TOKENS, eos_token_ids=()).token_ids == r.token_ids, p.seed
+    if kind == "ngram":
+        assert sum(r.stats.accepted_tokens for r in results) > 100  # drafts were verified, and some kept

@@ -76,17 +76,6 @@ def on_off(value: str) -> bool:
     return value == "on"
 
 
-def non_negative_int(value: str) -> int:
-    """An integer >= 0."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
-
-
 def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     """The KV cache flags shared by ``generate`` and ``bench``."""
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
@@ -95,7 +84,7 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-kv-dtype", choices=KV_DTYPES, default="auto", help="the draft model's KV cache, as --kv-dtype")
     p.add_argument("--kv-window", type=positive_int, default=None,
                    help="keep only the last N verified tokens (plus sinks and unverified ones): flat memory")
-    p.add_argument("--kv-sinks", type=non_negative_int, default=0, help="with --kv-window: also keep the first S tokens")
+    p.add_argument("--kv-sinks", type=nonnegative_int, default=0, help="with --kv-window: also keep the first S tokens")
     p.add_argument("--kv-budget", type=byte_size, default=None,
                    help="bytes all KV caches and prefix caches may hold, e.g. 512M; a request that cannot fit fails")
     p.add_argument("--prefix-cache", type=on_off, default=False, metavar="on|off",

@@ -1,4 +1,4 @@
-"""Command line: ``specdecode generate | bench | models | calibrate-layerskip | fit-controller | train-head``.
+"""Command line: ``specdecode generate | serve | bench | models | calibrate-layerskip | fit-controller | train-head``.
 
 Parsing, loading and printing only; the loop lives in ``engine.py``. Every user error ends with one
 line ``specdecode: error: ...`` on stderr and exit status 2.
@@ -24,6 +24,7 @@ from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, calibrate_and_sto
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.heads import no_head_message, shipped_head
 from specdecode.heads.command import add_arguments as add_head_arguments
+from specdecode.serve.command import add_arguments as add_serve_arguments
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import DEVICES, DRAFT_QUANT, LoadedModel, load_model, resolve_device
 from specdecode.models.linear import LINEAR_KERNELS
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--l2", type=float, default=1.0, help="L2 penalty on the standardised weights (default 1)")
     f.add_argument("--merge", default=None, metavar="FILE",
                    help="keep this controller file's models for the drafters the records do not cover")
+
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible API with continuous batching and speculation")
+    _model_args(s)
+    add_serve_arguments(s)
 
     t = sub.add_parser("train-head", help="train an EAGLE or Medusa draft head on the target's own answers")
     _model_args(t, device=False)  # trains on the CPU
@@ -265,6 +270,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specdecode.serve.command import run_command
+
+    return run_command(args, _log)
+
+
 def cmd_train_head(args: argparse.Namespace) -> int:
     from specdecode.heads.command import run_command
 
@@ -272,7 +283,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "models": cmd_models, "calibrate-layerskip": cmd_calibrate,
-            "fit-controller": cmd_fit_controller, "train-head": cmd_train_head}
+            "fit-controller": cmd_fit_controller, "train-head": cmd_train_head, "serve": cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

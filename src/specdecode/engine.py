@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from specdecode.batch.sequence import prompt_ids
 from specdecode.control import GAMMA_POLICIES, StepContext, StepRecord, controller_factory
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.kv.cache import Cache, CacheConfig
@@ -21,9 +22,10 @@ from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
 from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer
-from specdecode.sampling import SamplingParams, probs_from_logits
+from specdecode.sampling import SamplingParams
 from specdecode.stats import RequestStats
-from specdecode.verify import Verdict, verify_greedy, verify_stochastic
+from specdecode.timing import interleaved_timings
+from specdecode.verify import Pending, Verdict, verify_batch
 
 MAX_GAMMA = 64
 SEEDED_GAMMA = 16  # longest draft whose verification ``Engine.seed_costs`` times
@@ -92,6 +94,15 @@ def _synchronize(device: torch.device) -> None:
 def _stop_tuple(stop: str | Iterable[str]) -> tuple[str, ...]:
     """A single stop string or several; a bare string is one stop string, not its characters."""
     return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def kv_setting(cache: CacheConfig, dtype: torch.dtype) -> str:
+    """A target cache's storage as the controllers see it: "int8", "int4", "window" or a dtype."""
+    if cache.kv_dtype in ("int8", "int4"):
+        return cache.kv_dtype
+    if cache.window is not None:
+        return "window"
+    return cache.kv_dtype if cache.kv_dtype != "auto" else str(dtype).removeprefix("torch.")
 
 
 class TextStream:
@@ -181,16 +192,12 @@ class Engine:
         slow sample would otherwise price a draft length out (the curve is made non-decreasing, so a
         spike at k carries to every longer draft). Needs a context (``warmup`` has one).
         """
-        shared = self._new_controller.shared
-        if shared is None:
+        if not self._new_controller.uses_costs:
             return
         top = min(self.spec.gamma_max, SEEDED_GAMMA, self.cache.stable_rows(0) - 1)
         # Past SEEDED_GAMMA the curve is extrapolated (long drafts are rare; timing is not).
-        times: list[list[float]] = [[] for _ in range(top + 1)]
-        for _ in range(repeats):
-            for k, seen in enumerate(times):
-                seen.append(self.verify_seconds(k))
-        shared.costs.seed([min(seen) for seen in times])
+        times = interleaved_timings(self.verify_seconds, range(top + 1), repeats)
+        self._new_controller.seed_costs([min(seen) for seen in times])
 
     @torch.inference_mode()
     def tune_rows(self, repeats: int = 5, margin: float = 0.03) -> dict[int, int]:
@@ -270,25 +277,8 @@ class Engine:
         return TextStream(self, self._run(prompt, sampling, max_new_tokens, stop, eos_token_ids), stop)
 
     def _prepare(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs an engine with a tokenizer")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty (no tokens)")
-        vocab = self.target.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-        limit = self.target.config.max_position_embeddings
-        if len(ids) + max_new_tokens > limit:
-            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
-                             f"model's context length ({limit} tokens)")
+        ids = prompt_ids(prompt, self.tokenizer, self.target.config.vocab_size,
+                         self.target.config.max_position_embeddings, max_new_tokens)
         # Room for the prompt, the budget, and one step's drafted lookahead beyond it.
         need = len(ids) + max_new_tokens + max(self.spec.max_draft, MAX_PADDED_ROWS) + 1
         if self.cache is None or self.cache.max_len < need:
@@ -307,11 +297,12 @@ class Engine:
             raise ValueError("stop strings must not be empty")
         self._eos = eos = frozenset(eos_token_ids if eos_token_ids is not None
                                     else (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()))
-        generator = sampling.generator(self.target.device)  # on the device that samples
+        seed = sampling.request_seed()
+        generator = sampling.generator(self.target.device, seed)  # on the device that samples
         controller = self._new_controller()
         stats = RequestStats(prompt_tokens=len(prompt_ids))
         limit = self.target.config.max_position_embeddings
-        kv = self._kv_setting()
+        kv = kv_setting(self.cache_config, self.target.dtype)
 
         def timed_stop(position: int, signal: tuple[float, ...]) -> bool:
             tick = time.perf_counter()
@@ -343,7 +334,7 @@ class Engine:
             watch = timed_stop if controller.early_stop or self.on_step is not None else None
             draft = self.drafter.propose(seq, k, sampling, generator, watch) if k > 0 else Draft([])
             t1 = time.perf_counter()
-            verdict = self._verify(seq, draft, sampling, generator, observe)
+            verdict = self._verify(seq, draft, sampling, generator, seed, observe)
             t2 = time.perf_counter()
             self.cache.commit(0, self.cache.lengths[0])  # the fed token and the accepted drafts are verified
             stats.draft_s += t1 - t0
@@ -380,8 +371,8 @@ class Engine:
             text = text[:min(i for i in (text.find(s) for s in stop) if i >= 0)]
         return GenerationResult(text, list(generated), finish, stats)
 
-    def _verify(self, seq: list[int], draft: Draft, sampling: SamplingParams, generator: torch.Generator,
-                observe: Callable[[int, torch.Tensor], None] | None = None) -> Verdict:
+    def _verify(self, seq: list[int], draft: Draft, sampling: SamplingParams, generator: torch.Generator | None,
+                seed: int = 0, observe: Callable[[int, torch.Tensor], None] | None = None) -> Verdict:
         """One target forward over [last token, d_1..d_k], acceptance, and cache rollback; ``observe``
         (a drafter's) is handed the kept rows' features."""
         held = self.cache.lengths[0]  # == len(seq) - 1: every token but the last is cached
@@ -397,26 +388,13 @@ class Engine:
         out = self.target(torch.tensor([rows], device=self.target.device), self.cache, invariant_rows=True,
                           features=features)
         logits, hidden = out if features else (out, None)
-        logits = logits[0, :k + 1]  # [k + 1, V]
-        if sampling.greedy:
-            verdict = verify_greedy(logits, draft.tokens)
-        else:
-            p = probs_from_logits(logits, sampling)
-            verdict = verify_stochastic(p, draft.q, draft.tokens, generator)
+        verdict = verify_batch(logits[0, :k + 1], [k + 1],  # [k + 1, V]
+                               [Pending(draft.tokens, draft.q, sampling, seed, len(seq), generator)])[0]
         # Keep the last token and the accepted drafts; the emitted target token is fed next step.
         self.cache.trim(0, held + 1 + verdict.accepted)
         if hidden is not None:
             observe(held, hidden[0, :verdict.accepted + 1])
         return verdict
-
-    def _kv_setting(self) -> str:
-        """The target cache's storage as the controllers see it: "int8", "int4", "window" or a dtype."""
-        c = self.cache_config
-        if c.kv_dtype in ("int8", "int4"):
-            return c.kv_dtype
-        if c.window is not None:
-            return "window"
-        return c.kv_dtype if c.kv_dtype != "auto" else str(self.target.dtype).removeprefix("torch.")
 
     def _cache_fill(self) -> float | None:
         """Share of the KV memory budget held by cached tokens and prefixes (None without a budget)."""

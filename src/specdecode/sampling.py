@@ -39,15 +39,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+    def request_seed(self) -> int:
+        """The request's seed: ``seed``, or one drawn from the global generator when it is None."""
+        return self.seed if self.seed is not None else int(torch.randint(2**62, (1,)).item())
+
+    def generator(self, device: torch.device | str = "cpu", seed: int | None = None) -> torch.Generator:
         """A fresh generator for one request, seeded so that the same seed gives the same output.
 
         Args:
             device: where the tensors it samples live (the model's device): a CUDA tensor needs a CUDA
                 generator. The same seed gives another stream on another device.
+            seed: the request's seed (from :meth:`request_seed`); None = :meth:`request_seed`.
         """
         g = torch.Generator(device=device)
-        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(2**62, (1,)).item()))
+        g.manual_seed(self.request_seed() if seed is None else seed)
         return g
 
 
@@ -75,6 +80,20 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     return logits.softmax(-1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator keyed by (request seed, token position): the draw for a position is the same whichever
+    step, draft length or batch it is made in (splitmix64 of the pair)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    g = torch.Generator(device=device)
+    g.manual_seed(z ^ (z >> 31))
+    return g
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

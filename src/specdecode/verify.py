@@ -10,10 +10,11 @@ This module does not offer the lossy "accept if p >= q, sample p / (1 - q)" rule
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from specdecode.sampling import sample
+from specdecode.sampling import SamplingParams, position_generator, probs_from_logits, sample
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,11 @@ def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> Verdict:
         target_logits: ``[k + 1, V]`` target logits at the positions of [last token, d_1..d_k].
         draft: the k drafted tokens.
     """
-    best = target_logits.argmax(-1).tolist()  # one host sync for the whole draft
+    return _accept_greedy(target_logits.argmax(-1).tolist(), draft)  # one host sync for the whole draft
+
+
+def _accept_greedy(best: Sequence[int], draft: list[int]) -> Verdict:
+    """Keeps drafted tokens while they equal the target's argmax ``best`` at their position."""
     n = 0
     while n < len(draft) and draft[n] == best[n]:
         n += 1
@@ -77,3 +82,76 @@ def verify_stochastic(p: torch.Tensor, q: torch.Tensor | None, draft: list[int],
     # A zero residual means p == q on this row, where rejection has probability 0: only rounding gets here.
     dist = residual / total if total > 0 else p[n]
     return Verdict(n, draft[:n] + [int(sample(dist[None], generator))])
+
+
+def verify_coupled(p: torch.Tensor, draft: list[int], seed: int, position: int) -> Verdict:
+    """Sampling verification of a deterministic draft (q = one-hot: n-gram lookup, or no draft at all).
+
+    At each position the target's own token is drawn from ``p`` with a generator keyed by (seed,
+    position), and drafted tokens are kept while they equal it. Each emitted token is a draw from p, and
+    d_i is kept with probability p_i(d_i), as under the rejection rule for a one-hot q; moreover the
+    tokens are exactly those plain sampling with the same seed draws, whatever the draft lengths or the
+    batch.
+
+    Args:
+        p: ``[k + 1, V]`` target probabilities at [last token, d_1..d_k].
+        draft: the k drafted tokens.
+        seed: the request's seed.
+        position: index in the sequence (prompt included) of the first token this step emits.
+    """
+    tokens = []
+    for i in range(len(draft) + 1):
+        tokens.append(int(sample(p[i:i + 1], position_generator(seed, position + i, p.device))))
+        if i == len(draft) or tokens[i] != draft[i]:
+            return Verdict(i, tokens)
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One sequence's draft waiting for :func:`verify_batch`.
+
+    Args:
+        tokens: the drafted tokens (possibly none).
+        q: ``[k, V]`` draft probabilities, None for a deterministic drafter.
+        sampling: the request's sampling parameters (temperature 0 = greedy).
+        seed: the request's seed (deterministic drafts and plain steps draw by position).
+        position: index of the first token this step emits.
+        generator: the request's generator (stochastic drafts only).
+    """
+
+    tokens: list[int]
+    q: torch.Tensor | None
+    sampling: SamplingParams
+    seed: int
+    position: int
+    generator: torch.Generator | None = None
+
+
+def verify_batch(logits: torch.Tensor, counts: Sequence[int], pending: Sequence[Pending]) -> list[Verdict]:
+    """Verifies the drafts of several sequences scored by one forward (rows flattened, as ``forward_rows`` gives them).
+
+    Greedy rows share one argmax over the whole batch. A sampled sequence draws with its own seed: by
+    position for deterministic drafts (:func:`verify_coupled`, so its tokens do not depend on the batch),
+    from its own generator for stochastic ones (:func:`verify_stochastic`).
+
+    Args:
+        logits: ``[N, V]`` target logits; sequence i owns ``counts[i]`` consecutive rows, the first
+            ``len(tokens_i) + 1`` of them at [last token, d_1..d_k] (any further rows are padding).
+        counts: rows per sequence.
+        pending: per sequence, its draft and how to sample.
+    """
+    if len(counts) != len(pending):
+        raise ValueError(f"verify_batch needs one row count per sequence: {len(counts)} counts, {len(pending)} drafts")
+    best = logits.argmax(-1).tolist() if any(x.sampling.greedy for x in pending) else []  # one host sync
+    verdicts, start = [], 0
+    for n, x in zip(counts, pending):
+        rows = logits[start:start + len(x.tokens) + 1]
+        if x.sampling.greedy:
+            verdicts.append(_accept_greedy(best[start:start + len(x.tokens) + 1], x.tokens))
+        elif x.q is None:
+            verdicts.append(verify_coupled(probs_from_logits(rows, x.sampling), x.tokens, x.seed, x.position))
+        else:
+            verdicts.append(verify_stochastic(probs_from_logits(rows, x.sampling), x.q, x.tokens, x.generator))
+        start += n
+    return verdicts

@@ -396,6 +396,44 @@ def test_verification_forward_equals_decode_steps_on_every_path(path):
         assert torch.equal(batched, steps), (path, overrides)
 
 
+@pytest.mark.parametrize("path", path_params())
+def test_ragged_rows_of_several_sequences_equal_each_sequence_alone(path):
+    """``forward_rows`` over 3 sequences of different lengths with 1, 4 and 2 new rows gives, bitwise, the
+    logits, features and cache entries of each sequence's rows run alone (a batch's verification step)."""
+    require_path(path)
+    config = tiny_config("llama", tie_word_embeddings=False)
+    model = Transformer.from_hf_tensors(config, random_hf_tensors(config, seed=4, scale=0.2), dtype=torch.bfloat16)
+    model.pack_weights(path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (5, 17, 9)]
+    rows = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (1, 4, 2)]
+    features = (1, config.num_layers)
+    with torch.inference_mode():
+        together = model.new_cache(CacheConfig(max_len=32, slots=3))
+        alone = model.new_cache(CacheConfig(max_len=32, slots=3))
+        for slot, prompt in enumerate(prompts):
+            for cache in (together, alone):
+                model(prompt[None], cache, slots=(slot,), logits="none")
+        logits, hidden = model.forward_rows(torch.cat(rows), together, (0, 1, 2), (1, 4, 2), features=features)
+        singles = [model.forward_rows(r, alone, (slot,), (len(r),), features=features) for slot, r in enumerate(rows)]
+        last = model.forward_rows(torch.cat(rows), model.new_cache(CacheConfig(max_len=8, slots=3)), (0, 1, 2),
+                                  (1, 4, 2), logits="last")
+    assert torch.equal(logits, torch.cat([s[0] for s in singles])), path
+    assert torch.equal(hidden, torch.cat([s[1] for s in singles])), path
+    assert last.shape == (3, config.vocab_size)
+    assert together.lengths == alone.lengths == [6, 21, 11]
+    for layer in range(config.num_layers):
+        assert torch.equal(together.k[layer], alone.k[layer]) and torch.equal(together.v[layer], alone.v[layer])
+
+
+@pytest.mark.parametrize("slots, counts", [((0, 0), (1, 1)), ((0, 1), (2,)), ((0, 1), (0, 3)), ((0, 1), (1, 1))])
+def test_forward_rows_refuses_counts_that_do_not_match(slots, counts):
+    model = varied_model(0)
+    with pytest.raises(ValueError, match="distinct slots and a count >= 1"):
+        model.forward_rows(torch.zeros(3, dtype=torch.long), model.new_cache(CacheConfig(max_len=8, slots=2)), slots,
+                           counts)
+
+
 def test_causal_hidden_mask():
     hidden = causal_hidden(2, 4, group=2)  # new tokens at positions 2, 3
     expected = torch.tensor([[False, False, False, True], [False, False, False, False]])

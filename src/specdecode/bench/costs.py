@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from specdecode.engine import Engine
 from specdecode.models.build import LoadedModel
+from specdecode.timing import interleaved_timings
 
 
 @dataclass
@@ -57,11 +58,5 @@ def measure_cost_curve(model: LoadedModel, prompt_ids: list[int], max_k: int = 1
     """
     engine = Engine(model.model, model.tokenizer)
     engine.generate(prompt_ids, max_new_tokens=1, eos_token_ids=())  # prefill; the cache keeps the prompt
-    times: list[list[float]] = [[] for _ in range(max_k + 1)]
-    for r in range(repeats + 1):
-        order = range(max_k + 1) if r % 2 == 0 else range(max_k, -1, -1)
-        for k in order:
-            seconds = engine.verify_seconds(k)
-            if r:  # the first sweep is a warm-up
-                times[k].append(seconds)
+    times = interleaved_timings(engine.verify_seconds, range(max_k + 1), repeats, warmup=True)
     return CostCurve(model.source, engine.cache.lengths[0], [statistics.median(t) for t in times], repeats)

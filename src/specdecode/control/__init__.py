@@ -41,6 +41,17 @@ class ControllerFactory:
     def __call__(self) -> GammaController:
         return self.make(self.shared)
 
+    @property
+    def uses_costs(self) -> bool:
+        """Whether its controllers weigh step costs (``cost``, ``adaptive``), so that seeding them pays."""
+        return self.shared is not None
+
+    def seed_costs(self, verify_s: Sequence[float]) -> None:
+        """Starts the shared verification curve from measured seconds of verifying k = 0, 1, ... drafted
+        tokens (see ``StepCosts.seed``); what earlier requests taught about drafting is dropped."""
+        if self.shared is not None:
+            self.shared.costs.seed(verify_s)
+
 
 def controller_factory(gamma: int | str, gamma_max: int, drafter: str | None = None,
                        signal_names: Sequence[str] = (),

@@ -104,7 +104,7 @@ class EagleHead(nn.Module):
         start = cache.lengths[0]
         cos, sin = self._angles(start, embedded.shape[1])
         x = self.fc(torch.cat((embedded, features), dim=-1))  # [1, T, h]
-        x = self.block(x, 0, cache, (0,), [start], cos, sin, None, invariant_rows=True)
+        x = self.block.forward_rows(x, 0, cache, (0,), (start,), (embedded.shape[1],), cos, sin)
         cache.advance((0,), embedded.shape[1])
         return x
 

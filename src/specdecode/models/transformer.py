@@ -247,15 +247,30 @@ class Block(nn.Module):
         return x + self.w_down(F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
-                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, invariant_rows: bool) -> torch.Tensor:
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The fused path: all rows of ``x [B, T, hidden]`` attend in one call under ``mask``."""
         q, k, v = self.qkv(x, cos, sin)
         keys, values = cache.update(layer, slots, starts, k, v)  # [B, Hkv, L, D]
-        if invariant_rows or mask is None:
+        if mask is None:
             attn = self.attend(q, keys, values)  # [B, H, T, D]
         else:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=self.heads != self.kv_heads)
         return self.finish(x, attn)
+
+    def forward_rows(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
+                     counts: Sequence[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The row-invariant path: ``x [1, N, hidden]`` holds ``counts[i]`` consecutive rows of the sequence in
+        ``slots[i]``; each sequence's rows attend over its own cache alone (``attend``), so a row's result
+        does not depend on what else shares the forward."""
+        q, k, v = self.qkv(x, cos, sin)  # q [1, H, N, D], k/v [1, Hkv, N, D]
+        parts, offset = [], 0
+        for slot, start, n in zip(slots, starts, counts):
+            rows = slice(offset, offset + n)
+            keys, values = cache.update(layer, (slot,), (start,), k[:, :, rows], v[:, :, rows])  # [1, Hkv, L, D]
+            parts.append(self.attend(q[:, :, rows], keys, values))
+            offset += n
+        return self.finish(x, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
 
 
 class Transformer(nn.Module):
@@ -308,10 +323,10 @@ class Transformer(nn.Module):
             slots: cache slot of each row.
             layers: indices of the layers to run (self-speculation); None runs all of them.
             logits: "all" positions ``[B, T, V]``, "last" position ``[B, 1, V]``, or "none" (prefill).
-            invariant_rows: compute attention so that each row is bitwise independent of how many new
-                tokens share the call (``Block.attend``; single sequence only); the fused kernel's
-                summation order is not. With projections on our kernels (row-invariant too) this makes
-                greedy verification reproduce decoding exactly.
+            invariant_rows: compute each row so that it is bitwise independent of how many new tokens
+                share the call (:meth:`forward_rows`); the fused attention's summation order is not.
+                With projections on our kernels (row-invariant too) this makes greedy verification
+                reproduce decoding exactly.
             features: layers whose outputs to return for every new token (drafters built on the target's
                 features, e.g. ``drafters/eagle.py``): i < num_layers is layer i's output (the residual
                 stream), ``num_layers`` the final normed state the output head reads. Nothing is kept
@@ -322,8 +337,13 @@ class Transformer(nn.Module):
             ``[B, T, len(features) * hidden]``, the asked layers side by side in the order given).
         """
         b, t = tokens.shape
-        if invariant_rows and b != 1:
-            raise ValueError("invariant_rows supports a single sequence (B=1)")
+        if invariant_rows:
+            out = self.forward_rows(tokens.reshape(-1), cache, slots, [t] * b, layers,
+                                    "none" if logits == "none" else "all", features)
+            logit_rows, hidden = out if features else (out, None)
+            if logit_rows is not None:
+                logit_rows = logit_rows.view(b, t, -1)[:, -1:] if logits == "last" else logit_rows.view(b, t, -1)
+            return (logit_rows, hidden.view(b, t, -1)) if features else logit_rows
         starts = [cache.lengths[s] for s in slots]
         cos_table, sin_table = self._rope(max(starts) + t)
         if b == 1:
@@ -332,27 +352,80 @@ class Transformer(nn.Module):
         else:
             pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)  # [B, T]
             cos, sin = cos_table[pos][:, :, None], sin_table[pos][:, :, None]  # [B, T, 1, D]
-        seen = [cache.visible(s) for s in slots]  # entries update() returns before each row's new tokens
-        mask = None if invariant_rows else self._mask(seen, t)  # the row-by-row path needs none
-        n = self.config.num_layers
-        run = range(n) if layers is None else layers
-        if features:  # checked before anything is written to the cache
-            bad = [i for i in features if not 0 <= i <= n]
-            if bad:
-                raise ValueError(f"features {bad} are out of range 0..{n} (layer outputs, then {n} = the normed state)")
-            missing = [i for i in features if i < n and i not in run]
-            if missing:
-                raise ValueError(f"features {missing} name layers this forward skips")
+        mask = self._mask([cache.visible(s) for s in slots], t)
+        run = self._check_run(layers, features)
         kept: dict[int, torch.Tensor] = {}
         x = self.embed(tokens)  # [B, T, hidden]
         for i in run:
-            x = self.layers[i](x, i, cache, slots, starts, cos, sin, mask, invariant_rows)
+            x = self.layers[i](x, i, cache, slots, starts, cos, sin, mask)
             if i in features:
                 kept[i] = x
         cache.advance(slots, t)
-        if n in features:
-            kept[n] = x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
-        out = None if logits == "none" else self._logits(x if logits == "all" else x[:, -1:], normed=n in features)
+        return self._outputs(x, slice(None) if logits == "all" else slice(-1, None), logits, features, kept)
+
+    def forward_rows(self, tokens: torch.Tensor, cache: Cache, slots: Sequence[int], counts: Sequence[int],
+                     layers: Sequence[int] | None = None, logits: Logits = "all", features: Sequence[int] = ()):
+        """Row-invariant forward over ragged rows of several sequences (a batch's verification step).
+
+        Every row is computed as it would be alone: projections row by row on our kernels, attention of
+        each sequence over its own cache (``Block.forward_rows``), so a sequence's logits are bitwise the
+        same whatever else shares the forward.
+
+        Args:
+            tokens: ``[N]`` token ids: ``counts[0]`` rows continuing the sequence in ``slots[0]``, then
+                ``counts[1]`` rows of ``slots[1]``, ...
+            cache: the KV cache; slot ``slots[i]`` advances by ``counts[i]``.
+            slots: distinct cache slots.
+            counts: rows per slot (>= 1 each, summing to N).
+            layers, features: as for :meth:`forward`.
+            logits: "all" rows ``[N, V]``, "last" row of each sequence ``[len(slots), V]``, or "none".
+
+        Returns:
+            Logits in float32 (or None), and with ``features`` the pair (logits, hidden ``[N, F]``).
+        """
+        n_rows = tokens.shape[0]
+        if len(counts) != len(slots) or len(set(slots)) != len(slots) or min(counts, default=0) < 1 \
+                or sum(counts) != n_rows:
+            raise ValueError(f"forward_rows needs distinct slots and a count >= 1 per slot summing to the "
+                             f"{n_rows} rows; got slots {list(slots)}, counts {list(counts)}")
+        starts = [cache.lengths[s] for s in slots]
+        cos_table, sin_table = self._rope(max(p + n for p, n in zip(starts, counts)))
+        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, counts)]).to(self.device)  # [N]
+        cos, sin = cos_table[pos][None, :, None], sin_table[pos][None, :, None]  # [1, N, 1, D]
+        run = self._check_run(layers, features)
+        kept: dict[int, torch.Tensor] = {}
+        x = self.embed(tokens)[None]  # [1, N, hidden]
+        for i in run:
+            x = self.layers[i].forward_rows(x, i, cache, slots, starts, counts, cos, sin)
+            if i in features:
+                kept[i] = x
+        for slot, n in zip(slots, counts):
+            cache.advance((slot,), n)
+        ends = (torch.tensor(counts).cumsum(0) - 1).to(self.device)  # each sequence's last row
+        out = self._outputs(x, slice(None) if logits == "all" else ends, logits, features, kept)
+        if features:
+            return (None if out[0] is None else out[0][0]), out[1][0]
+        return None if out is None else out[0]
+
+    def _check_run(self, layers: Sequence[int] | None, features: Sequence[int]) -> Sequence[int]:
+        """The layers a forward runs; ``features`` checked against them before anything is written to the cache."""
+        n = self.config.num_layers
+        run = range(n) if layers is None else layers
+        bad = [i for i in features if not 0 <= i <= n]
+        if bad:
+            raise ValueError(f"features {bad} are out of range 0..{n} (layer outputs, then {n} = the normed state)")
+        missing = [i for i in features if i < n and i not in run]
+        if missing:
+            raise ValueError(f"features {missing} name layers this forward skips")
+        return run
+
+    def _outputs(self, x: torch.Tensor, pick: slice | torch.Tensor, logits: Logits, features: Sequence[int],
+                 kept: dict[int, torch.Tensor]):
+        """Logits of the rows ``x[:, pick]`` (unless "none") and, with ``features``, the kept layers side by side."""
+        normed = self.config.num_layers in features
+        if normed:
+            kept[self.config.num_layers] = x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        out = None if logits == "none" else self._logits(x[:, pick], normed=normed)
         return (out, torch.cat([kept[i] for i in features], dim=-1)) if features else out
 
     def _logits(self, x: torch.Tensor, normed: bool) -> torch.Tensor:

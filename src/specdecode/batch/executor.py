@@ -1,0 +1,282 @@
+"""Many requests at once: each step drafts for every running sequence, verifies all drafts in one target
+forward, and hands each sequence its tokens.
+
+A step is: admit waiting sequences onto free KV slots (prefilling their prompts), choose each
+sequence's draft length (its own controller, then the step's row budget), draft, run one row-invariant
+forward over the ragged rows ``[last token, d_1..d_k]`` of every sequence (``Transformer.forward_rows``),
+verify them (``verify_batch``), roll each slot back to its accepted length and emit. Rows are computed
+as they would be alone, so a request's greedy output is bitwise what it is served alone, and a sampled
+one depends only on its seed.
+
+Not here: threads (``serve/loop.py`` steps the executor from one thread), HTTP, or drafters that keep
+per-request state in a model cache (draft model, layerskip, trained heads); those still run one request
+at a time on :class:`~specdecode.engine.Engine`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Callable, Iterable, Protocol, Sequence as Seq
+
+import torch
+
+from specdecode.batch.scheduler import Scheduler, SchedulerConfig, fit_rows
+from specdecode.batch.sequence import Output, Request, Sequence, prompt_ids
+from specdecode.control import StepContext, StepRecord, controller_factory
+from specdecode.drafters.base import Draft, Drafter
+from specdecode.engine import SEEDED_GAMMA, GenerationResult, SpeculativeConfig, kv_setting
+from specdecode.kv.cache import CacheConfig
+from specdecode.kv.memory import KVMemory
+from specdecode.kv.prefill import prefill
+from specdecode.models.linear import NATIVE_KERNELS
+from specdecode.models.transformer import Transformer
+from specdecode.sampling import SamplingParams
+from specdecode.timing import interleaved_timings
+from specdecode.verify import Pending, verify_batch
+
+# Drafters whose state lives outside any model cache, so one instance per sequence serves a batch.
+BATCHED_DRAFTERS = ("ngram",)
+
+
+class StepObserver(Protocol):
+    """Told what the executor does, from the thread that steps it (e.g. ``serve/metrics.py``)."""
+
+    def admitted(self, seq: Sequence) -> None:
+        """A sequence got a slot and its prompt was prefilled."""
+
+    def stepped(self, seq: Sequence, record: StepRecord, emitted: int, now: float) -> None:
+        """A sequence's step: its record, the tokens it kept, and when."""
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence ended (any reason, cancellation included) and left its slot."""
+
+
+class BatchEngine:
+    """Serves many requests together with per-request speculation.
+
+    Args:
+        target: the model whose output distribution is reproduced exactly.
+        tokenizer: for text prompts, stop strings and text output.
+        new_drafter: makes one drafter per sequence (None: plain decoding); see BATCHED_DRAFTERS.
+        spec: gamma policy; each sequence gets its own controller, sharing the engine's cost estimates.
+        cache: KV settings; ``slots`` is taken from the scheduler's ``max_running`` and ``max_len`` per slot
+            from ``max_len``.
+        scheduler: how many sequences run and wait.
+        max_len: tokens one sequence may hold (prompt + generated); default: the model's context, at most 4,096.
+        observer: told of admissions, steps and finished sequences (metrics).
+    """
+
+    def __init__(self, target: Transformer, tokenizer=None, new_drafter: Callable[[], Drafter | None] | None = None,
+                 spec: SpeculativeConfig = SpeculativeConfig(), cache: CacheConfig = CacheConfig(),
+                 scheduler: SchedulerConfig = SchedulerConfig(), max_len: int | None = None,
+                 observer: StepObserver | None = None) -> None:
+        probe = new_drafter() if new_drafter is not None else None
+        if probe is not None and probe.name not in BATCHED_DRAFTERS:
+            raise ValueError(f"drafter {probe.name!r} cannot serve a batch yet (it keeps per-request state in a model "
+                             f"cache); batched drafters: {', '.join(BATCHED_DRAFTERS)}, or none")
+        self.target = target
+        self.tokenizer = tokenizer
+        self.new_drafter = new_drafter if probe is not None else None
+        self.spec = spec if probe is not None else SpeculativeConfig(gamma=0)
+        self._new_controller = controller_factory(
+            self.spec.gamma, self.spec.gamma_max, probe.name if probe is not None else None,
+            probe.signal_names if probe is not None else (), self.spec.controller_file)
+        context = target.config.max_position_embeddings
+        self.max_len = min(context, 4096) if max_len is None else max_len
+        if not 1 <= self.max_len <= context:
+            raise ValueError(f"max_len must be in 1..{context} (the model's context), got {self.max_len}")
+        self.scheduler = Scheduler(scheduler)
+        self.memory = KVMemory(cache.budget, cache.prefix_cache)
+        # Each slot holds a sequence plus one step's drafted (or padding) rows beyond it.
+        room = self.max_len + self.spec.max_draft + 2
+        self.cache_config = replace(cache, slots=scheduler.max_running, max_len=-(-room // 64) * 64)
+        self.cache = self.memory.new_cache("target", target, self.cache_config)
+        self._prefix = self.memory.prefix_for(target, self.cache_config)
+        self._kv = kv_setting(cache, target.dtype)
+        # oneDNN and F.linear round a one-row matmul differently from a multi-row one (see Engine).
+        self._min_rows = 1 if target.linear_kernel in NATIVE_KERNELS else 2
+        self.observer = observer
+
+    @torch.inference_mode()
+    def warmup(self, repeats: int = 5) -> None:
+        """Serves a short dummy request, so that one-time costs (buffers, kernel selection) stay out of the
+        first real requests, then gives cost-aware controllers the verification curve v(k) of one sequence
+        (the fastest of ``repeats`` interleaved timings per k, at a 64-token context). Call before serving."""
+        if self.has_work:
+            raise RuntimeError("warmup needs an idle engine")
+        self.run([dict(prompt=[0] * 16, max_new_tokens=8, eos_token_ids=())])
+        if not self._new_controller.uses_costs:
+            return
+        slot, context = self.scheduler.slots.acquire(), 64
+        try:
+            self.cache.reset(slot)
+            prefill(self.cache, slot, [0] * context, self.target)
+
+            def verify(k: int) -> float:
+                start = time.perf_counter()
+                self.target.forward_rows(torch.zeros(k + 1, dtype=torch.long, device=self.target.device), self.cache,
+                                         (slot,), (k + 1,))
+                seconds = time.perf_counter() - start
+                self.cache.trim(slot, context)
+                return seconds
+            times = interleaved_timings(verify, range(min(self.spec.gamma_max, SEEDED_GAMMA) + 1), repeats)
+            self._new_controller.seed_costs([min(t) for t in times])
+        finally:
+            self.cache.reset(slot)
+            self.scheduler.slots.release(slot)
+
+    def submit(self, prompt: str | Seq[int], sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
+               stop: str | Iterable[str] = (), eos_token_ids: Iterable[int] | None = None,
+               on_output: Callable[[Sequence, Output], None] | None = None) -> Sequence:
+        """Queues a request; it starts at a later :meth:`step`. Arguments as for ``Engine.stream``.
+
+        Raises:
+            ValueError: bad input (named).
+            QueueFullError: the waiting queue is full.
+        """
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need an engine with a tokenizer")
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        ids = prompt_ids(prompt, self.tokenizer, self.target.config.vocab_size, self.max_len, max_new_tokens,
+                         "the engine's max_len per sequence")
+        if eos_token_ids is None:
+            eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        request = Request(tuple(ids), sampling, max_new_tokens, stop, frozenset(eos_token_ids))
+        seq = Sequence(request, self.tokenizer, on_output)
+        self.scheduler.add(seq)
+        return seq
+
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """Ends a sequence now (from the thread that steps): its slot is free for the next step.
+
+        Args:
+            seq: a sequence of this engine; one that already finished is left alone.
+            reason: "cancelled" (the client went away) or "error" (the step serving it failed).
+        """
+        if seq.finished:
+            return
+        seq.finish(reason)
+        self._retire(seq)
+        self._emit(seq, [])
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the cache's token room held by running sequences (0..1)."""
+        return sum(self.cache.lengths) / (self.cache_config.slots * self.cache_config.max_len)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admits waiting sequences, then runs one draft-verify step for every running one."""
+        for seq in self.scheduler.admit():
+            self._start(seq)
+        running = [s for s in self.scheduler.running if not s.finished]
+        if not running:
+            return
+        tick = time.perf_counter()
+        contexts = [StepContext(s.remaining, len(s.tokens), self.max_len, self._cache_fill(), self._kv) for s in running]
+        wanted = [min(s.controller.next_gamma(c), s.remaining - 1, self.cache.stable_rows(s.slot) - 1)
+                  if s.drafter is not None else 0 for s, c in zip(running, contexts)]
+        ks = fit_rows(wanted, self.scheduler.config.max_rows)
+        control_s = (time.perf_counter() - tick) / len(running)
+        drafts, draft_s = [], []
+        for seq, k in zip(running, ks):
+            t0 = time.perf_counter()
+            stop = seq.controller.stop if seq.controller.early_stop else None
+            draft = seq.drafter.propose(seq.tokens, k, seq.request.sampling, seq.generator, stop) if k else Draft([])
+            drafts.append(draft)
+            draft_s.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        verdicts = self._verify(running, drafts)
+        verify_s = time.perf_counter() - t1
+        for seq, ctx, k, draft, verdict, d_s in zip(running, contexts, ks, drafts, verdicts, draft_s):
+            self.cache.commit(seq.slot, self.cache.lengths[seq.slot])
+            kept = seq.append(verdict.tokens)
+            if seq.drafter is not None:
+                seq.drafter.commit(seq.tokens)
+            record = StepRecord(ctx, k, len(draft.tokens), verdict.accepted, d_s, verify_s, draft.signals)
+            seq.controller.update(record)
+            seq.stats.record_step(len(draft.tokens), verdict.accepted, len(kept))
+            seq.stats.draft_s += d_s
+            seq.stats.verify_s += verify_s
+            seq.stats.control_s += control_s
+            if self.observer is not None:
+                self.observer.stepped(seq, record, len(kept), time.perf_counter())
+            if seq.finished:
+                self._retire(seq)
+            self._emit(seq, kept)
+
+    def _start(self, seq: Sequence) -> None:
+        """Prefills a newly admitted sequence's prompt into its slot and gives it a controller and a drafter."""
+        start = time.perf_counter()
+        seq.seed = seq.request.sampling.request_seed()
+        seq.generator = seq.request.sampling.generator(self.target.device, seq.seed)
+        seq.controller = self._new_controller()
+        seq.drafter = self.new_drafter() if self.new_drafter is not None else None
+        if seq.drafter is not None:
+            seq.drafter.reset(self.cache, seq.request.prompt_ids, self.memory)
+        seq.stats.prefix_hit_tokens = prefill(self.cache, seq.slot, seq.tokens[:-1], self.target, self._prefix)
+        seq.stats.prefill_s = time.perf_counter() - start
+        if self.observer is not None:
+            self.observer.admitted(seq)
+
+    def _verify(self, running: list[Sequence], drafts: list[Draft]):
+        """One forward over every sequence's [last token, drafts] rows, acceptance, and rollback per slot."""
+        rows, counts = [], []
+        for seq, draft in zip(running, drafts):
+            rows += [seq.tokens[-1], *draft.tokens]
+            counts.append(1 + len(draft.tokens))
+        # Filler rows (copies of the last token, rolled back) bring a forward up to _min_rows; they come
+        # after the last sequence's real rows, so no real row sees them.
+        filler = max(0, self._min_rows - len(rows))
+        counts[-1] += filler
+        rows += [rows[-1]] * filler
+        held = [self.cache.lengths[s.slot] for s in running]
+        logits = self.target.forward_rows(torch.tensor(rows, device=self.target.device), self.cache,
+                                          [s.slot for s in running], counts)  # [N, V]
+        verdicts = verify_batch(logits, counts, [Pending(d.tokens, d.q, s.request.sampling, s.seed, len(s.tokens),
+                                                         s.generator) for s, d in zip(running, drafts)])
+        for seq, length, verdict in zip(running, held, verdicts):
+            # Keep the fed token and the accepted drafts; the emitted target token is fed next step.
+            self.cache.trim(seq.slot, length + 1 + verdict.accepted)
+        return verdicts
+
+    def _retire(self, seq: Sequence) -> None:
+        """Records a finished sequence's last figures and frees its slot."""
+        seq.stats.wall_s = time.perf_counter() - seq.arrival
+        if seq.slot is not None:
+            seq.stats.kv_bytes = self.cache.bytes_used(seq.slot)
+            seq.stats.kv_bytes_per_token = seq.stats.kv_bytes / max(1, self.cache.lengths[seq.slot])
+            self.cache.reset(seq.slot)
+        self.scheduler.remove(seq)
+        if self.observer is not None:
+            self.observer.finished(seq)
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
+        if seq.on_output is not None:
+            seq.on_output(seq, seq.output(tokens))
+
+    def _cache_fill(self) -> float | None:
+        if self.memory.budget is None:
+            return None
+        return (self.cache.bytes_used() + self.memory.prefix_bytes) / self.memory.budget
+
+    def run(self, requests: Seq[dict]) -> list[GenerationResult]:
+        """Serves ``requests`` (keyword arguments of :meth:`submit`) together; results in their order."""
+        pending, sequences = list(requests), []
+        while pending or self.has_work:
+            while pending and self.scheduler.can_accept:
+                sequences.append(self.submit(**pending.pop(0)))
+            self.step()
+        return [result_of(s) for s in sequences]
+
+
+def result_of(seq: Sequence) -> GenerationResult:
+    """A finished sequence as ``Engine.generate`` returns a request."""
+    return GenerationResult(seq.text, list(seq.generated), seq.finish_reason, seq.stats)

@@ -1,0 +1,131 @@
+"""Which sequences run in the next step: admission from a bounded waiting queue onto free KV slots.
+
+First come, first served: a waiting sequence starts as soon as a slot is free (at most ``max_running``
+at once), and a full waiting queue refuses new requests (:class:`QueueFullError`) instead of growing
+without bound. Slots come from :class:`SlotPool`, one cache slot per running sequence, returned when
+the sequence finishes or is cancelled.
+
+It does not run models or know what a slot holds (``executor.py``); it never preempts a running sequence.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specdecode.batch.sequence import Sequence
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is full; the request was not queued (retry later)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many sequences are served at once.
+
+    Args:
+        max_running: sequences decoded together (each holds one KV slot of ``max_len`` tokens).
+        max_waiting: requests queued beyond those; one more is refused with :class:`QueueFullError`.
+        max_rows: rows (each sequence's fed token plus its drafts) one target forward may hold; drafts are
+            shortened, longest first, to fit.
+    """
+
+    max_running: int = 4
+    max_waiting: int = 64
+    max_rows: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError(f"SchedulerConfig.max_running must be >= 1, got {self.max_running}")
+        if self.max_waiting < 0:
+            raise ValueError(f"SchedulerConfig.max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_rows < self.max_running:
+            raise ValueError(f"SchedulerConfig.max_rows ({self.max_rows}) must be >= max_running "
+                             f"({self.max_running}): every running sequence needs a row per step")
+
+
+class SlotPool:
+    """The free slots of a cache with ``size`` slots."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free = list(range(size - 1, -1, -1))  # popped from the end: slot 0 first
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free KV slot")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.size or slot in self._free:
+            raise RuntimeError(f"slot {slot} is not held (pool of {self.size}, free {sorted(self._free)})")
+        self._free.append(slot)
+
+
+class Scheduler:
+    """The waiting queue and the running set.
+
+    Args:
+        config: limits.
+    """
+
+    def __init__(self, config: SchedulerConfig = SchedulerConfig()) -> None:
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.slots = SlotPool(config.max_running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a sequence; raises :class:`QueueFullError` when the queue is full."""
+        if not self.can_accept:
+            raise QueueFullError(f"the request queue is full: {len(self.waiting)} waiting (max_waiting "
+                                 f"{self.config.max_waiting}), {len(self.running)} running (max_running "
+                                 f"{self.config.max_running}); retry later")
+        self.waiting.append(seq)
+
+    @property
+    def can_accept(self) -> bool:
+        """Whether :meth:`add` would queue one more (free slots take waiting sequences at the next step)."""
+        return len(self.waiting) < self.config.max_waiting + self.slots.free
+
+    def admit(self) -> list[Sequence]:
+        """Moves waiting sequences onto free slots (oldest first); returns the newly running ones."""
+        admitted = []
+        while self.waiting and self.slots.free:
+            seq = self.waiting.popleft()
+            seq.slot = self.slots.acquire()
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes a finished or cancelled sequence out, returning its slot."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.slots.release(seq.slot)
+            seq.slot = None
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+
+def fit_rows(wanted: list[int], max_rows: int) -> list[int]:
+    """Draft lengths that fit ``max_rows`` rows (one fed token each, plus the drafts): the longest drafts
+    are shortened first, one token at a time, so short drafts keep what they asked for."""
+    drafts = list(wanted)
+    over = len(drafts) + sum(drafts) - max_rows
+    while over > 0:
+        longest = max(range(len(drafts)), key=lambda i: drafts[i])
+        if drafts[longest] == 0:
+            raise ValueError(f"{len(drafts)} sequences do not fit {max_rows} rows even without drafts")
+        drafts[longest] -= 1
+        over -= 1
+    return drafts

@@ -1,0 +1,190 @@
+"""One request's state while it is served: its tokens, text, stop rules, slot, controller, drafter and stats.
+
+A :class:`Sequence` is what the scheduler queues and the executor steps. :meth:`Sequence.append` takes a
+step's verified tokens and applies the end rules exactly where plain decoding would stop (an
+end-of-sequence id, the token that completes a stop string, the token budget), so that a request's
+tokens do not depend on how they were grouped into steps.
+
+It does not run models, draft or verify (``executor.py``), nor decide when it runs (``scheduler.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence as Seq
+
+import torch
+
+from specdecode.control import GammaController
+from specdecode.drafters.base import Drafter
+from specdecode.sampling import SamplingParams
+from specdecode.stats import RequestStats
+from specdecode.text import Detokenizer, find_stop, stream_safe_length
+
+FINISH_REASONS = ("eos", "stop", "length", "cancelled", "error")
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a client asked for, checked (see ``prompts.encode_request``).
+
+    Args:
+        prompt_ids: the prompt's token ids (non-empty, in the vocabulary).
+        sampling: temperature / top-k / top-p / seed.
+        max_new_tokens: generation budget (>= 1).
+        stop: strings that end generation (the text is cut before them).
+        eos: ids that end generation (kept in ``token_ids``, left out of the text).
+    """
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    eos: frozenset[int] = frozenset()
+
+
+@dataclass
+class Output:
+    """What one step produced for one sequence.
+
+    Args:
+        token_ids: tokens appended this step.
+        text: text that may be shown now (held back while it could still become a stop string).
+        finish_reason: set on the sequence's last output (one of FINISH_REASONS).
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request being served. Created by the executor's ``submit``; read-only for everyone else.
+
+    Args:
+        request: the checked request.
+        tokenizer: decodes the text (None: token ids only).
+        on_output: called with every :class:`Output` (from the thread that steps the executor).
+    """
+
+    request: Request
+    tokenizer: object | None = None
+    on_output: Callable[["Sequence", Output], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    slot: int | None = None
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None  # what failed, when finish_reason is "error"
+    stats: RequestStats = field(default_factory=RequestStats)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    # Set by the executor when the sequence starts running.
+    controller: GammaController | None = None
+    drafter: Drafter | None = None
+    generator: torch.Generator | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokens: list[int] = list(self.request.prompt_ids)
+        self.detokenizer = Detokenizer(self.tokenizer, self.request.eos)
+        self._shown = 0  # characters of text already handed out
+        self.stats.prompt_tokens = len(self.tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - len(self.generated)
+
+    @property
+    def text(self) -> str:
+        """The final text (stop string and end-of-sequence tokens excluded); the text so far while running."""
+        text = self.detokenizer.text
+        cut = find_stop(text, self.request.stop)
+        return text if cut is None else text[:cut]
+
+    def append(self, tokens: Iterable[int]) -> list[int]:
+        """Adds a step's tokens up to the first that ends generation; returns those kept.
+
+        Ends with "eos" at an end-of-sequence id, "stop" at the token that completes a stop string,
+        "length" when the budget is spent.
+        """
+        if self.finished:
+            raise RuntimeError(f"sequence {self.id} has finished ({self.finish_reason}); it takes no more tokens")
+        kept = []
+        for token in tokens:
+            if self.remaining <= 0:
+                break
+            kept.append(token)
+            self.generated.append(token)
+            self.tokens.append(token)
+            before = len(self.detokenizer.text)
+            new = self.detokenizer.add(token)
+            if token in self.request.eos:
+                self.finish_reason = "eos"
+            elif new and find_stop(self.detokenizer.text, self.request.stop, before) is not None:
+                self.finish_reason = "stop"
+            elif self.remaining == 0:
+                self.finish_reason = "length"
+            if self.finished:
+                break
+        if kept and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        return kept
+
+    def finish(self, reason: str) -> None:
+        """Ends the sequence early ("cancelled" or "error") unless it already ended."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+
+    def output(self, tokens: list[int]) -> Output:
+        """The :class:`Output` of a step that appended ``tokens``: the newly showable text."""
+        if self.finished:
+            self.detokenizer.flush()
+            visible = len(self.text)
+        else:
+            visible = stream_safe_length(self.detokenizer.text, self.request.stop)
+        text = self.text[self._shown:visible] if self.finished else self.detokenizer.text[self._shown:visible]
+        self._shown = max(self._shown, visible)
+        return Output(tokens, text, self.finish_reason)
+
+
+def prompt_ids(prompt: str | Seq[int], tokenizer, vocab_size: int, context: int, max_new_tokens: int,
+               context_name: str = "the model's context length") -> list[int]:
+    """The prompt's token ids, checked: non-empty, in the vocabulary, and with room for ``max_new_tokens``.
+
+    Args:
+        prompt: text (tokenized without special tokens) or token ids.
+        tokenizer: needed for a text prompt.
+        vocab_size: ids must be below it.
+        context: the model's context length (prompt + new tokens must fit).
+        max_new_tokens: the generation budget (>= 1).
+        context_name: what ``context`` is, for the error message.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if tokenizer is None:
+            raise ValueError("a text prompt needs an engine with a tokenizer")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty (no tokens)")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be in 0..{vocab_size - 1}")
+    if len(ids) + max_new_tokens > context:
+        raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
+                         f"{context_name} ({context} tokens)")
+    return ids

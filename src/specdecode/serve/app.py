@@ -1,0 +1,289 @@
+"""The OpenAI-compatible HTTP API over an :class:`~specdecode.serve.loop.EngineLoop` (FastAPI).
+
+Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (JSON or SSE streaming; n = 1),
+``GET /v1/models``, ``/health`` and ``/metrics`` (Prometheus, vLLM's names). Bad input gets a 400 with
+an OpenAI-style error body naming the field (``{"error": {"message", "type", "param", "code"}}``); a
+full queue a 429 with ``Retry-After``; a client that goes away cancels its request, which frees its KV
+slot at the next step. Each response's ``usage`` carries the request's speculation figures.
+
+It does not step the engine (``loop.py``) nor parse command lines (``command.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdecode.batch.scheduler import QueueFullError
+from specdecode.batch.sequence import Output, Sequence
+from specdecode.sampling import SamplingParams
+from specdecode.serve.loop import EngineLoop
+from specdecode.serve.metrics import ServeMetrics
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's API does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # an extension (vLLM's): 0 or -1 = off
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, max(0, self.top_k), self.top_p, self.seed)
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise APIError(400, "stop strings must not be empty", "stop")
+        return stops
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class _Handle:
+    """One request's outputs, moved from the engine's thread to the event loop's."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.outputs: asyncio.Queue[Output] = asyncio.Queue()
+        self.seq: Sequence | None = None
+
+    def on_output(self, seq: Sequence, output: Output) -> None:
+        self._loop.call_soon_threadsafe(self.outputs.put_nowait, output)
+
+
+def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, lifespan=None) -> FastAPI:
+    """The FastAPI application serving ``loop``'s engine under ``model_name``; ``lifespan`` starts and stops
+    the loop with the server (see ``command.py``)."""
+    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, lifespan=lifespan)
+    engine = loop.engine
+    tokenizer = engine.tokenizer
+    created = int(time.time())
+    app.state.accepting = True
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": None}},
+                            status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            message, param = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+        else:
+            param = ".".join(where) or None
+            message = f"{param or 'body'}: {first['msg']}" + ("" if "input" not in first or param is None else
+                                                             f" (got {json.dumps(first['input'], default=str)[:80]})")
+        return await api_error(request, APIError(400, message, param))
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(400, f"model {name!r} is not served here; this server serves {model_name!r}", "model")
+
+    def budget(body: _Sampling, prompt_len: int) -> int:
+        asked = body.max_completion_tokens or body.max_tokens
+        room = engine.max_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt is {prompt_len} tokens; this server holds at most {engine.max_len} "
+                                "tokens per request (prompt + completion)", "prompt")
+        if asked is not None and asked > room:
+            raise APIError(400, f"max_tokens {asked} plus the prompt's {prompt_len} tokens exceed the "
+                                f"{engine.max_len} tokens this server holds per request", "max_tokens")
+        return asked or room
+
+    async def start(ids: list[int], body: _Sampling) -> _Handle:
+        if not app.state.accepting or not loop.alive:
+            raise APIError(503, "the server is shutting down", kind="service_unavailable")
+        handle = _Handle()
+        future = loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(),
+                             max_new_tokens=budget(body, len(ids)), stop=body.stops())
+        try:
+            handle.seq = await asyncio.wrap_future(future)
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), kind="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt")
+        return handle
+
+    async def outputs(handle: _Handle, request: Request) -> AsyncIterator[Output]:
+        """The request's outputs until its last; cancels it if the client goes away."""
+        try:
+            while True:
+                try:
+                    out = await asyncio.wait_for(handle.outputs.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            if not handle.seq.finished:
+                loop.cancel(handle.seq)
+
+    def usage(seq: Sequence) -> dict[str, Any]:
+        s = seq.stats
+        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(seq.generated),
+                "total_tokens": s.prompt_tokens + len(seq.generated),
+                "speculation": {"drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+                                "mean_accepted_length": round(s.mean_accepted_length, 4)}}
+
+    def failed(seq: Sequence) -> APIError:
+        return APIError(500, f"generation failed: {seq.error}", kind="server_error")
+
+    def encode_prompt(prompt: str | list[str] | list[int]) -> list[int]:
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise APIError(400, f"one prompt per request (n = 1); got {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt) if prompt else []
+        else:
+            ids = list(prompt)
+            vocab = engine.target.config.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty", "prompt")
+        return ids
+
+    def encode_chat(messages: list[ChatMessage]) -> list[int]:
+        if not tokenizer.chat_template:
+            raise APIError(400, f"model {model_name!r} has no chat template; use /v1/completions", "messages")
+        rendered = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
+                     else "".join(part.text for part in m.content)} for m in messages]
+        return tokenizer.encode(tokenizer.apply_chat_template(rendered))
+
+    def sse(payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def respond(request: Request, body: _Sampling, ids: list[int], chat: bool) -> Response:
+        handle = await start(ids, body)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        kind = "chat.completion" if chat else "text_completion"
+        base = {"id": rid, "created": int(time.time()), "model": model_name}
+        if not body.stream:
+            text = []
+            async for out in outputs(handle, request):
+                text.append(out.text)
+            seq = handle.seq
+            if seq.finish_reason == "error":
+                raise failed(seq)
+            if seq.finish_reason == "cancelled":
+                return Response(status_code=499)  # the client is gone: nobody reads this
+            content = "".join(text)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if chat else
+                      {"index": 0, "text": content, "logprobs": None})
+            choice["finish_reason"] = FINISH[seq.finish_reason]
+            return JSONResponse({**base, "object": kind, "choices": [choice], "usage": usage(seq)})
+
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+                if text:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {**base, "object": chunk_kind, "choices": [choice]}
+
+        async def events() -> AsyncIterator[str]:
+            if chat:
+                yield sse(chunk(None, None, first=True))
+            async for out in outputs(handle, request):
+                if out.finish_reason == "error":
+                    err = failed(handle.seq)
+                    yield sse({"error": {"message": err.message, "type": err.kind, "param": None, "code": None}})
+                    break
+                finish = FINISH[out.finish_reason] if out.finish_reason else None
+                if out.text or finish:
+                    yield sse(chunk(out.text, finish))
+            if include_usage and handle.seq.finish_reason not in ("error", "cancelled"):
+                yield sse({**base, "object": chunk_kind, "choices": [], "usage": usage(handle.seq)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        check_model(body.model)
+        return await respond(request, body, encode_prompt(body.prompt), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest) -> Response:
+        check_model(body.model)
+        return await respond(request, body, encode_chat(body.messages), chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "specdecode", "max_model_len": engine.max_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not loop.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app

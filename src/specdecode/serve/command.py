@@ -1,0 +1,92 @@
+"""``specdecode serve``: load a model, build the batch engine and serve the OpenAI-compatible API with uvicorn.
+
+Flags as for ``generate`` where they apply (model, kernel path, drafter, gamma, KV cache), plus the
+server's (``--host``, ``--port``) and the scheduler's (``--max-running``, ``--max-waiting``,
+``--max-rows``, ``--max-len``). It does not define the API (``app.py``) or the step loop (``loop.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, ngram_sizes, positive_int
+from specdecode.batch.executor import BATCHED_DRAFTERS, BatchEngine
+from specdecode.batch.scheduler import SchedulerConfig
+from specdecode.control import GAMMA_POLICIES
+from specdecode.drafters import DRAFTERS, make_drafter
+from specdecode.engine import SpeculativeConfig
+
+SHUTDOWN_GRACE_S = 30  # running requests may finish for this long after SIGTERM, then they are cancelled
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: the --model value)")
+    p.add_argument("--drafter", choices=DRAFTERS, default="ngram",
+                   help=f"how to draft; batched serving supports {', '.join(BATCHED_DRAFTERS)} and none (default ngram)")
+    p.add_argument("--ngram", type=ngram_sizes, default=(1, 3), help="min,max n-gram sizes (default 1,3)")
+    p.add_argument("--gamma", type=gamma, default="adaptive",
+                   help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)} (default adaptive)")
+    p.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
+    p.add_argument("--controller-file", default=None, metavar="FILE",
+                   help="acceptance models for --gamma confidence|adaptive (default: the shipped one)")
+    p.add_argument("--max-running", type=positive_int, default=4,
+                   help="requests decoded together, each holding one KV slot of --max-len tokens (default 4)")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="requests queued beyond those; more are refused with 429 (default 64)")
+    p.add_argument("--max-rows", type=positive_int, default=32,
+                   help="rows (fed tokens + drafts) per target forward; drafts shrink to fit (default 32)")
+    p.add_argument("--max-len", type=positive_int, default=None,
+                   help="tokens per request, prompt + completion (default: the model's context, at most 4096)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_kv_arguments(p)
+
+
+def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    try:
+        import uvicorn
+
+        from specdecode.serve.app import build_app
+    except ImportError as exc:
+        raise ValueError(f"specdecode serve needs the serve extra ({exc.name} is missing): "
+                         "pip install 'specdecode[serve]'") from None
+    from specdecode.models.build import load_model
+    from specdecode.serve.loop import EngineLoop
+    from specdecode.serve.metrics import ServeMetrics
+
+    if args.drafter not in ("none", *BATCHED_DRAFTERS):
+        raise ValueError(f"--drafter {args.drafter}: batched serving supports {', '.join(BATCHED_DRAFTERS)} or none "
+                         "so far (the others keep per-request state in a model cache)")
+    scheduler = SchedulerConfig(args.max_running, args.max_waiting, args.max_rows)
+    spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)
+    cache, _ = cache_configs(args, draft=False)
+    loaded = load_model(args.model, args.dtype, args.device, progress=log, linear=args.linear)
+    new_drafter = None
+    if args.drafter != "none":
+        def new_drafter():
+            return make_drafter(args.drafter, loaded.model, ngram_sizes=args.ngram)
+    name = args.served_model_name or args.model
+    metrics = ServeMetrics(name)
+    engine = BatchEngine(loaded.model, loaded.tokenizer, new_drafter, spec, cache, scheduler, args.max_len)
+    log(f"warming up ({args.max_running} slots of {engine.max_len} tokens, KV {engine.cache.nbytes / 2**20:.0f} MiB) ...")
+    engine.warmup()
+    engine.observer = metrics  # the warm-up request is not counted
+    loop = EngineLoop(engine, on_step=lambda e: metrics.gauges(len(e.scheduler.running), len(e.scheduler.waiting),
+                                                               e.kv_usage))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        yield
+        app.state.accepting = False
+        loop.stop(timeout=SHUTDOWN_GRACE_S)
+
+    app = build_app(loop, name, metrics, lifespan=lifespan)
+    log(f"serving {name} on http://{args.host}:{args.port}/v1 (drafter {args.drafter}, gamma {args.gamma})")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    return 0

@@ -1,0 +1,89 @@
+"""Prometheus metrics of a served engine, under vLLM's names so that existing dashboards work.
+
+Updated from the thread that steps the engine (``loop.py``): one call per sequence per step, and one
+per step for the gauges. Counters end in ``_total`` as exposed (prometheus_client appends it).
+
+It does not serve HTTP (``app.py`` exposes :meth:`ServeMetrics.render` at ``/metrics``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+from specdecode.batch.sequence import Sequence
+from specdecode.control import StepRecord
+
+disable_created_metrics()  # no ``*_created`` series, as vLLM's /metrics
+
+# Seconds; vLLM's buckets for these two histograms, cut to the range a CPU engine sees.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+
+
+class ServeMetrics:
+    """The server's metrics in a registry of their own (so that several servers in one process stay apart).
+
+    Args:
+        model_name: the ``model_name`` label every series carries.
+    """
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self._drafts = Counter("vllm:spec_decode_num_drafts", "Steps that verified a draft.", labels, registry=r)
+        self._draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens.", labels, registry=r)
+        self._accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Accepted draft tokens.", labels, registry=r)
+        self._accepted_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens by draft position (0-based).", labels + ["position"],
+                                     registry=r)
+        self._running = Gauge("vllm:num_requests_running", "Requests being decoded.", labels, registry=r)
+        self._waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a KV slot.", labels, registry=r)
+        self._kv = Gauge("vllm:kv_cache_usage_perc", "Share of the KV cache's token room in use (0..1).", labels,
+                         registry=r)
+        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first generated token.", labels,
+                               buckets=TTFT_BUCKETS, registry=r)
+        self._itl = Histogram("vllm:inter_token_latency_seconds",
+                              "Time between a request's successive steps that produced tokens.", labels,
+                              buckets=ITL_BUCKETS, registry=r)
+        self._prompt = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests.", labels, registry=r)
+        self._generated = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=r)
+        self._label = {"model_name": model_name}
+        self._last: dict[int, float] = {}  # sequence id -> when its previous tokens came
+
+    def admitted(self, seq: Sequence) -> None:
+        self._prompt.labels(**self._label).inc(len(seq.request.prompt_ids))
+
+    def stepped(self, seq: Sequence, record: StepRecord, emitted: int, now: float) -> None:
+        """One sequence's step: its draft, what was accepted and the tokens it emitted at ``now``."""
+        label = self._label
+        if record.drafted:
+            self._drafts.labels(**label).inc()
+            self._draft_tokens.labels(**label).inc(record.drafted)
+            self._accepted.labels(**label).inc(record.accepted)
+            for position in range(record.accepted):
+                self._accepted_pos.labels(position=str(position), **label).inc()
+        if emitted:
+            self._generated.labels(**label).inc(emitted)
+            previous = self._last.get(seq.id)
+            if previous is None:
+                self._ttft.labels(**label).observe(now - seq.arrival)
+            else:
+                self._itl.labels(**label).observe(now - previous)
+            self._last[seq.id] = now
+
+    def finished(self, seq: Sequence) -> None:
+        self._last.pop(seq.id, None)
+
+    def gauges(self, running: int, waiting: int, kv_usage: float) -> None:
+        self._running.labels(**self._label).set(running)
+        self._waiting.labels(**self._label).set(waiting)
+        self._kv.labels(**self._label).set(kv_usage)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

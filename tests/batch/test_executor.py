@@ -1,0 +1,105 @@
+"""The batch executor on tiny random models: each request's greedy tokens are bitwise those it gets served alone,
+under every cache setting and row budget; cancelling frees the slot for the next request; bad input is named."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.batch.executor import BatchEngine
+from specdecode.batch.scheduler import QueueFullError, SchedulerConfig
+from specdecode.drafters import LayerSkipDrafter, NgramDrafter
+from specdecode.engine import Engine, SpeculativeConfig
+from specdecode.kv.cache import CacheConfig
+from specdecode.models.transformer import Transformer
+from tiny_models import varied_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [
+    [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8],  # repetitive: n-gram lookup proposes from the start
+    [90, 3, 17, 44, 2, 60, 5, 71, 33, 12, 19, 64],
+    [5],
+    [11, 12, 13, 14, 11, 12, 13, 14, 11, 12],
+    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60],
+    [3, 3, 3, 3, 3, 3],
+    [70, 20, 70, 21, 70, 22, 70],
+]
+BUDGETS = [30, 7, 25, 40, 12, 33, 18]  # different lengths, so sequences finish and slots are reused mid-run
+SETTINGS = {
+    "auto": CacheConfig(),
+    "int8": CacheConfig(kv_dtype="int8", group_size=4, residual=4, prefill_chunk=8),
+    "int4-window": CacheConfig(kv_dtype="int4", window=12, sinks=2, group_size=2, residual=4, prefill_chunk=8),
+    "window": CacheConfig(window=6, sinks=2, evict_chunk=3, prefill_chunk=8),
+    "prefix": CacheConfig(prefix_cache=True, prefill_chunk=4),
+}
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return varied_model(0)
+
+
+def _requests():
+    return [dict(prompt=p, max_new_tokens=n, eos_token_ids=()) for p, n in zip(PROMPTS, BUDGETS)]
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("kind", ["none", "ngram"])
+def test_batched_greedy_output_equals_each_request_served_alone(target, setting, kind):
+    cache = SETTINGS[setting]
+    new = NgramDrafter if kind == "ngram" else None
+    solo = Engine(target, drafter=new() if new else None, spec=SpeculativeConfig(gamma=4), cache=cache)
+    want = [solo.generate(**r).token_ids for r in _requests()]
+    engine = BatchEngine(target, new_drafter=new, spec=SpeculativeConfig(gamma=4), cache=cache,
+                         scheduler=SchedulerConfig(max_running=3), max_len=96)
+    for _ in range(2):  # the second round reuses the slots (and the prefix cache)
+        results = engine.run(_requests())
+        assert [r.token_ids for r in results] == want, (setting, kind)
+        assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
+    if kind == "ngram":
+        assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were verified, and some kept
+    assert engine.scheduler.slots.free == 3 and all(t.referenced == 0 for t in engine.memory.prefixes.values())
+
+
+def test_a_tight_row_budget_shortens_drafts_and_changes_no_token(target):
+    want = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=6),
+                       scheduler=SchedulerConfig(max_running=4, max_rows=32), max_len=96).run(_requests())
+    tight = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=6),
+                        scheduler=SchedulerConfig(max_running=4, max_rows=5), max_len=96).run(_requests())
+    assert [r.token_ids for r in tight] == [r.token_ids for r in want]
+    assert sum(r.stats.drafted_tokens for r in tight) < sum(r.stats.drafted_tokens for r in want)
+
+
+def test_cancel_frees_the_slot_for_the_next_request_and_ends_its_stream(target):
+    engine = BatchEngine(target, scheduler=SchedulerConfig(max_running=2), max_len=96)
+    outputs = {}
+    seqs = [engine.submit(p, max_new_tokens=20, eos_token_ids=(),
+                          on_output=lambda s, o: outputs.setdefault(s.id, []).append(o)) for p in PROMPTS[:3]]
+    engine.step()
+    assert [s.slot for s in seqs] == [0, 1, None]
+    engine.cancel(seqs[0])
+    assert seqs[0].finish_reason == "cancelled" and outputs[seqs[0].id][-1].finish_reason == "cancelled"
+    engine.step()
+    assert seqs[2].slot == 0  # the cancelled request's slot, reused within one step
+    while engine.has_work:
+        engine.step()
+    assert len(seqs[0].generated) == 1 and len(seqs[1].generated) == len(seqs[2].generated) == 20
+    alone = Engine(target).generate(PROMPTS[2], max_new_tokens=20, eos_token_ids=())
+    assert seqs[2].generated == alone.token_ids  # the reused slot holds nothing of the cancelled request
+    assert engine.scheduler.slots.free == 2
+    assert [o.finish_reason for o in outputs[seqs[1].id]].count("length") == 1
+
+
+def test_bad_input_and_a_full_queue_are_refused_with_the_reason(target):
+    engine = BatchEngine(target, scheduler=SchedulerConfig(max_running=1, max_waiting=0), max_len=32)
+    with pytest.raises(ValueError, match=r"exceeds the engine's max_len per sequence \(32 tokens\)"):
+        engine.submit([1] * 30, max_new_tokens=8)
+    with pytest.raises(ValueError, match="stop strings need an engine with a tokenizer"):
+        engine.submit([1, 2], max_new_tokens=8, stop="x")
+    engine.submit([1, 2], max_new_tokens=8)
+    with pytest.raises(QueueFullError, match="queue is full"):
+        engine.submit([1, 2], max_new_tokens=8)
+    with pytest.raises(ValueError, match="drafter 'layerskip' cannot serve a batch yet"):
+        BatchEngine(target, new_drafter=lambda: LayerSkipDrafter(target, [1]))
+    with pytest.raises(ValueError, match=r"max_len must be in 1..512"):
+        BatchEngine(target, max_len=1000)

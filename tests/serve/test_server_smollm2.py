@@ -1,0 +1,249 @@
+"""`specdecode serve` for real: a server process on 127.0.0.1 serving SmolLM2, driven by the official `openai`
+client and by raw HTTP. Greedy answers under concurrency equal a solo `generate`; streams equal non-streamed
+answers; a dropped stream frees its slot; bad input gets a 400 naming the field; a full queue a 429; a bounded
+load test answers every request once with flat memory; SIGTERM lets running requests finish and exits cleanly.
+
+The tests share one server and run in file order (the SIGTERM test last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.integration
+
+MODEL = "smollm2"
+MAX_RUNNING, MAX_WAITING = 4, 8
+PROMPTS = ["def quicksort(items):", "The three primary colors are", "Once upon a time, in a small village,",
+           "import numpy as np\n\ndef normalize(v):", "Q: What is the boiling point of water?\nA:",
+           "List of planets: Mercury, Venus,", "SELECT name, age FROM users WHERE", "Dear team, I am writing to"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdecode.cli", "serve", "--model", str(smollm2_path), "--served-model-name", MODEL,
+         "--port", str(port), "--threads", "2", "--max-running", str(MAX_RUNNING), "--max-waiting", str(MAX_WAITING),
+         "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the server did not come up within 180 s")
+    yield proc, base
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def solo(smollm2):
+    """A solo, in-process ``generate`` with the same model file: what each served greedy answer must equal."""
+    from specdecode.engine import Engine
+
+    engine = Engine(smollm2.model, smollm2.tokenizer)
+    return lambda prompt, n: engine.generate(prompt, max_new_tokens=n).text
+
+
+def _post(base: str, path: str, body: bytes | dict) -> tuple[int, dict, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def _metric(base: str, name: str) -> float:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    return sum(values)
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with urllib.request.urlopen(server[1] + "/health") as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+
+
+def test_completion_streamed_and_not_equal_a_solo_generate(client, solo):
+    want = solo(PROMPTS[0], 48)
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=48, temperature=0)
+    assert full.choices[0].text == want and full.choices[0].finish_reason in ("stop", "length")
+    spec = full.usage.model_extra["speculation"]
+    assert full.usage.completion_tokens == 48 or full.choices[0].finish_reason == "stop"
+    assert set(spec) == {"drafted_tokens", "accepted_tokens", "mean_accepted_length"}
+    assert spec["mean_accepted_length"] >= 1.0
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=48, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+
+def test_chat_streamed_and_not(client, smollm2, solo):
+    messages = [{"role": "user", "content": "Name three fruits, comma separated."}]
+    prompt = smollm2.tokenizer.apply_chat_template(messages)
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
+    assert full.choices[0].message.content == solo(prompt, 32) and full.choices[0].message.role == "assistant"
+    pieces = [c.choices[0].delta.content or "" for c in
+              client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0, stream=True)]
+    assert "".join(pieces) == full.choices[0].message.content
+
+
+def test_stop_strings_and_seeded_sampling(client):
+    out = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=30, temperature=0, stop=["7"])
+    assert "7" not in out.choices[0].text and out.choices[0].finish_reason == "stop"
+    runs = [client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0.9, seed=11)
+            .choices[0].text for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_concurrent_greedy_requests_each_equal_a_solo_generate(client, solo):
+    def ask(prompt):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0).choices[0].text
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(ask, PROMPTS))
+    assert answers == [solo(p, 40) for p in PROMPTS]
+
+
+def test_a_dropped_stream_frees_its_slot(client, server):
+    base = server[1]
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=2000, temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert _metric(base, "vllm:num_requests_running") == 1
+    stream.close()
+    deadline = time.monotonic() + 10
+    while _metric(base, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the dropped stream still holds its slot after 10 s"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    (b'{"model": "smollm2", "prompt": ', None, "not valid JSON"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature", "valid number"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"model": MODEL}, "prompt", "Field required"),
+    ({"model": "gpt-4", "prompt": "x"}, "model", "is not served here"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, "max_tokens", "exceed the 4096 tokens"),
+    ({"model": MODEL, "prompt": "word " * 5000}, "prompt", "at most 4096 tokens"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, "n", "less than or equal to 1"),
+    ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "must not be empty"),
+    ({"model": MODEL, "prompt": [1, 10 ** 9]}, "prompt", "token ids must be in"),
+])
+def test_bad_requests_get_a_400_naming_the_field(server, body, param, fragment):
+    status, _, reply = _post(server[1], "/v1/completions", body)
+    assert status == 400 and reply["error"]["param"] == param and fragment in reply["error"]["message"], reply
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_with_a_wrong_message_shape_gets_a_400(server):
+    status, _, reply = _post(server[1], "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot"}]})
+    assert status == 400 and reply["error"]["param"].startswith("messages.0.role"), reply
+
+
+def test_a_full_queue_answers_429_with_retry_after(server):
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 48, "temperature": 0}
+    with ThreadPoolExecutor(24) as pool:
+        replies = list(pool.map(lambda _: _post(server[1], "/v1/completions", body), range(24)))
+    statuses = [status for status, _, _ in replies]
+    assert set(statuses) == {200, 429} and statuses.count(200) >= MAX_RUNNING + MAX_WAITING, statuses
+    refused = next(r for r in replies if r[0] == 429)
+    assert refused[1].get("retry-after") == "1" or refused[1].get("Retry-After") == "1"
+    assert refused[2]["error"]["type"] == "rate_limit_exceeded"
+    answers = {r[2]["choices"][0]["text"] for r in replies if r[0] == 200}
+    assert len(answers) == 1  # every admitted request got the same greedy answer
+
+
+def test_bounded_load_every_request_answered_once_no_leaks_flat_memory(client, server):
+    proc, base = server
+    generated_before = _metric(base, "vllm:generation_tokens_total")
+    rss_before = _rss_bytes(proc.pid)
+    start = time.monotonic()
+
+    def ask(i):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)] + f" ({i})", max_tokens=8,
+                                      temperature=0)
+        return i, r.id, r.usage.completion_tokens
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(200)))
+    elapsed = time.monotonic() - start
+    assert sorted(i for i, _, _ in results) == list(range(200)) and len({rid for _, rid, _ in results}) == 200
+    assert elapsed < 120, f"200 requests took {elapsed:.0f} s"
+    assert _metric(base, "vllm:generation_tokens_total") - generated_before == sum(n for _, _, n in results)
+    assert _metric(base, "vllm:num_requests_running") == 0 and _metric(base, "vllm:num_requests_waiting") == 0
+    assert _metric(base, "vllm:kv_cache_usage_perc") == 0
+    grown = _rss_bytes(proc.pid) - rss_before
+    assert grown < 64 * 2 ** 20, f"the server's memory grew by {grown / 2 ** 20:.0f} MiB over 200 requests"
+
+
+def test_metrics_count_speculation(server):
+    base = server[1]
+    drafted = _metric(base, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _metric(base, "vllm:spec_decode_num_accepted_tokens_total")
+    by_position = _metric(base, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    assert drafted > 0 and 0 < accepted <= drafted and by_position == accepted
+    assert _metric(base, "vllm:time_to_first_token_seconds_count") > 200
+    assert _metric(base, "vllm:prompt_tokens_total") > 0
+
+
+def test_sigterm_lets_running_requests_finish_and_exits_cleanly(client, server):
+    proc, base = server
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(lambda p=p: client.completions.create(model=MODEL, prompt=p, max_tokens=64,
+                                                                     temperature=0)) for p in PROMPTS[:2]]
+        deadline = time.monotonic() + 30
+        while _metric(base, "vllm:num_requests_running") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        answers = [f.result() for f in running]
+    assert all(a.usage.completion_tokens == 64 or a.choices[0].finish_reason == "stop" for a in answers)
+    # uvicorn shuts down gracefully, then re-raises the signal: exit status -SIGTERM, as for any program it stops.
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    output = proc.stdout.read()
+    assert "Traceback" not in output and "ERROR" not in output, output
