@@ -1,4 +1,4 @@
-"""Command line: ``specdecode generate | serve | bench | models | calibrate-layerskip | fit-controller | train-head``.
+"""Command line: ``specdecode generate | serve | bench | bench-serve | models | calibrate-layerskip | fit-controller | train-head``.
 
 Parsing, loading and printing only; the loop lives in ``engine.py``. Every user error ends with one
 line ``specdecode: error: ...`` on stderr and exit status 2.
@@ -24,6 +24,7 @@ from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, calibrate_and_sto
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.heads import no_head_message, shipped_head
 from specdecode.heads.command import add_arguments as add_head_arguments
+from specdecode.bench.serve_command import add_arguments as add_bench_serve_arguments
 from specdecode.serve.command import add_arguments as add_serve_arguments
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import DEVICES, DRAFT_QUANT, LoadedModel, load_model, resolve_device
@@ -109,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--l2", type=float, default=1.0, help="L2 penalty on the standardised weights (default 1)")
     f.add_argument("--merge", default=None, metavar="FILE",
                    help="keep this controller file's models for the drafters the records do not cover")
+
+    bs = sub.add_parser("bench-serve", help="load-test the server: plain vs speculative decoding at several concurrencies")
+    _model_args(bs, device=False)
+    add_bench_serve_arguments(bs)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible API with continuous batching and speculation")
     _model_args(s)
@@ -270,6 +275,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from specdecode.bench.serve_command import run_command
+
+    return run_command(args, _log)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from specdecode.serve.command import run_command
 
@@ -283,7 +294,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "models": cmd_models, "calibrate-layerskip": cmd_calibrate,
-            "fit-controller": cmd_fit_controller, "train-head": cmd_train_head, "serve": cmd_serve}
+            "fit-controller": cmd_fit_controller, "train-head": cmd_train_head, "serve": cmd_serve,
+            "bench-serve": cmd_bench_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

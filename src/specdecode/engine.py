@@ -20,7 +20,6 @@ from specdecode.drafters.base import Draft, Drafter
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
-from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from specdecode.stats import RequestStats
@@ -166,9 +165,9 @@ class Engine:
         self.generated: list[int] = []
         self._eos: frozenset[int] = frozenset()
         self._step_s: dict[int, float] = {}  # decode-step seconds by context length bucket
-        # oneDNN and F.linear round a one-row matmul (GEMV) differently from a multi-row one (GEMM), so
-        # there every forward gets at least two rows; our kernels' rows are alike at any count.
-        self._min_rows = 1 if target.linear_kernel in NATIVE_KERNELS else 2
+        # Off our kernels a one-row forward rounds differently from a multi-row one (Transformer.row_invariant),
+        # so there every forward gets at least two rows.
+        self._min_rows = 1 if target.row_invariant else 2
         self._padded_rows: dict[int, int] = {}  # rows needed -> rows run (tune_rows); default: _min_rows
         # Target layers whose features the drafter reads (trained heads), handed over through its observe().
         self._features: tuple[int, ...] = tuple(getattr(drafter, "feature_layers", ()))
@@ -180,7 +179,7 @@ class Engine:
         with the row count (tuning there picks timing noise: seen padding 2-4 rows to 5 on SmolLM2), and
         times the verification curve for the cost-aware controllers (:meth:`seed_costs`)."""
         self.generate([0] * 8, max_new_tokens=8, eos_token_ids=())
-        if self.target.linear_kernel not in NATIVE_KERNELS:
+        if not self.target.row_invariant:
             self.tune_rows()
         self.seed_costs()
 
@@ -317,7 +316,8 @@ class Engine:
         if self.drafter is not None:
             self.drafter.reset(self.cache, prompt_ids, self.memory)
         observe = getattr(self.drafter, "observe", None)  # drafters that read the target's features
-        stats.prefix_hit_tokens = prefill(self.cache, 0, seq[:-1], self.target, prefix, self._features, observe)
+        stats.prefix_hit_tokens = prefill(self.cache, 0, seq[:-1], self.target, prefix, self._features, observe,
+                                          invariant_rows=self.target.row_invariant)
         _synchronize(self.target.device)
         stats.prefill_s = time.perf_counter() - start
         finish = "length"

@@ -4,12 +4,15 @@ under every cache setting and row budget; cancelling frees the slot for the next
 from __future__ import annotations
 
 import pytest
+import torch
 
+from kernel_paths import path_params, require_path
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import QueueFullError, SchedulerConfig
 from specdecode.drafters import LayerSkipDrafter, NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer
 from tiny_models import varied_model
 
@@ -61,11 +64,29 @@ def test_batched_greedy_output_equals_each_request_served_alone(target, setting,
     assert engine.scheduler.slots.free == 3 and all(t.referenced == 0 for t in engine.memory.prefixes.values())
 
 
+@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("kind", ["none", "ngram"])
+def test_prompts_prefilled_inside_decode_steps_change_no_token(path, kind):
+    """On our kernels prompts are prefilled a few rows per step, in the same forwards as other sequences'
+    decode rows; every request still gets, bitwise, what it gets alone."""
+    require_path(path)
+    model = varied_model(0, dtype=torch.bfloat16)
+    model.pack_weights(path)
+    new = NgramDrafter if kind == "ngram" else None
+    solo = Engine(model, drafter=new() if new else None, spec=SpeculativeConfig(gamma=4))
+    want = [solo.generate(**r).token_ids for r in _requests()]
+    for rows, least in ((16, 4), (7, 1)):  # prompts in chunks of up to 12 rows, or a row at a time
+        engine = BatchEngine(model, new_drafter=new, spec=SpeculativeConfig(gamma=4), max_len=96,
+                             scheduler=SchedulerConfig(max_running=4, max_rows=rows, min_prefill_rows=least))
+        assert engine._chunked_prefill
+        assert [r.token_ids for r in engine.run(_requests())] == want, (path, kind, rows)
+
+
 def test_a_tight_row_budget_shortens_drafts_and_changes_no_token(target):
     want = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=6),
-                       scheduler=SchedulerConfig(max_running=4, max_rows=32), max_len=96).run(_requests())
+                       scheduler=SchedulerConfig(max_running=4, max_rows=40), max_len=96).run(_requests())
     tight = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=6),
-                        scheduler=SchedulerConfig(max_running=4, max_rows=5), max_len=96).run(_requests())
+                        scheduler=SchedulerConfig(max_running=4, max_rows=6, min_prefill_rows=1), max_len=96).run(_requests())
     assert [r.token_ids for r in tight] == [r.token_ids for r in want]
     assert sum(r.stats.drafted_tokens for r in tight) < sum(r.stats.drafted_tokens for r in want)
 

@@ -29,11 +29,10 @@ from specdecode.engine import SEEDED_GAMMA, GenerationResult, SpeculativeConfig,
 from specdecode.kv.cache import CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
-from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from specdecode.timing import interleaved_timings
-from specdecode.verify import Pending, verify_batch
+from specdecode.verify import Pending, Verdict, verify_batch
 
 # Drafters whose state lives outside any model cache, so one instance per sequence serves a batch.
 BATCHED_DRAFTERS = ("ngram",)
@@ -95,7 +94,11 @@ class BatchEngine:
         self._prefix = self.memory.prefix_for(target, self.cache_config)
         self._kv = kv_setting(cache, target.dtype)
         # oneDNN and F.linear round a one-row matmul differently from a multi-row one (see Engine).
-        self._min_rows = 1 if target.linear_kernel in NATIVE_KERNELS else 2
+        self._min_rows = 1 if target.row_invariant else 2
+        # Prompts are prefilled a few rows at a time inside the decode forwards where rows are computed alike in
+        # any forward (our kernels) and the cache neither compresses nor shares prefixes (those prefill in
+        # fixed chunks at admission, as the single-request engine does).
+        self._chunked_prefill = target.row_invariant and not cache.compressed and not cache.prefix_cache
         self.observer = observer
 
     @torch.inference_mode()
@@ -173,34 +176,57 @@ class BatchEngine:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Admits waiting sequences, then runs one draft-verify step for every running one."""
+        """Admits waiting sequences, then runs one forward for every running one: prompt rows of those still
+        prefilling (oldest first, within the row budget) and [last token, drafts] of those decoding."""
         for seq in self.scheduler.admit():
             self._start(seq)
         running = [s for s in self.scheduler.running if not s.finished]
         if not running:
             return
+        config = self.scheduler.config
+        pending = [s for s in running if s.prompt_pending]
+        decoding_before = [s for s in running if not s.prompt_pending]
+        reserve = config.min_prefill_rows if pending else 0
         tick = time.perf_counter()
-        contexts = [StepContext(s.remaining, len(s.tokens), self.max_len, self._cache_fill(), self._kv) for s in running]
-        wanted = [min(s.controller.next_gamma(c), s.remaining - 1, self.cache.stable_rows(s.slot) - 1)
-                  if s.drafter is not None else 0 for s, c in zip(running, contexts)]
-        ks = fit_rows(wanted, self.scheduler.config.max_rows)
+        contexts = {s: StepContext(s.remaining, len(s.tokens), self.max_len, self._cache_fill(), self._kv)
+                    for s in decoding_before}
+        wanted = [min(s.controller.next_gamma(contexts[s]), s.remaining - 1, self.cache.stable_rows(s.slot) - 1)
+                  if s.drafter is not None else 0 for s in decoding_before]
+        ks = dict(zip(decoding_before, fit_rows(wanted, config.max_rows - reserve)))
+        # Prompt rows take what the decoding rows leave, at least min_prefill_rows while a prompt waits.
+        budget = max(reserve, config.max_rows - sum(1 + k for k in ks.values()))
+        chunk: dict[Sequence, int] = {}
+        for seq in pending:
+            chunk[seq] = min(seq.prompt_pending, budget)
+            budget -= chunk[seq]
+        # A prompt finished this step decodes in the same forward (its rows follow its last prompt rows).
+        decoding = [s for s in running if s in ks or (s in chunk and chunk[s] == s.prompt_pending)]
+        for seq in decoding:
+            if seq not in ks:
+                contexts[seq] = StepContext(seq.remaining, len(seq.tokens), self.max_len, self._cache_fill(), self._kv)
+                ks[seq] = 0
         control_s = (time.perf_counter() - tick) / len(running)
-        drafts, draft_s = [], []
-        for seq, k in zip(running, ks):
+        drafts, draft_s = {}, {}
+        for seq in decoding:
             t0 = time.perf_counter()
             stop = seq.controller.stop if seq.controller.early_stop else None
-            draft = seq.drafter.propose(seq.tokens, k, seq.request.sampling, seq.generator, stop) if k else Draft([])
-            drafts.append(draft)
-            draft_s.append(time.perf_counter() - t0)
+            k = ks[seq]
+            drafts[seq] = seq.drafter.propose(seq.tokens, k, seq.request.sampling, seq.generator, stop) if k else Draft([])
+            draft_s[seq] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        verdicts = self._verify(running, drafts)
+        verdicts = self._forward(running, chunk, drafts)
         verify_s = time.perf_counter() - t1
-        for seq, ctx, k, draft, verdict, d_s in zip(running, contexts, ks, drafts, verdicts, draft_s):
+        now = time.perf_counter()
+        for seq in decoding:
+            if seq in chunk:
+                seq.stats.prefill_s = now - seq.arrival
+            draft, verdict, d_s = drafts[seq], verdicts[seq], draft_s[seq]
             self.cache.commit(seq.slot, self.cache.lengths[seq.slot])
             kept = seq.append(verdict.tokens)
             if seq.drafter is not None:
                 seq.drafter.commit(seq.tokens)
-            record = StepRecord(ctx, k, len(draft.tokens), verdict.accepted, d_s, verify_s, draft.signals)
+            record = StepRecord(contexts[seq], ks[seq], len(draft.tokens), verdict.accepted, d_s, verify_s,
+                                draft.signals)
             seq.controller.update(record)
             seq.stats.record_step(len(draft.tokens), verdict.accepted, len(kept))
             seq.stats.draft_s += d_s
@@ -213,7 +239,8 @@ class BatchEngine:
             self._emit(seq, kept)
 
     def _start(self, seq: Sequence) -> None:
-        """Prefills a newly admitted sequence's prompt into its slot and gives it a controller and a drafter."""
+        """Gives a newly admitted sequence its controller, drafter and random state, and prefills its prompt
+        now unless the decode steps take it in chunks (``_chunked_prefill``)."""
         start = time.perf_counter()
         seq.seed = seq.request.sampling.request_seed()
         seq.generator = seq.request.sampling.generator(self.target.device, seq.seed)
@@ -221,31 +248,53 @@ class BatchEngine:
         seq.drafter = self.new_drafter() if self.new_drafter is not None else None
         if seq.drafter is not None:
             seq.drafter.reset(self.cache, seq.request.prompt_ids, self.memory)
-        seq.stats.prefix_hit_tokens = prefill(self.cache, seq.slot, seq.tokens[:-1], self.target, self._prefix)
-        seq.stats.prefill_s = time.perf_counter() - start
+        prompt = seq.tokens[:-1]
+        if self._chunked_prefill:
+            self.cache.commit(seq.slot, len(prompt))  # prompt tokens are verified before they are written
+        else:
+            seq.stats.prefix_hit_tokens = prefill(self.cache, seq.slot, prompt, self.target, self._prefix,
+                                                  invariant_rows=self.target.row_invariant)
+            seq.prefilled = len(prompt)
+            seq.stats.prefill_s = time.perf_counter() - start
         if self.observer is not None:
             self.observer.admitted(seq)
 
-    def _verify(self, running: list[Sequence], drafts: list[Draft]):
-        """One forward over every sequence's [last token, drafts] rows, acceptance, and rollback per slot."""
-        rows, counts = [], []
-        for seq, draft in zip(running, drafts):
-            rows += [seq.tokens[-1], *draft.tokens]
-            counts.append(1 + len(draft.tokens))
-        # Filler rows (copies of the last token, rolled back) bring a forward up to _min_rows; they come
-        # after the last sequence's real rows, so no real row sees them.
+    def _forward(self, running: list[Sequence], chunk: dict[Sequence, int],
+                 drafts: dict[Sequence, Draft]) -> dict[Sequence, Verdict]:
+        """One forward over the step's rows, acceptance, and rollback per slot.
+
+        Each sequence's rows are consecutive: its prompt rows for this step (if any), then, if it decodes,
+        [last token, d_1..d_k]. Only decoding rows get logits.
+        """
+        rows, slots, counts, scored, held = [], [], [], [], {}
+        for seq in running:
+            n = chunk.get(seq, 0)
+            part = seq.tokens[seq.prefilled:seq.prefilled + n]
+            if seq in drafts:
+                held[seq] = self.cache.lengths[seq.slot] + n  # every token but the last is cached then
+                scored += range(len(rows) + n, len(rows) + n + 1 + len(drafts[seq].tokens))
+                part += [seq.tokens[-1], *drafts[seq].tokens]
+            if part:
+                rows += part
+                slots.append(seq.slot)
+                counts.append(len(part))
+            seq.prefilled += n
+        # Filler rows (copies of the last row, rolled back) bring a forward up to _min_rows; they come after
+        # the last sequence's real rows, so no real row sees them. (Only off our kernels, where no prompt is
+        # prefilled here: the last sequence decodes, and its rollback drops them.)
         filler = max(0, self._min_rows - len(rows))
         counts[-1] += filler
         rows += [rows[-1]] * filler
-        held = [self.cache.lengths[s.slot] for s in running]
-        logits = self.target.forward_rows(torch.tensor(rows, device=self.target.device), self.cache,
-                                          [s.slot for s in running], counts)  # [N, V]
-        verdicts = verify_batch(logits, counts, [Pending(d.tokens, d.q, s.request.sampling, s.seed, len(s.tokens),
-                                                         s.generator) for s, d in zip(running, drafts)])
-        for seq, length, verdict in zip(running, held, verdicts):
+        logits = self.target.forward_rows(torch.tensor(rows, device=self.target.device), self.cache, slots, counts,
+                                          logits=torch.tensor(scored, dtype=torch.long))  # [scored, V]
+        decoding = list(drafts)
+        verdicts = verify_batch(logits, [1 + len(drafts[s].tokens) for s in decoding],
+                                [Pending(drafts[s].tokens, drafts[s].q, s.request.sampling, s.seed, len(s.tokens),
+                                         s.generator) for s in decoding])
+        for seq, verdict in zip(decoding, verdicts):
             # Keep the fed token and the accepted drafts; the emitted target token is fed next step.
-            self.cache.trim(seq.slot, length + 1 + verdict.accepted)
-        return verdicts
+            self.cache.trim(seq.slot, held[seq] + 1 + verdict.accepted)
+        return dict(zip(decoding, verdicts))
 
     def _retire(self, seq: Sequence) -> None:
         """Records a finished sequence's last figures and frees its slot."""

@@ -27,22 +27,29 @@ class SchedulerConfig:
     Args:
         max_running: sequences decoded together (each holds one KV slot of ``max_len`` tokens).
         max_waiting: requests queued beyond those; one more is refused with :class:`QueueFullError`.
-        max_rows: rows (each sequence's fed token plus its drafts) one target forward may hold; drafts are
-            shortened, longest first, to fit.
+        max_rows: rows one target forward may hold: prompt rows of sequences still prefilling, and each
+            decoding sequence's fed token plus its drafts (shortened, longest first, to fit). Decoding rows
+            come first; prompts take the rest.
+        min_prefill_rows: prompt rows every forward takes while a prompt waits, so that admission never
+            starves behind long drafts.
     """
 
     max_running: int = 4
     max_waiting: int = 64
-    max_rows: int = 32
+    max_rows: int = 16
+    min_prefill_rows: int = 4
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
             raise ValueError(f"SchedulerConfig.max_running must be >= 1, got {self.max_running}")
         if self.max_waiting < 0:
             raise ValueError(f"SchedulerConfig.max_waiting must be >= 0, got {self.max_waiting}")
-        if self.max_rows < self.max_running:
-            raise ValueError(f"SchedulerConfig.max_rows ({self.max_rows}) must be >= max_running "
-                             f"({self.max_running}): every running sequence needs a row per step")
+        if self.min_prefill_rows < 1:
+            raise ValueError(f"SchedulerConfig.min_prefill_rows must be >= 1, got {self.min_prefill_rows}")
+        if self.max_rows < self.max_running + self.min_prefill_rows:
+            raise ValueError(f"SchedulerConfig.max_rows ({self.max_rows}) must be >= max_running ({self.max_running}) "
+                             f"+ min_prefill_rows ({self.min_prefill_rows}): every running sequence needs a row per "
+                             "step, and prompts need some")
 
 
 class SlotPool:

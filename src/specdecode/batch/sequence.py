@@ -87,6 +87,7 @@ class Sequence:
     drafter: Drafter | None = None
     generator: torch.Generator | None = None
     seed: int = 0
+    prefilled: int = 0  # prompt tokens (all but the last) whose K/V the cache holds
 
     def __post_init__(self) -> None:
         self.tokens: list[int] = list(self.request.prompt_ids)
@@ -97,6 +98,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prompt_pending(self) -> int:
+        """Prompt tokens (all but the last, which the first decode step feeds) still to prefill."""
+        return len(self.request.prompt_ids) - 1 - self.prefilled
 
     @property
     def remaining(self) -> int:

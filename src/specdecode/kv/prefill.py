@@ -43,18 +43,23 @@ class _Recorder:
 
 
 def prefill(cache: Cache, slot: int, tokens: Sequence[int], model: Any, prefix: PrefixCache | None = None,
-            features: Sequence[int] = (), observe: Callable[[int, torch.Tensor], None] | None = None) -> int:
+            features: Sequence[int] = (), observe: Callable[[int, torch.Tensor], None] | None = None,
+            invariant_rows: bool = False) -> int:
     """Writes the K/V of ``tokens`` into ``slot`` (which must be empty).
 
     Args:
         cache: the cache to fill.
         slot: its slot for this sequence.
         tokens: verified token ids (a prompt, all but its last token).
-        model: called as ``model(ids [1, T], cache, slots=(slot,), logits="none")`` (a Transformer).
+        model: called as ``model(ids [1, T], cache, slots=(slot,), logits="none", invariant_rows=...)`` (a
+            Transformer).
         prefix: the model's prefix cache, or None.
         features: layers whose features ``observe`` is handed (see ``Transformer.forward``); none when empty.
         observe: called with (first position, features ``[T, F]``) for every computed chunk; positions
             loaded from the prefix cache have no features.
+        invariant_rows: compute every row as it would be alone (``Transformer.forward``), so that the
+            prompt's K/V do not depend on how it was split into forwards (the batch executor prefills
+            prompts a few rows at a time inside its decode steps).
 
     Returns:
         Tokens whose K/V came from the prefix cache.
@@ -82,9 +87,10 @@ def prefill(cache: Cache, slot: int, tokens: Sequence[int], model: Any, prefix: 
         for a in range(start, len(tokens), chunk):
             ids = torch.tensor([tokens[a:a + chunk]], device=device)
             if features and observe is not None:
-                observe(a, model(ids, target, slots=(slot,), logits="none", features=features)[1][0])
+                observe(a, model(ids, target, slots=(slot,), logits="none", features=features,
+                                 invariant_rows=invariant_rows)[1][0])
             else:
-                model(ids, target, slots=(slot,), logits="none")
+                model(ids, target, slots=(slot,), logits="none", invariant_rows=invariant_rows)
         whole = len(tokens) // chunk * chunk
         if prefix is not None and whole > start:
             prefix.insert(tokens[:whole], target.kv(whole - start), hit)

@@ -364,7 +364,8 @@ class Transformer(nn.Module):
         return self._outputs(x, slice(None) if logits == "all" else slice(-1, None), logits, features, kept)
 
     def forward_rows(self, tokens: torch.Tensor, cache: Cache, slots: Sequence[int], counts: Sequence[int],
-                     layers: Sequence[int] | None = None, logits: Logits = "all", features: Sequence[int] = ()):
+                     layers: Sequence[int] | None = None, logits: Logits | torch.Tensor = "all",
+                     features: Sequence[int] = ()):
         """Row-invariant forward over ragged rows of several sequences (a batch's verification step).
 
         Every row is computed as it would be alone: projections row by row on our kernels, attention of
@@ -378,7 +379,8 @@ class Transformer(nn.Module):
             slots: distinct cache slots.
             counts: rows per slot (>= 1 each, summing to N).
             layers, features: as for :meth:`forward`.
-            logits: "all" rows ``[N, V]``, "last" row of each sequence ``[len(slots), V]``, or "none".
+            logits: "all" rows ``[N, V]``, "last" row of each sequence ``[len(slots), V]``, "none", or the
+                indices of the rows to score (``[len(indices), V]``; prompt rows in a batch need none).
 
         Returns:
             Logits in float32 (or None), and with ``features`` the pair (logits, hidden ``[N, F]``).
@@ -401,8 +403,13 @@ class Transformer(nn.Module):
                 kept[i] = x
         for slot, n in zip(slots, counts):
             cache.advance((slot,), n)
-        ends = (torch.tensor(counts).cumsum(0) - 1).to(self.device)  # each sequence's last row
-        out = self._outputs(x, slice(None) if logits == "all" else ends, logits, features, kept)
+        if isinstance(logits, torch.Tensor):
+            pick, logits = logits.to(self.device), "all"
+        elif logits == "last":
+            pick = (torch.tensor(counts).cumsum(0) - 1).to(self.device)  # each sequence's last row
+        else:
+            pick = slice(None)
+        out = self._outputs(x, pick, logits, features, kept)
         if features:
             return (None if out[0] is None else out[0][0]), out[1][0]
         return None if out is None else out[0]
@@ -495,6 +502,13 @@ class Transformer(nn.Module):
             return self.head_layer.path
         kinds = {PackedLinear: "onednn", Int8Linear: "int8"}
         return kinds.get(type(self.head_layer), "torch")
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether every projection computes a row the same at any row count (our kernels): then one
+        forward's rows equal what separate forwards give, whatever the split. oneDNN and F.linear round a
+        one-row matmul (GEMV) differently from a multi-row one (GEMM)."""
+        return isinstance(self.head_layer, NativeLinear)
 
     def quantize_weights(self) -> None:
         """Replaces every projection (and the output head) with int8 weight-only copies.

@@ -1,0 +1,235 @@
+"""``specdecode bench-serve``: the real server under load, plain decoding vs speculation, side by side.
+
+One ``specdecode serve`` process per method (``none`` = plain decoding, ``ngram:<gamma>``), all started
+before the first measurement and measured in turns: for each concurrency level and repeat, every method
+in order, so that drift on a noisy machine touches them alike. Each run sends the same greedy chat
+requests (the packaged suites, or ``--prompts``) from ``concurrency`` closed-loop clients on loopback.
+Reported per method and level (medians over repeats): aggregate tokens/s, TTFT and inter-chunk latency
+p50/p99, and every ratio to plain decoding; plus whether every answer equals plain decoding's. Prints a
+table and one JSON line; ``--out`` writes the JSON, a Markdown report and plots.
+
+It does not define the load (``load.py``) or the server (``serve/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+from specdecode.argtypes import positive_int
+from specdecode.bench.load import run_level, summarize
+from specdecode.bench.prompts import default_prompts, load_prompts, select
+from specdecode.models.native import cpu_flags, cpu_model
+
+METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
+
+
+def _levels(value: str) -> list[int]:
+    try:
+        levels = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {value!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {value!r}")
+    return levels
+
+
+def _methods(value: str) -> list[str]:
+    methods = [m.strip() for m in value.split(",") if m.strip()]
+    for m in methods:
+        drafter, _, gamma = m.partition(":")
+        if drafter not in ("none", "ngram") or (drafter == "ngram" and not gamma) or (drafter == "none" and gamma):
+            raise argparse.ArgumentTypeError(f"method {m!r}: expected 'none' or 'ngram:<gamma>' (e.g. ngram:adaptive)")
+    if "none" not in methods:
+        methods.insert(0, "none")  # the reference every ratio is taken against
+    return methods
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--methods", type=_methods, default=_methods("none,ngram:adaptive"),
+                   help="comma list: none (plain decoding, always run) and ngram:<gamma> (default none,ngram:adaptive)")
+    p.add_argument("--concurrency", type=_levels, default=_levels("1,2,4,8"),
+                   help="concurrent clients per level (default 1,2,4,8)")
+    p.add_argument("--requests", type=positive_int, default=None,
+                   help="requests per level (default: one per prompt, at least 2 per client)")
+    p.add_argument("--max-tokens", type=positive_int, default=96, help="completion budget of each request (default 96)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="runs per method and level (median)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl", help="your own prompts (default: packaged suites)")
+    p.add_argument("--limit", type=positive_int, default=2, help="prompts per category of the suites (default 2)")
+    p.add_argument("--max-running", type=positive_int, default=None,
+                   help="the servers' --max-running (default: the highest concurrency level)")
+    p.add_argument("--out", default=None, metavar="DIR", help="write bench-serve.json, report.md and plots there")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``specdecode serve`` child process on loopback."""
+
+    def __init__(self, method: str, args: argparse.Namespace, max_running: int) -> None:
+        drafter, _, gamma = method.partition(":")
+        self.method, self.port = method, _free_port()
+        command = [sys.executable, "-m", "specdecode.cli", "serve", "--model", args.model, "--served-model-name", "m",
+                   "--port", str(self.port), "--drafter", drafter, "--max-running", str(max_running),
+                   "--max-waiting", "1024", "--max-rows", str(max(32, max_running * 8)), "--log-level", "warning",
+                   "--dtype", args.dtype, "--linear", args.linear]
+        if gamma:
+            command += ["--gamma", gamma]
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the {self.method} server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"the {self.method} server did not answer /health within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, Any]]:
+    """``count`` greedy chat requests, cycling through ``prompts``."""
+    bodies = []
+    for i in range(count):
+        p = prompts[i % len(prompts)]
+        messages = list(p.messages) if p.messages is not None else [{"role": "user", "content": p.prompt}]
+        bodies.append({"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    return bodies
+
+
+def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    levels = sorted(set(args.concurrency))
+    max_running = args.max_running or max(levels)
+    prompts = select(load_prompts(args.prompts) if args.prompts else default_prompts(), limit=args.limit)
+    servers = [Server(m, args, max_running) for m in args.methods]
+    try:
+        for s in servers:
+            log(f"starting the {s.method} server on port {s.port} ...")
+            s.wait_ready()
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        texts: dict[tuple[str, int], list[str]] = {}
+        for level in levels:
+            bodies = _bodies(prompts, args.max_tokens, args.requests or max(len(prompts), 2 * level))
+            for s in servers:  # an untimed run, so that no level starts cold
+                run_level("127.0.0.1", s.port, bodies[:level], level)
+            for r in range(args.repeats):
+                for s in servers:
+                    results, wall = run_level("127.0.0.1", s.port, bodies, level)
+                    summary = summarize(results, wall)
+                    runs.setdefault((s.method, level), []).append(summary)
+                    texts[(s.method, level)] = [x.text for x in results]
+                    log(f"c={level} {s.method}: {summary['tokens_per_s']:.1f} tok/s, "
+                        f"ITL p99 {1e3 * (summary['itl_p99_s'] or 0):.0f} ms, errors {summary['errors']}")
+    finally:
+        for s in servers:
+            s.stop()
+    report = _report(args, levels, runs, texts)
+    _print_table(report, log)
+    if args.out:
+        _write(report, Path(args.out), log)
+    print(json.dumps(report["summary"]))
+    return 0
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _report(args: argparse.Namespace, levels: list[int], runs: dict, texts: dict) -> dict[str, Any]:
+    rows = []
+    for level in levels:
+        plain = {m: _median([r[m] for r in runs[("none", level)]]) for m in METRICS}
+        for method in args.methods:
+            row = {"method": method, "concurrency": level,
+                   **{m: _median([r[m] for r in runs[(method, level)]]) for m in METRICS},
+                   "errors": sum(r["errors"] for r in runs[(method, level)]),
+                   "identical": texts[(method, level)] == texts[("none", level)]}
+            row["vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+            rows.append(row)
+    single = next(r for r in rows if r["method"] == "none" and r["concurrency"] == min(levels))
+    step_s = single["itl_p50_s"]
+    summary = {"bench": "serve", "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats,
+               "cpu": cpu_model(), "flags": sorted(cpu_flags() & {
+                   "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "avx2"}),
+               "single_stream_tokens_per_s": single["tokens_per_s"], "single_stream_step_s": step_s,
+               "rows": [{k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]}
+    for r in summary["rows"]:
+        r["vs_single_stream_plain"] = round(r["tokens_per_s"] / single["tokens_per_s"], 3)
+        r["itl_p99_vs_step"] = round(r["itl_p99_s"] / step_s, 3) if r["itl_p99_s"] and step_s else None
+    return {"summary": summary, "command": "specdecode bench-serve " + " ".join(sys.argv[2:])}
+
+
+def _print_table(report: dict[str, Any], log: Callable[[str], None]) -> None:
+    log(f"{'method':<18}{'conc':>5}{'tok/s':>9}{'vs plain':>10}{'vs 1-stream':>12}{'TTFT p50':>10}{'ITL p50':>9}"
+        f"{'ITL p99':>9}{'p99/step':>9}  identical")
+    for r in report["summary"]["rows"]:
+        ms = lambda v: f"{1e3 * v:.0f}ms" if v is not None else "-"  # noqa: E731
+        log(f"{r['method']:<18}{r['concurrency']:>5}{r['tokens_per_s']:>9.1f}{r['vs_plain'] or 0:>10.2f}"
+            f"{r['vs_single_stream_plain']:>12.2f}{ms(r['ttft_p50_s']):>10}{ms(r['itl_p50_s']):>9}"
+            f"{ms(r['itl_p99_s']):>9}{r['itl_p99_vs_step'] or 0:>9.2f}  {r['identical']}")
+
+
+def _write(report: dict[str, Any], out: Path, log: Callable[[str], None]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-serve.json").write_text(json.dumps(report, indent=1))
+    s = report["summary"]
+    lines = [f"# bench-serve: {s['model']}", "", f"`{report['command']}`", "",
+             f"CPU: {s['cpu']}, flags {', '.join(s['flags'])}; {os.cpu_count()} cores; {s['max_tokens']} tokens per "
+             f"request, greedy, {s['repeats']} repeat(s) (medians). Single-stream plain decoding: "
+             f"{s['single_stream_tokens_per_s']:.1f} tok/s, step (ITL p50) {1e3 * s['single_stream_step_s']:.1f} ms.", "",
+             "| method | concurrency | tok/s | vs plain | vs single-stream plain | TTFT p50 | ITL p50 | ITL p99 | "
+             "ITL p99 / step | identical to plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in s["rows"]:
+        lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f} | "
+                     f"{r['vs_single_stream_plain']:.2f} | {1e3 * r['ttft_p50_s']:.0f} ms | {1e3 * r['itl_p50_s']:.0f} ms"
+                     f" | {1e3 * r['itl_p99_s']:.0f} ms | {r['itl_p99_vs_step']:.2f} | {r['identical']} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plots")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for method in dict.fromkeys(r["method"] for r in s["rows"]):
+        rows = [r for r in s["rows"] if r["method"] == method]
+        axes[0].plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=method)
+        axes[1].plot([r["concurrency"] for r in rows], [1e3 * r["itl_p99_s"] for r in rows], marker="o", label=method)
+    axes[0].set(xlabel="concurrent clients", ylabel="aggregate tokens/s", title="throughput")
+    axes[1].set(xlabel="concurrent clients", ylabel="ms", title="inter-chunk latency p99")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "bench-serve.png", dpi=100)
+    log(f"wrote {out}/bench-serve.json, report.md, bench-serve.png")
