@@ -192,3 +192,17 @@ def test_cost_drafts_less_under_memory_pressure():
     _run(c, 30, accept_share=1.0, draft_per_token=0.05 * VERIFY)
     assert c.next_gamma(ctx(cache_fill=0.5)) == 8
     assert c.next_gamma(ctx(cache_fill=0.95)) == 2
+
+
+def test_in_a_batch_a_draft_also_pays_for_slowing_the_others():
+    """Forwards cost 10 ms up to 6 rows, then 6 ms per 6 rows more (a second pass over the weights). Alone,
+    a draft at acceptance 0.6 fills the cheap rows; beside 5 sequences that already use 5 rows, the same
+    draft would push the forward past 6 rows and slow 5 other tokens too: off."""
+    costs = StepCosts(gamma_max=8, max_rows=16)
+    costs.seed([0.010 if rows <= 6 else 0.010 + 0.006 * ((rows - 1) // 6) for rows in range(1, 17)])
+    costs.draft_per_token = 1e-5
+    cumulative = [0.6 ** i for i in range(1, 9)]
+    assert best_gamma(cumulative, costs) == 5
+    assert best_gamma(cumulative, costs, others_rows=5, others_tokens=5.0) == 0
+    assert best_gamma(cumulative, costs, others_rows=3, others_tokens=3.0) == 2  # what is left of the cheap rows
+    assert costs.verify_s(15) == pytest.approx(0.022) and costs.step_s(2, 3) == pytest.approx(2e-5 + 0.010)

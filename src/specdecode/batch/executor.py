@@ -25,7 +25,7 @@ from specdecode.batch.scheduler import Scheduler, SchedulerConfig, fit_rows
 from specdecode.batch.sequence import Output, Request, Sequence, prompt_ids
 from specdecode.control import StepContext, StepRecord, controller_factory
 from specdecode.drafters.base import Draft, Drafter
-from specdecode.engine import SEEDED_GAMMA, GenerationResult, SpeculativeConfig, kv_setting
+from specdecode.engine import GenerationResult, SpeculativeConfig, kv_setting
 from specdecode.kv.cache import CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
@@ -80,7 +80,7 @@ class BatchEngine:
         self.spec = spec if probe is not None else SpeculativeConfig(gamma=0)
         self._new_controller = controller_factory(
             self.spec.gamma, self.spec.gamma_max, probe.name if probe is not None else None,
-            probe.signal_names if probe is not None else (), self.spec.controller_file)
+            probe.signal_names if probe is not None else (), self.spec.controller_file, scheduler.max_rows)
         context = target.config.max_position_embeddings
         self.max_len = min(context, 4096) if max_len is None else max_len
         if not 1 <= self.max_len <= context:
@@ -104,8 +104,9 @@ class BatchEngine:
     @torch.inference_mode()
     def warmup(self, repeats: int = 5) -> None:
         """Serves a short dummy request, so that one-time costs (buffers, kernel selection) stay out of the
-        first real requests, then gives cost-aware controllers the verification curve v(k) of one sequence
-        (the fastest of ``repeats`` interleaved timings per k, at a 64-token context). Call before serving."""
+        first real requests, then gives cost-aware controllers the cost of a forward by its rows, 1 to
+        ``max_rows`` (the fastest of ``repeats`` interleaved timings per size, one sequence at a 64-token
+        context: projections, which grow with the rows, dominate). Call before serving."""
         if self.has_work:
             raise RuntimeError("warmup needs an idle engine")
         self.run([dict(prompt=[0] * 16, max_new_tokens=8, eos_token_ids=())])
@@ -123,7 +124,7 @@ class BatchEngine:
                 seconds = time.perf_counter() - start
                 self.cache.trim(slot, context)
                 return seconds
-            times = interleaved_timings(verify, range(min(self.spec.gamma_max, SEEDED_GAMMA) + 1), repeats)
+            times = interleaved_timings(verify, range(self.scheduler.config.max_rows), repeats)
             self._new_controller.seed_costs([min(t) for t in times])
         finally:
             self.cache.reset(slot)
@@ -188,8 +189,9 @@ class BatchEngine:
         decoding_before = [s for s in running if not s.prompt_pending]
         reserve = config.min_prefill_rows if pending else 0
         tick = time.perf_counter()
-        contexts = {s: StepContext(s.remaining, len(s.tokens), self.max_len, self._cache_fill(), self._kv)
-                    for s in decoding_before}
+        # What the others put in this forward, as of their last step (a draft prices its share of it).
+        rows_before = sum(s.last_rows for s in decoding_before) + reserve
+        contexts = {s: self._context(s, rows_before - s.last_rows, len(decoding_before) - 1) for s in decoding_before}
         wanted = [min(s.controller.next_gamma(contexts[s]), s.remaining - 1, self.cache.stable_rows(s.slot) - 1)
                   if s.drafter is not None else 0 for s in decoding_before]
         ks = dict(zip(decoding_before, fit_rows(wanted, config.max_rows - reserve)))
@@ -203,7 +205,7 @@ class BatchEngine:
         decoding = [s for s in running if s in ks or (s in chunk and chunk[s] == s.prompt_pending)]
         for seq in decoding:
             if seq not in ks:
-                contexts[seq] = StepContext(seq.remaining, len(seq.tokens), self.max_len, self._cache_fill(), self._kv)
+                contexts[seq] = self._context(seq, rows_before, len(decoding_before))
                 ks[seq] = 0
         control_s = (time.perf_counter() - tick) / len(running)
         drafts, draft_s = {}, {}
@@ -214,7 +216,7 @@ class BatchEngine:
             drafts[seq] = seq.drafter.propose(seq.tokens, k, seq.request.sampling, seq.generator, stop) if k else Draft([])
             draft_s[seq] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        verdicts = self._forward(running, chunk, drafts)
+        verdicts, total_rows = self._forward(running, chunk, drafts)
         verify_s = time.perf_counter() - t1
         now = time.perf_counter()
         for seq in decoding:
@@ -225,8 +227,9 @@ class BatchEngine:
             kept = seq.append(verdict.tokens)
             if seq.drafter is not None:
                 seq.drafter.commit(seq.tokens)
+            seq.last_rows = 1 + len(draft.tokens)
             record = StepRecord(contexts[seq], ks[seq], len(draft.tokens), verdict.accepted, d_s, verify_s,
-                                draft.signals)
+                                draft.signals, others_rows=total_rows - seq.last_rows - chunk.get(seq, 0))
             seq.controller.update(record)
             seq.stats.record_step(len(draft.tokens), verdict.accepted, len(kept))
             seq.stats.draft_s += d_s
@@ -259,9 +262,14 @@ class BatchEngine:
         if self.observer is not None:
             self.observer.admitted(seq)
 
+    def _context(self, seq: Sequence, others_rows: int, others: int) -> StepContext:
+        return StepContext(seq.remaining, len(seq.tokens), self.max_len, self._cache_fill(), self._kv, others_rows,
+                           float(others))
+
     def _forward(self, running: list[Sequence], chunk: dict[Sequence, int],
-                 drafts: dict[Sequence, Draft]) -> dict[Sequence, Verdict]:
-        """One forward over the step's rows, acceptance, and rollback per slot.
+                 drafts: dict[Sequence, Draft]) -> tuple[dict[Sequence, Verdict], int]:
+        """One forward over the step's rows, acceptance, and rollback per slot; returns the verdicts and the
+        forward's rows.
 
         Each sequence's rows are consecutive: its prompt rows for this step (if any), then, if it decodes,
         [last token, d_1..d_k]. Only decoding rows get logits.
@@ -294,7 +302,7 @@ class BatchEngine:
         for seq, verdict in zip(decoding, verdicts):
             # Keep the fed token and the accepted drafts; the emitted target token is fed next step.
             self.cache.trim(seq.slot, held[seq] + 1 + verdict.accepted)
-        return dict(zip(decoding, verdicts))
+        return dict(zip(decoding, verdicts)), len(rows)
 
     def _retire(self, seq: Sequence) -> None:
         """Records a finished sequence's last figures and frees its slot."""

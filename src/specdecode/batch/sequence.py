@@ -88,6 +88,7 @@ class Sequence:
     generator: torch.Generator | None = None
     seed: int = 0
     prefilled: int = 0  # prompt tokens (all but the last) whose K/V the cache holds
+    last_rows: int = 1  # rows it had in its last decode forward (fed token + drafts)
 
     def __post_init__(self) -> None:
         self.tokens: list[int] = list(self.request.prompt_ids)

@@ -55,7 +55,7 @@ class ControllerFactory:
 
 def controller_factory(gamma: int | str, gamma_max: int, drafter: str | None = None,
                        signal_names: Sequence[str] = (),
-                       controller_file: str | None = None) -> ControllerFactory:
+                       controller_file: str | None = None, max_rows: int = 0) -> ControllerFactory:
     """The factory of per-request controllers for a gamma policy.
 
     The controller file (``confidence`` and ``adaptive``) is read and checked here, once.
@@ -66,6 +66,7 @@ def controller_factory(gamma: int | str, gamma_max: int, drafter: str | None = N
         drafter: the drafter's name (its model in the controller file).
         signal_names: the drafter's signal names (checked against the model's features).
         controller_file: a file written by ``specdecode fit-controller``; None = the one shipped.
+        max_rows: most rows a forward holds when the engine batches sequences (0: one sequence's).
 
     Raises:
         ControllerFileError: the file is damaged, of another version, or has no fitting model
@@ -77,7 +78,7 @@ def controller_factory(gamma: int | str, gamma_max: int, drafter: str | None = N
         return ControllerFactory(lambda _: AgreementGamma(gamma_max=gamma_max))
     if gamma == "cost":
         return ControllerFactory(lambda shared: CostGamma(gamma_max=gamma_max, shared=shared),
-                                 SharedEstimates(gamma_max))
+                                 SharedEstimates(gamma_max, max_rows))
     if gamma not in GAMMA_POLICIES:
         raise ValueError(f"unknown gamma controller {gamma!r}; expected an integer or one of {GAMMA_POLICIES}")
     if drafter is None:
@@ -88,7 +89,7 @@ def controller_factory(gamma: int | str, gamma_max: int, drafter: str | None = N
         return ControllerFactory(lambda _: ConfidenceGamma(model, gamma_max=gamma_max))
     model = models.model_for(drafter, signal_names) if drafter in models.entries else None
     return ControllerFactory(lambda shared: AdaptiveGamma(model, gamma_max=gamma_max, shared=shared),
-                             SharedEstimates(gamma_max))
+                             SharedEstimates(gamma_max, max_rows))
 
 
 __all__ = ["GAMMA_POLICIES", "AdaptiveGamma", "AgreementGamma", "ConfidenceGamma", "ControllerFactory",

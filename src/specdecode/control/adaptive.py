@@ -97,11 +97,13 @@ class AdaptiveGamma:
         p = self.acceptance.predict(signal, position, self._ctx)
         self._all_accepted *= p
         self._tokens += self._all_accepted
-        costs = self.cost.costs
+        costs, ctx = self.cost.costs, self._ctx
         drafted = position + 1
-        step_s = costs.step_s(drafted)
-        # Next token: gain P_i * p (p standing in for its own acceptance) over extra seconds, vs tokens/s so far.
-        return self._all_accepted * p * step_s < (costs.step_s(drafted + 1) - step_s) * self._tokens
+        step_s = costs.step_s(drafted, ctx.others_rows)
+        # Next token: gain P_i * p (p standing in for its own acceptance) over extra seconds, vs tokens/s so
+        # far (in a batch, the whole step's: the others' tokens wait for the longer forward too).
+        extra_s = costs.step_s(drafted + 1, ctx.others_rows) - step_s
+        return self._all_accepted * p * step_s < extra_s * (self._tokens + ctx.others_tokens)
 
     def update(self, record: StepRecord) -> None:
         if self._stopping and record.drafted:

@@ -24,6 +24,9 @@ class StepContext:
         cache_fill: share of the KV cache's memory budget in use (0..1), None when the cache has no budget.
         kv: the KV cache's storage setting: its dtype ("bfloat16", "float32") or a compression
             ("int8", "int4", "window").
+        others_rows: in a batch, rows the other sequences are expected to put in the same forward (a
+            draft then also prices their share of the step).
+        others_tokens: in a batch, tokens the other sequences are expected to emit in that step.
     """
 
     remaining: int
@@ -31,6 +34,8 @@ class StepContext:
     max_context: int
     cache_fill: float | None = None
     kv: str = "bfloat16"
+    others_rows: int = 0
+    others_tokens: float = 0.0
 
     @property
     def context_used(self) -> float:
@@ -55,6 +60,7 @@ class StepRecord:
         draft_s: seconds spent drafting (early-stop decisions included).
         verify_s: seconds of the verification forward.
         signals: per drafted token, the drafter's confidence signals (see ``Drafter.signal_names``).
+        others_rows: rows other sequences had in the verification forward (a batch's).
     """
 
     ctx: StepContext
@@ -64,6 +70,7 @@ class StepRecord:
     draft_s: float
     verify_s: float
     signals: Sequence[Signal] = ()
+    others_rows: int = 0
 
 
 class GammaController(Protocol):

@@ -95,7 +95,8 @@ class CostGamma:
             return 0
         if not self.costs.ready:
             return min(self.start_gamma, cap)
-        best = best_gamma(self.acceptance.cumulative(cap), self.costs, self.margin)
+        best = best_gamma(self.acceptance.cumulative(cap), self.costs, self.margin, ctx.others_rows,
+                          ctx.others_tokens)
         return self.off.decide(best, cap, self.costs)
 
     def stop(self, position: int, signal: Signal) -> bool:
@@ -107,5 +108,6 @@ class CostGamma:
         self.acceptance.update(record.drafted, record.accepted)
         self.shared.acceptance.update(record.drafted, record.accepted)
         # After steps without a draft, a draft model first catches up on the tokens it missed: not a draft cost.
-        self.costs.update(record.drafted, record.draft_s, record.verify_s, draft_timed=self.drafted_before)
+        self.costs.update(record.drafted, record.draft_s, record.verify_s, draft_timed=self.drafted_before,
+                          others=record.others_rows)
         self.drafted_before = record.requested > 0

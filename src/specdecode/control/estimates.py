@@ -98,8 +98,12 @@ class StepCosts:
     learns the curve v(k) slowly from the k that ran. An engine keeps one for all its requests
     (see :class:`SharedEstimates`).
 
+    In a batch (``others`` > 0) the forward also holds other sequences' rows: the curve is then read at
+    the forward's total rows, ``others + k + 1``, up to ``max_rows``.
+
     Args:
         gamma_max: longest draft tracked.
+        max_rows: most rows one forward holds (a batch's); the curve covers them (0: 1 + gamma_max).
         verify_slope: prior extra verification cost per drafted token, relative to a plain step
             (torch on CPU: verifying 8 tokens costs about 1.13 plain steps, measured when this was written).
         smoothing: weight of the newest step in ``base`` and the draft cost.
@@ -107,6 +111,7 @@ class StepCosts:
     """
 
     gamma_max: int
+    max_rows: int = 0
     verify_slope: float = 0.02
     smoothing: float = 0.3
     shape_smoothing: float = 0.1
@@ -115,7 +120,8 @@ class StepCosts:
     shape: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.shape = [verify_shape(k, self.verify_slope) for k in range(self.gamma_max + 1)]
+        self.top = max(self.gamma_max, self.max_rows - 1)  # the largest k (rows - 1) the curve covers
+        self.shape = [verify_shape(k, self.verify_slope) for k in range(self.top + 1)]
 
     @property
     def ready(self) -> bool:
@@ -131,18 +137,20 @@ class StepCosts:
         """
         if not verify_s or min(verify_s) <= 0:
             raise ValueError(f"seed needs positive verification seconds, got {list(verify_s)}")
-        curve = list(itertools.accumulate(verify_s[:self.gamma_max + 1], max))
+        curve = list(itertools.accumulate(verify_s[:self.top + 1], max))
         self.base = curve[0]
         self.shape[:len(curve)] = [t / curve[0] for t in curve]
         # Past the measured k: the last measured slope.
-        for k in range(len(curve), self.gamma_max + 1):
+        for k in range(len(curve), self.top + 1):
             self.shape[k] = self.shape[k - 1] + (self.shape[k - 1] - self.shape[k - 2] if k >= 2 else self.verify_slope)
         self.draft_per_token = None
 
-    def update(self, drafted: int, draft_s: float, verify_s: float, draft_timed: bool = True) -> None:
+    def update(self, drafted: int, draft_s: float, verify_s: float, draft_timed: bool = True,
+               others: int = 0) -> None:
         """Learns from one step; ``draft_timed`` False leaves the draft cost out (a step whose drafting
-        time includes catching up on tokens the drafter missed while speculation was off)."""
-        k = min(drafted, self.gamma_max)
+        time includes catching up on tokens the drafter missed while speculation was off); ``others``:
+        rows other sequences had in the same forward."""
+        k = min(drafted + others, self.top)
         seen = verify_s / self.shape[k]
         self.base = smoothed(self.base, seen, self.smoothing)
         self.shape[k] += self.shape_smoothing * (verify_s / self.base - self.shape[k])
@@ -150,11 +158,13 @@ class StepCosts:
             self.draft_per_token = smoothed(self.draft_per_token, draft_s / drafted, self.smoothing)
 
     def verify_s(self, k: int) -> float:
-        return self.base * self.shape[min(k, self.gamma_max)]
+        """Seconds of a forward of k + 1 rows."""
+        return self.base * self.shape[min(k, self.top)]
 
-    def step_s(self, k: int) -> float:
-        """Seconds of a step that drafts k tokens and verifies them."""
-        return k * self.draft_per_token + self.verify_s(k)
+    def step_s(self, k: int, others: int = 0) -> float:
+        """Seconds of a step that drafts k tokens and verifies them, with ``others`` rows of other sequences
+        in the same forward."""
+        return k * self.draft_per_token + self.verify_s(k + others)
 
 
 @dataclass
@@ -166,6 +176,7 @@ class SharedEstimates:
 
     Args:
         gamma_max: longest draft tracked.
+        max_rows: most rows one forward holds (see :class:`StepCosts`; 0 = one sequence's).
         decay: weight kept by older long-run acceptance evidence at each drafting step (slow: it spans requests).
         gain_smoothing: share of the evidence in ``gain`` forgotten at each step.
         gain_prior: ``gain`` assumed before evidence (optimistic, so that drafting gets tried).
@@ -174,6 +185,7 @@ class SharedEstimates:
     """
 
     gamma_max: int
+    max_rows: int = 0
     decay: float = 0.99
     gain_smoothing: float = 0.05
     gain_prior: float = 1.2
@@ -185,7 +197,7 @@ class SharedEstimates:
     plain_age: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        self.costs = StepCosts(self.gamma_max)
+        self.costs = StepCosts(self.gamma_max, self.max_rows)
         self.acceptance = PositionAcceptance(self.gamma_max, decay=self.decay)
         # The prior is evidence like any other: it fades as steps pass (gain itself does not drift with age).
         self._gain_tokens = self.prior_steps * self.gain_prior
@@ -224,18 +236,20 @@ class SharedEstimates:
         return PositionAcceptance(self.gamma_max, prior=self.acceptance.pooled, later_prior=self.acceptance.later)
 
 
-def best_gamma(cumulative: list[float], costs: StepCosts, margin: float = 0.0) -> int:
+def best_gamma(cumulative: list[float], costs: StepCosts, margin: float = 0.0, others_rows: int = 0,
+               others_tokens: float = 0.0) -> int:
     """The k in 0..len(cumulative) with the most expected tokens per second, E(k) / step_s(k).
 
     E(k) = 1 + P_1 + ... + P_k: the target's own token plus each drafted token that is accepted along
     with all before it. Ties go to the shorter draft; a draft must beat plain decoding by ``margin``
-    (a share of its rate) to be chosen at all.
+    (a share of its rate) to be chosen at all. In a batch the step is shared: the rate is the batch's,
+    (others_tokens + E(k)) / step_s(k, others_rows), so a draft must also pay for slowing the others.
     """
-    plain_rate = 1.0 / costs.step_s(0)
+    plain_rate = (others_tokens + 1.0) / costs.step_s(0, others_rows)
     best, best_rate, tokens = 0, plain_rate * (1.0 + margin), 1.0
     for k, prob in enumerate(cumulative, start=1):
         tokens += prob
-        rate = tokens / costs.step_s(k)
+        rate = (others_tokens + tokens) / costs.step_s(k, others_rows)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
