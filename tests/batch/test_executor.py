@@ -75,9 +75,9 @@ def test_prompts_prefilled_inside_decode_steps_change_no_token(path, kind):
     new = NgramDrafter if kind == "ngram" else None
     solo = Engine(model, drafter=new() if new else None, spec=SpeculativeConfig(gamma=4))
     want = [solo.generate(**r).token_ids for r in _requests()]
-    for rows, least in ((16, 4), (7, 1)):  # prompts in chunks of up to 12 rows, or a row at a time
+    for rows, chunk in ((16, 256), (5, 3)):  # prompts in chunks of up to 15 rows, or 1 to 3 rows at a time
         engine = BatchEngine(model, new_drafter=new, spec=SpeculativeConfig(gamma=4), max_len=96,
-                             scheduler=SchedulerConfig(max_running=4, max_rows=rows, min_prefill_rows=least))
+                             scheduler=SchedulerConfig(max_running=4, max_rows=rows, prefill_chunk=chunk))
         assert engine._chunked_prefill
         assert [r.token_ids for r in engine.run(_requests())] == want, (path, kind, rows)
 
@@ -86,7 +86,7 @@ def test_a_tight_row_budget_shortens_drafts_and_changes_no_token(target):
     want = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=6),
                        scheduler=SchedulerConfig(max_running=4, max_rows=40), max_len=96).run(_requests())
     tight = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=6),
-                        scheduler=SchedulerConfig(max_running=4, max_rows=6, min_prefill_rows=1), max_len=96).run(_requests())
+                        scheduler=SchedulerConfig(max_running=4, max_rows=6), max_len=96).run(_requests())
     assert [r.token_ids for r in tight] == [r.token_ids for r in want]
     assert sum(r.stats.drafted_tokens for r in tight) < sum(r.stats.drafted_tokens for r in want)
 

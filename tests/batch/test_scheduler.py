@@ -76,8 +76,8 @@ def test_fit_rows_refuses_more_sequences_than_rows():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_running=0), "max_running must be >= 1"),
     (dict(max_waiting=-1), "max_waiting must be >= 0"),
-    (dict(max_running=8, max_rows=11), r"max_rows \(11\) must be >= max_running \(8\) \+ min_prefill_rows \(4\)"),
-    (dict(min_prefill_rows=0), "min_prefill_rows must be >= 1"),
+    (dict(max_running=8, max_rows=8), r"max_rows \(8\) must be > max_running \(8\)"),
+    (dict(prefill_chunk=0), "prefill_chunk must be >= 1"),
 ])
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -185,28 +185,29 @@ class BatchEngine:
         if not running:
             return
         config = self.scheduler.config
-        pending = [s for s in running if s.prompt_pending]
         decoding_before = [s for s in running if not s.prompt_pending]
-        reserve = config.min_prefill_rows if pending else 0
+        # Rows go to each decoding sequence's fed token, then to prompts (oldest first), then to drafts. With
+        # nobody decoding, nobody waits between tokens: prompts then go in larger chunks.
+        budget = config.max_rows - len(decoding_before) if decoding_before else config.prefill_chunk
+        chunk: dict[Sequence, int] = {}
+        for seq in running:
+            if seq.prompt_pending and budget:
+                chunk[seq] = min(seq.prompt_pending, budget)
+                budget -= chunk[seq]
         tick = time.perf_counter()
-        # What the others put in this forward, as of their last step (a draft prices its share of it).
-        rows_before = sum(s.last_rows for s in decoding_before) + reserve
+        # What the others put in this forward: their fed tokens, the prompt rows, and drafts as long as
+        # their last ones (a draft prices its share of the step).
+        rows_before = sum(s.last_rows for s in decoding_before) + sum(chunk.values())
         contexts = {s: self._context(s, rows_before - s.last_rows, len(decoding_before) - 1) for s in decoding_before}
         wanted = [min(s.controller.next_gamma(contexts[s]), s.remaining - 1, self.cache.stable_rows(s.slot) - 1)
                   if s.drafter is not None else 0 for s in decoding_before]
-        ks = dict(zip(decoding_before, fit_rows(wanted, config.max_rows - reserve)))
-        # Prompt rows take what the decoding rows leave, at least min_prefill_rows while a prompt waits.
-        budget = max(reserve, config.max_rows - sum(1 + k for k in ks.values()))
-        chunk: dict[Sequence, int] = {}
-        for seq in pending:
-            chunk[seq] = min(seq.prompt_pending, budget)
-            budget -= chunk[seq]
+        ks = dict(zip(decoding_before, fit_rows(wanted, len(decoding_before) + budget)))
         # A prompt finished this step decodes in the same forward (its rows follow its last prompt rows).
-        decoding = [s for s in running if s in ks or (s in chunk and chunk[s] == s.prompt_pending)]
-        for seq in decoding:
-            if seq not in ks:
+        for seq, n in chunk.items():
+            if n == seq.prompt_pending:
                 contexts[seq] = self._context(seq, rows_before, len(decoding_before))
                 ks[seq] = 0
+        decoding = [s for s in running if s in ks]
         control_s = (time.perf_counter() - tick) / len(running)
         drafts, draft_s = {}, {}
         for seq in decoding:

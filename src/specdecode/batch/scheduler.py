@@ -27,29 +27,30 @@ class SchedulerConfig:
     Args:
         max_running: sequences decoded together (each holds one KV slot of ``max_len`` tokens).
         max_waiting: requests queued beyond those; one more is refused with :class:`QueueFullError`.
-        max_rows: rows one target forward may hold: prompt rows of sequences still prefilling, and each
-            decoding sequence's fed token plus its drafts (shortened, longest first, to fit). Decoding rows
-            come first; prompts take the rest.
-        min_prefill_rows: prompt rows every forward takes while a prompt waits, so that admission never
-            starves behind long drafts.
+        max_rows: rows one target forward may hold while some sequence decodes: each decoding sequence's
+            fed token, then prompt rows of sequences still prefilling, then drafts (shortened, longest first,
+            to fit). On a CPU a forward's cost grows with its rows, so this bounds the time between tokens.
+            None: twice ``max_running``.
+        prefill_chunk: prompt rows per forward while no sequence decodes (nobody waits between tokens).
     """
 
     max_running: int = 4
     max_waiting: int = 64
-    max_rows: int = 16
-    min_prefill_rows: int = 4
+    max_rows: int | None = None
+    prefill_chunk: int = 256
 
     def __post_init__(self) -> None:
+        if self.max_rows is None:
+            object.__setattr__(self, "max_rows", 2 * self.max_running)
         if self.max_running < 1:
             raise ValueError(f"SchedulerConfig.max_running must be >= 1, got {self.max_running}")
         if self.max_waiting < 0:
             raise ValueError(f"SchedulerConfig.max_waiting must be >= 0, got {self.max_waiting}")
-        if self.min_prefill_rows < 1:
-            raise ValueError(f"SchedulerConfig.min_prefill_rows must be >= 1, got {self.min_prefill_rows}")
-        if self.max_rows < self.max_running + self.min_prefill_rows:
-            raise ValueError(f"SchedulerConfig.max_rows ({self.max_rows}) must be >= max_running ({self.max_running}) "
-                             f"+ min_prefill_rows ({self.min_prefill_rows}): every running sequence needs a row per "
-                             "step, and prompts need some")
+        if self.max_rows <= self.max_running:
+            raise ValueError(f"SchedulerConfig.max_rows ({self.max_rows}) must be > max_running ({self.max_running}): "
+                             "every decoding sequence needs a row per step, and prompts at least one more")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"SchedulerConfig.prefill_chunk must be >= 1, got {self.prefill_chunk}")
 
 
 class SlotPool:

@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=positive_int, default=2, help="prompts per category of the suites (default 2)")
     p.add_argument("--max-running", type=positive_int, default=None,
                    help="the servers' --max-running (default: the highest concurrency level)")
+    p.add_argument("--max-rows", type=positive_int, default=None, help="the servers' --max-rows (default: theirs)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=None,
+                   help="the servers' --prefill-chunk (default: theirs)")
     p.add_argument("--out", default=None, metavar="DIR", help="write bench-serve.json, report.md and plots there")
 
 
@@ -85,8 +88,10 @@ class Server:
         self.method, self.port = method, _free_port()
         command = [sys.executable, "-m", "specdecode.cli", "serve", "--model", args.model, "--served-model-name", "m",
                    "--port", str(self.port), "--drafter", drafter, "--max-running", str(max_running),
-                   "--max-waiting", "1024", "--max-rows", str(max(32, max_running * 8)), "--log-level", "warning",
-                   "--dtype", args.dtype, "--linear", args.linear]
+                   "--max-waiting", "1024", "--log-level", "warning", "--dtype", args.dtype, "--linear", args.linear]
+        for flag in ("max_rows", "prefill_chunk"):
+            if getattr(args, flag) is not None:
+                command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         if gamma:
             command += ["--gamma", gamma]
         if args.threads:

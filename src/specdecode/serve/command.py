@@ -38,8 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests decoded together, each holding one KV slot of --max-len tokens (default 4)")
     p.add_argument("--max-waiting", type=int, default=64,
                    help="requests queued beyond those; more are refused with 429 (default 64)")
-    p.add_argument("--max-rows", type=positive_int, default=32,
-                   help="rows (fed tokens + drafts) per target forward; drafts shrink to fit (default 32)")
+    p.add_argument("--max-rows", type=positive_int, default=None,
+                   help="rows per target forward while requests decode: their fed tokens, then prompt rows, then "
+                        "drafts, which shrink to fit; bounds the time between tokens (default: 2 x --max-running)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=SchedulerConfig.prefill_chunk,
+                   help="prompt rows per forward while no request decodes (default "
+                        f"{SchedulerConfig.prefill_chunk})")
     p.add_argument("--max-len", type=positive_int, default=None,
                    help="tokens per request, prompt + completion (default: the model's context, at most 4096)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -61,7 +65,7 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     if args.drafter not in ("none", *BATCHED_DRAFTERS):
         raise ValueError(f"--drafter {args.drafter}: batched serving supports {', '.join(BATCHED_DRAFTERS)} or none "
                          "so far (the others keep per-request state in a model cache)")
-    scheduler = SchedulerConfig(args.max_running, args.max_waiting, args.max_rows)
+    scheduler = SchedulerConfig(args.max_running, args.max_waiting, args.max_rows, args.prefill_chunk)
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)
     cache, _ = cache_configs(args, draft=False)
     loaded = load_model(args.model, args.dtype, args.device, progress=log, linear=args.linear)
