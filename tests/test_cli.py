@@ -120,12 +120,12 @@ def test_prompt_dash_reads_stdin(tiny, capsys, monkeypatch):
 
 
 def test_same_seed_same_output_other_seed_differs(tiny, capsys):
-    sampled = ["--temperature", "0.8", "--max-new-tokens", "32"]
+    sampled = ["--temperature", "1.5", "--max-new-tokens", "32"]
     a = generate_json(capsys, tiny["target"], *sampled, "--seed", "1")
     b = generate_json(capsys, tiny["target"], *sampled, "--seed", "1")
-    c = generate_json(capsys, tiny["target"], *sampled, "--seed", "2")
+    others = [generate_json(capsys, tiny["target"], *sampled, "--seed", str(seed))["token_ids"] for seed in (2, 3, 4)]
     assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
-    assert c["token_ids"] != a["token_ids"]
+    assert any(c != a["token_ids"] for c in others)  # the tiny model is peaked: one seed may draw the same
 
 
 def test_greedy_output_is_identical_across_drafters(tiny, capsys):
@@ -458,3 +458,19 @@ def test_generate_with_an_int8_draft_model_matches_plain(tiny, capsys):
     assert main(base + ["--draft-model", str(draft), "--draft-quant", "int8", "--gamma", "3", "7 8 9"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["drafted_tokens"] > 0
+
+
+def test_a_bug_keeps_its_traceback_while_user_errors_are_one_line(monkeypatch, capsys):
+    import specdecode.cli as cli
+    from specdecode.kv.memory import KVBudgetError
+
+    def bug(args):
+        raise RuntimeError("an internal invariant broke")
+    monkeypatch.setitem(cli.COMMANDS, "models", bug)
+    with pytest.raises(RuntimeError, match="an internal invariant broke"):
+        main(["models"])
+
+    def over_budget(args):
+        raise KVBudgetError("KV budget exceeded: ...")
+    monkeypatch.setitem(cli.COMMANDS, "models", over_budget)
+    assert_usage_error(*run(capsys, "models"), "KV budget exceeded")

@@ -26,10 +26,13 @@ from specdecode.heads import no_head_message, shipped_head
 from specdecode.heads.command import add_arguments as add_head_arguments
 from specdecode.bench.serve_command import add_arguments as add_bench_serve_arguments
 from specdecode.serve.command import add_arguments as add_serve_arguments
-from specdecode.kv.cache import CacheConfig
+from specdecode.kv.cache import CacheConfig, CacheFullError
+from specdecode.kv.memory import KVBudgetError
 from specdecode.models.build import DEVICES, DRAFT_QUANT, LoadedModel, load_model, resolve_device
 from specdecode.models.linear import LINEAR_KERNELS
-from specdecode.models.registry import DEFAULT_MODEL
+from specdecode.models.fetch import FetchError
+from specdecode.models.loader import LoadError
+from specdecode.models.registry import DEFAULT_MODEL, UnknownModelError
 from specdecode.sampling import SamplingParams
 
 
@@ -293,6 +296,11 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     return run_command(args, _log)
 
 
+# What bad input, a missing file or an impossible setting raise: one line and exit status 2. Anything else is
+# a bug and keeps its traceback.
+USER_ERRORS = (UsageError, ValueError, OSError, LoadError, FetchError, UnknownModelError, KVBudgetError,
+               CacheFullError)
+
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "models": cmd_models, "calibrate-layerskip": cmd_calibrate,
             "fit-controller": cmd_fit_controller, "train-head": cmd_train_head, "serve": cmd_serve,
             "bench-serve": cmd_bench_serve}
@@ -313,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _log("specdecode: interrupted")
         return 130
-    except (UsageError, ValueError, KeyError, OSError, RuntimeError) as exc:
+    except USER_ERRORS as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         _log(f"specdecode: error: {message}")
         return 2

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from specdecode.batch.sequence import prompt_ids
+from specdecode.batch.sequence import Output, Request, Sequence as RequestState, prompt_ids
 from specdecode.control import GAMMA_POLICIES, StepContext, StepRecord, controller_factory
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.kv.cache import Cache, CacheConfig
@@ -105,34 +105,25 @@ def kv_setting(cache: CacheConfig, dtype: torch.dtype) -> str:
 
 
 class TextStream:
-    """Iterates over text pieces as they are generated; ``result`` is set once iteration ends."""
+    """Iterates over text pieces as they are generated; ``result`` is set once iteration ends.
 
-    def __init__(self, engine: "Engine", token_steps: Iterator[list[int]], stop: tuple[str, ...] = ()) -> None:
-        self._engine = engine
-        self._steps = token_steps
-        self._stop = stop
+    The pieces are the sequence's showable text (``Sequence.output``): an incomplete UTF-8 character, and
+    a tail that could still grow into a stop string, are held back until they are settled.
+    """
+
+    def __init__(self, outputs: Iterator[Output]) -> None:
+        self._outputs = outputs
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
-        emitted = 0
         while True:
             try:
-                next(self._steps)
+                out = next(self._outputs)
             except StopIteration as done:
                 self.result = done.value
-                if len(self.result.text) > emitted:
-                    yield self.result.text[emitted:]
                 return
-            text = self._engine.generated_text()
-            # Hold back an incomplete UTF-8 character (decoded as U+FFFD) until its last byte arrives.
-            safe = len(text.rstrip("\ufffd"))
-            if self._stop:
-                # Never show a stop string, nor a tail that may grow into one.
-                found = [i for i in (text.find(s) for s in self._stop) if i >= 0]
-                safe = min([safe, len(text) - max(map(len, self._stop)) + 1, *found])
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
+            if out.text:
+                yield out.text
 
 
 class Engine:
@@ -162,8 +153,6 @@ class Engine:
         self.cache_config = cache
         self.memory = KVMemory(cache.budget, cache.prefix_cache)  # target + draft caches, prefix caches
         self.cache: Cache | None = None
-        self.generated: list[int] = []
-        self._eos: frozenset[int] = frozenset()
         self._step_s: dict[int, float] = {}  # decode-step seconds by context length bucket
         # Off our kernels a one-row forward rounds differently from a multi-row one (Transformer.row_invariant),
         # so there every forward gets at least two rows.
@@ -234,20 +223,6 @@ class Engine:
         self._step_cost()
         return padded
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else ""
-
-    def generated_text(self) -> str:
-        """Text of the current request's tokens so far, end-of-sequence tokens left out."""
-        return self._visible_text(self.generated)
-
-    def _visible_text(self, ids: Sequence[int]) -> str:
-        return self.decode([t for t in ids if t not in self._eos])
-
-    def _has_stop(self, ids: Sequence[int], stop: tuple[str, ...]) -> bool:
-        text = self._visible_text(ids)
-        return any(s in text for s in stop)
-
     def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 128, stop: str | Iterable[str] = (),
                  eos_token_ids: Iterable[int] | None = None) -> GenerationResult:
@@ -272,8 +247,7 @@ class Engine:
                 one (as plain decoding would), and the text is cut before it.
             eos_token_ids: ids that end generation; default: the tokenizer's end-of-sequence ids.
         """
-        stop = _stop_tuple(stop)
-        return TextStream(self, self._run(prompt, sampling, max_new_tokens, stop, eos_token_ids), stop)
+        return TextStream(self._run(prompt, sampling, max_new_tokens, _stop_tuple(stop), eos_token_ids))
 
     def _prepare(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
         ids = prompt_ids(prompt, self.tokenizer, self.target.config.vocab_size,
@@ -288,18 +262,20 @@ class Engine:
 
     @torch.inference_mode()
     def _run(self, prompt, sampling: SamplingParams, max_new_tokens: int, stop: tuple[str, ...],
-             eos_token_ids) -> Iterator[list[int]]:
+             eos_token_ids) -> Iterator[Output]:
         prompt_ids = self._prepare(prompt, max_new_tokens)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine with a tokenizer")
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
-        self._eos = eos = frozenset(eos_token_ids if eos_token_ids is not None
-                                    else (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()))
+        eos = frozenset(eos_token_ids if eos_token_ids is not None
+                        else (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()))
+        # The request's state and end rules (EOS, stop strings, budget), as the batch engine keeps them.
+        seq = RequestState(Request(tuple(prompt_ids), sampling, max_new_tokens, stop, eos), self.tokenizer)
+        stats = seq.stats
         seed = sampling.request_seed()
         generator = sampling.generator(self.target.device, seed)  # on the device that samples
         controller = self._new_controller()
-        stats = RequestStats(prompt_tokens=len(prompt_ids))
         limit = self.target.config.max_position_embeddings
         kv = kv_setting(self.cache_config, self.target.dtype)
 
@@ -309,22 +285,19 @@ class Engine:
             stats.control_s += time.perf_counter() - tick
             return done
 
-        seq = list(prompt_ids)
-        self.generated = generated = []
         start = time.perf_counter()
         prefix = self.memory.prefix_for(self.target, self.cache.config)
         if self.drafter is not None:
             self.drafter.reset(self.cache, prompt_ids, self.memory)
         observe = getattr(self.drafter, "observe", None)  # drafters that read the target's features
-        stats.prefix_hit_tokens = prefill(self.cache, 0, seq[:-1], self.target, prefix, self._features, observe,
-                                          invariant_rows=self.target.row_invariant)
+        stats.prefix_hit_tokens = prefill(self.cache, 0, prompt_ids[:-1], self.target, prefix, self._features,
+                                          observe, invariant_rows=self.target.row_invariant)
         _synchronize(self.target.device)
         stats.prefill_s = time.perf_counter() - start
-        finish = "length"
-        while len(generated) < max_new_tokens:
-            remaining = max_new_tokens - len(generated)
+        while not seq.finished:
+            remaining = seq.remaining
             tick = time.perf_counter()
-            ctx = StepContext(remaining, len(seq), limit, self._cache_fill(), kv)
+            ctx = StepContext(remaining, len(seq.tokens), limit, self._cache_fill(), kv)
             # Drafting past the budget is wasted work: the extra tokens would be cut anyway. Nor may a step
             # reach past the cache's next compression step (it would show later rows an older cache state).
             k = min(controller.next_gamma(ctx), remaining - 1, self.cache.stable_rows(0) - 1)
@@ -332,44 +305,31 @@ class Engine:
             stats.control_s += t0 - tick
             # Signals are computed only for a controller that stops early, or for the step records.
             watch = timed_stop if controller.early_stop or self.on_step is not None else None
-            draft = self.drafter.propose(seq, k, sampling, generator, watch) if k > 0 else Draft([])
+            draft = self.drafter.propose(seq.tokens, k, sampling, generator, watch) if k > 0 else Draft([])
             t1 = time.perf_counter()
-            verdict = self._verify(seq, draft, sampling, generator, seed, observe)
+            verdict = self._verify(seq.tokens, draft, sampling, generator, seed, observe)
             t2 = time.perf_counter()
             self.cache.commit(0, self.cache.lengths[0])  # the fed token and the accepted drafts are verified
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
-            new = verdict.tokens[:remaining]
-            cut = next((i for i, t in enumerate(new) if t in eos), None)
-            if cut is not None:
-                new, finish = new[:cut + 1], "eos"
-            if stop:
-                # Cut at the token that completes a stop string, exactly where plain decoding would stop.
-                cut = next((i for i in range(len(new)) if self._has_stop(generated + new[:i + 1], stop)), None)
-                if cut is not None:
-                    new, finish = new[:cut + 1], "stop"
-            seq += new
-            generated += new
+            # Cut at EOS, at the token that completes a stop string, or at the budget: where plain decoding stops.
+            kept = seq.append(verdict.tokens)
             if self.drafter is not None:
-                self.drafter.commit(seq)
+                self.drafter.commit(seq.tokens)
             record = StepRecord(ctx, k, len(draft.tokens), verdict.accepted, t1 - t0, t2 - t1, draft.signals)
             tick = time.perf_counter()
             controller.update(record)
             stats.control_s += time.perf_counter() - tick
             if self.on_step is not None:
                 self.on_step(record)
-            stats.record_step(len(draft.tokens), verdict.accepted, len(new))
-            yield new
-            if finish != "length":
-                break
-        stats.wall_s = time.perf_counter() - start
-        stats.kv_bytes, stats.kv_bytes_per_token = self.memory.usage("target")
-        stats.draft_kv_bytes, stats.draft_kv_bytes_per_token = self.memory.usage("draft")
-        stats.decode_step_s = self._step_cost()
-        text = self.generated_text()
-        if finish == "stop":
-            text = text[:min(i for i in (text.find(s) for s in stop) if i >= 0)]
-        return GenerationResult(text, list(generated), finish, stats)
+            stats.record_step(len(draft.tokens), verdict.accepted, len(kept))
+            if seq.finished:
+                stats.wall_s = time.perf_counter() - start
+                stats.kv_bytes, stats.kv_bytes_per_token = self.memory.usage("target")
+                stats.draft_kv_bytes, stats.draft_kv_bytes_per_token = self.memory.usage("draft")
+                stats.decode_step_s = self._step_cost()
+            yield seq.output(kept)
+        return GenerationResult(seq.text, list(seq.generated), seq.finish_reason, stats)
 
     def _verify(self, seq: list[int], draft: Draft, sampling: SamplingParams, generator: torch.Generator | None,
                 seed: int = 0, observe: Callable[[int, torch.Tensor], None] | None = None) -> Verdict:

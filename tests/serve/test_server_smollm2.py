@@ -44,17 +44,19 @@ def _rss_bytes(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
+def server(smollm2_path, tmp_path_factory):
     port = _free_port()
+    log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")  # a file: a pipe nobody reads could fill
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdecode.cli", "serve", "--model", str(smollm2_path), "--served-model-name", MODEL,
          "--port", str(port), "--threads", "2", "--max-running", str(MAX_RUNNING), "--max-waiting", str(MAX_WAITING),
-         "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.output = lambda: (log.seek(0), log.read())[1]
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{proc.stdout.read()}")
+            pytest.fail(f"the server exited with {proc.returncode}:\n{proc.output()}")
         try:
             with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
                 if r.status == 200:
@@ -68,6 +70,7 @@ def server(smollm2_path):
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+    log.close()
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +102,13 @@ def _metric(base: str, name: str) -> float:
         text = r.read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
     return sum(values)
+
+
+def _wait_for(base: str, name: str, value: float, message: str = "", timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _metric(base, name) != value:
+        assert time.monotonic() < deadline, f"{message or name} after {timeout:.0f} s: {_metric(base, name)}"
+        time.sleep(0.1)
 
 
 def test_models_and_health(client, server):
@@ -157,10 +167,7 @@ def test_a_dropped_stream_frees_its_slot(client, server):
             break
     assert _metric(base, "vllm:num_requests_running") == 1
     stream.close()
-    deadline = time.monotonic() + 10
-    while _metric(base, "vllm:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "the dropped stream still holds its slot after 10 s"
-        time.sleep(0.2)
+    _wait_for(base, "vllm:num_requests_running", 0, "the dropped stream still holds its slot")
 
 
 @pytest.mark.parametrize("body, param, fragment", [
@@ -215,8 +222,8 @@ def test_bounded_load_every_request_answered_once_no_leaks_flat_memory(client, s
     assert sorted(i for i, _, _ in results) == list(range(200)) and len({rid for _, rid, _ in results}) == 200
     assert elapsed < 120, f"200 requests took {elapsed:.0f} s"
     assert _metric(base, "vllm:generation_tokens_total") - generated_before == sum(n for _, _, n in results)
-    assert _metric(base, "vllm:num_requests_running") == 0 and _metric(base, "vllm:num_requests_waiting") == 0
-    assert _metric(base, "vllm:kv_cache_usage_perc") == 0
+    _wait_for(base, "vllm:num_requests_running", 0)  # the gauges are set after the step that answered
+    assert _metric(base, "vllm:num_requests_waiting") == 0 and _metric(base, "vllm:kv_cache_usage_perc") == 0
     grown = _rss_bytes(proc.pid) - rss_before
     assert grown < 64 * 2 ** 20, f"the server's memory grew by {grown / 2 ** 20:.0f} MiB over 200 requests"
 
@@ -236,14 +243,11 @@ def test_sigterm_lets_running_requests_finish_and_exits_cleanly(client, server):
     with ThreadPoolExecutor(2) as pool:
         running = [pool.submit(lambda p=p: client.completions.create(model=MODEL, prompt=p, max_tokens=64,
                                                                      temperature=0)) for p in PROMPTS[:2]]
-        deadline = time.monotonic() + 30
-        while _metric(base, "vllm:num_requests_running") < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        _wait_for(base, "vllm:num_requests_running", 2, timeout=30)
         os.kill(proc.pid, signal.SIGTERM)
         answers = [f.result() for f in running]
     assert all(a.usage.completion_tokens == 64 or a.choices[0].finish_reason == "stop" for a in answers)
     # uvicorn shuts down gracefully, then re-raises the signal: exit status -SIGTERM, as for any program it stops.
     assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-    output = proc.stdout.read()
+    output = proc.output()
     assert "Traceback" not in output and "ERROR" not in output, output

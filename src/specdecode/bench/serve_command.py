@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -96,13 +97,16 @@ class Server:
             command += ["--gamma", gamma]
         if args.threads:
             command += ["--threads", str(args.threads)]
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Its output goes to a file: a pipe nobody reads while it serves could fill and block it.
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, text=True)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the {self.method} server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+                self.log.seek(0)
+                raise RuntimeError(f"the {self.method} server exited with {self.proc.returncode}:\n{self.log.read()}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
                     if r.status == 200:
@@ -118,6 +122,7 @@ class Server:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.log.close()
 
 
 def _bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, Any]]:
