@@ -91,8 +91,12 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
                    help="reuse the K/V of prompt prefixes seen in earlier requests (default off)")
 
 
+# CacheConfig's fields as the KV flags name them, so that its own checks speak the command line's language.
+_KV_FLAGS = {"CacheConfig.window": "--kv-window", "CacheConfig.sinks": "--kv-sinks", "CacheConfig.budget": "--kv-budget"}
+
+
 def cache_configs(args: argparse.Namespace, draft: bool) -> tuple[CacheConfig, CacheConfig]:
-    """Target and draft cache settings from the KV flags, checked before anything is loaded.
+    """Target and draft cache settings from the KV flags, checked (by ``CacheConfig``) before anything is loaded.
 
     Args:
         args: parsed flags (see :func:`add_kv_arguments`).
@@ -101,14 +105,16 @@ def cache_configs(args: argparse.Namespace, draft: bool) -> tuple[CacheConfig, C
     Raises:
         ValueError: a contradictory combination, naming the flags.
     """
-    if args.kv_sinks and args.kv_window is None:
-        raise ValueError(f"--kv-sinks {args.kv_sinks} needs --kv-window N (sinks are kept besides a window)")
     if args.draft_kv_dtype != "auto" and not draft:
         raise ValueError("--draft-kv-dtype is only used with a draft model (--draft-model) or an eagle head")
     common = dict(window=args.kv_window, sinks=args.kv_sinks, budget=args.kv_budget, prefix_cache=args.prefix_cache)
-    residual = CacheConfig().residual
+    configs = []
     for flag, kv_dtype in (("--kv-dtype", args.kv_dtype), ("--draft-kv-dtype", args.draft_kv_dtype)):
-        if kv_dtype in ("int8", "int4") and args.kv_window is not None and args.kv_window < residual:
-            raise ValueError(f"--kv-window {args.kv_window} is shorter than the {residual} recent tokens {flag} "
-                             f"{kv_dtype} keeps in full precision; use --kv-window {residual} or more")
-    return CacheConfig(kv_dtype=args.kv_dtype, **common), CacheConfig(kv_dtype=args.draft_kv_dtype, **common)
+        try:
+            configs.append(CacheConfig(kv_dtype=kv_dtype, **common))
+        except ValueError as exc:
+            message = str(exc)
+            for field, name in _KV_FLAGS.items():
+                message = message.replace(field, name)
+            raise ValueError((f"{flag} {kv_dtype}: " if kv_dtype != "auto" else "") + message) from None
+    return configs[0], configs[1]

@@ -20,7 +20,7 @@ from specdecode.control import GAMMA_POLICIES
 from specdecode.control.model_file import load_controller_file
 from specdecode.drafters import DRAFTERS, HEAD_DRAFTERS, make_drafter
 from specdecode.drafters.draft_model import check_draft_pair
-from specdecode.drafters.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
+from specdecode.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.heads import no_head_message, shipped_head
 from specdecode.heads.command import add_arguments as add_head_arguments

@@ -159,7 +159,7 @@ class Engine:
         self._min_rows = 1 if target.row_invariant else 2
         self._padded_rows: dict[int, int] = {}  # rows needed -> rows run (tune_rows); default: _min_rows
         # Target layers whose features the drafter reads (trained heads), handed over through its observe().
-        self._features: tuple[int, ...] = tuple(getattr(drafter, "feature_layers", ()))
+        self._features: tuple[int, ...] = tuple(drafter.feature_layers) if drafter is not None else ()
 
     def warmup(self) -> None:
         """Runs a short dummy request (prefill, drafting, verification) so that one-time costs such as
@@ -201,16 +201,18 @@ class Engine:
             Rows needed -> rows run, for 1..MAX_PADDED_ROWS.
         """
         held = self.cache.lengths[0]
-        times: dict[int, list[float]] = {r: [] for r in range(self._min_rows, MAX_PADDED_ROWS + 1)}
-        for _ in range(repeats):
-            for r in times:
-                start = time.perf_counter()
-                self.target(torch.zeros(1, r, dtype=torch.long, device=self.target.device), self.cache,
-                            invariant_rows=True)
-                _synchronize(self.target.device)
-                times[r].append(time.perf_counter() - start)
-                self.cache.trim(0, held)
-        cost = {r: statistics.median(t) for r, t in times.items()}
+
+        def forward(rows: int) -> float:
+            start = time.perf_counter()
+            self.target(torch.zeros(1, rows, dtype=torch.long, device=self.target.device), self.cache,
+                        invariant_rows=True)
+            _synchronize(self.target.device)
+            seconds = time.perf_counter() - start
+            self.cache.trim(0, held)
+            return seconds
+        sizes = range(self._min_rows, MAX_PADDED_ROWS + 1)
+        # The median: a row count is chosen by comparing typical costs, not best cases.
+        cost = {r: statistics.median(t) for r, t in zip(sizes, interleaved_timings(forward, sizes, repeats))}
         padded = {}
         for need in range(1, MAX_PADDED_ROWS + 1):
             best = max(need, self._min_rows)
@@ -289,7 +291,7 @@ class Engine:
         prefix = self.memory.prefix_for(self.target, self.cache.config)
         if self.drafter is not None:
             self.drafter.reset(self.cache, prompt_ids, self.memory)
-        observe = getattr(self.drafter, "observe", None)  # drafters that read the target's features
+        observe = self.drafter.observe if self._features else None  # drafters that read the target's features
         stats.prefix_hit_tokens = prefill(self.cache, 0, prompt_ids[:-1], self.target, prefix, self._features,
                                           observe, invariant_rows=self.target.row_invariant)
         _synchronize(self.target.device)
@@ -389,11 +391,8 @@ class Engine:
 
     def memory_bytes(self) -> dict[str, int]:
         """What this configuration holds: target and draft weights, and their KV caches."""
-        draft = getattr(self.drafter, "model", None)
-        own_draft = draft is not None and draft is not self.target
-        draft_cache = getattr(self.drafter, "cache", None)
-        draft_weights = draft.weight_nbytes if own_draft else getattr(self.drafter, "weight_nbytes", 0)
+        own_cache = self.drafter.own_cache if self.drafter is not None else None
         return {"target_weights": self.target.weight_nbytes,
                 "target_kv": self.cache.nbytes if self.cache is not None else 0,
-                "draft_weights": draft_weights,
-                "draft_kv": draft_cache.nbytes if draft_cache is not None and draft_cache is not self.cache else 0}
+                "draft_weights": self.drafter.weight_nbytes if self.drafter is not None else 0,
+                "draft_kv": own_cache.nbytes if own_cache is not None else 0}

@@ -295,7 +295,7 @@ def test_kv_usage_errors_come_before_loading(tiny_model_dirs, prompt_file, capsy
     base = _base_args(tiny_model_dirs, prompt_file)
     assert main(base + ["--kv-sinks", "2"]) == 2
     err = capsys.readouterr().err
-    assert "--kv-sinks 2 needs --kv-window" in err and "loading" not in err
+    assert "--kv-sinks=2 needs a window" in err and "loading" not in err
     assert main(base + ["--draft-kv-dtype", "int8"]) == 2
     assert "--draft-kv-dtype is only used with a draft model" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -1,12 +1,13 @@
 """Many requests at once: each step drafts for every running sequence, verifies all drafts in one target
 forward, and hands each sequence its tokens.
 
-A step is: admit waiting sequences onto free KV slots (prefilling their prompts), choose each
-sequence's draft length (its own controller, then the step's row budget), draft, run one row-invariant
-forward over the ragged rows ``[last token, d_1..d_k]`` of every sequence (``Transformer.forward_rows``),
-verify them (``verify_batch``), roll each slot back to its accepted length and emit. Rows are computed
-as they would be alone, so a request's greedy output is bitwise what it is served alone, and a sampled
-one depends only on its seed.
+A step is: admit waiting sequences onto free KV slots; share the step's row budget between the
+decoding sequences' fed tokens, the prompts still being read (a few rows each step, on our kernels) and
+the drafts (each sequence's own controller, priced at the whole forward's rows); draft; run one
+row-invariant forward over every sequence's ragged rows, ``[prompt rows][last token, d_1..d_k]``
+(``Transformer.forward_rows``); verify (``verify_batch``), roll each slot back to its accepted length and
+emit. Rows are computed as they would be alone, so a request's greedy output is bitwise what it is
+served alone, and a sampled one (n-gram drafting or none) depends only on its seed.
 
 Not here: threads (``serve/loop.py`` steps the executor from one thread), HTTP, or drafters that keep
 per-request state in a model cache (draft model, layerskip, trained heads); those still run one request

@@ -19,14 +19,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from specdecode.control import StepRecord
-from specdecode.drafters import make_drafter
+from specdecode.drafters import DRAFTERS, make_drafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel
 from specdecode.models.config import ModelConfig
 from specdecode.sampling import SamplingParams
 
-OUR_FAMILIES = ("none", "ngram", "draft", "layerskip", "eagle", "medusa")
+OUR_FAMILIES = DRAFTERS  # our engine with each drafter ("none": plain decoding)
 PEER_FAMILIES = ("hf", "hf-assisted", "hf-lookup", "llamacpp", "llamacpp-lookup")
 FAMILIES = OUR_FAMILIES + PEER_FAMILIES
 # Families that need a separate draft model (--draft-model).

@@ -342,7 +342,7 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
 
 
 def _skip_layers(config: BenchConfig, target: LoadedModel, log: Log) -> tuple[int, ...]:
-    from specdecode.drafters.skip_sets import resolve_skip_set
+    from specdecode.skip_sets import resolve_skip_set
 
     return resolve_skip_set(target, config.dtype, config.skip_layers, progress=log)
 

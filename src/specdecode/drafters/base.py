@@ -43,13 +43,21 @@ class Drafter(Protocol):
     """``name`` identifies the drafter (and its model in a controller file); ``signal_names`` names the
     floats of each token's signal.
 
-    A drafter that reads the target's features (trained heads) also has ``feature_layers`` (the layers
-    it wants, see ``Transformer.forward``) and ``observe(position, features [T, F])``: the engine calls it
-    after ``reset`` with the prompt's features and after every verification with the kept rows'.
+    A drafter that reads the target's features (trained heads) names the layers it wants in
+    ``feature_layers`` (see ``Transformer.forward``), and the engine calls ``observe(position, features
+    [T, F])`` after ``reset`` with the prompt's features and after every verification with the kept rows'.
+    ``weight_nbytes`` and ``own_cache`` say what it holds besides the target (memory reports).
+    :class:`DrafterBase` gives the defaults.
     """
 
     name: str
     signal_names: tuple[str, ...]
+    feature_layers: tuple[int, ...]
+    weight_nbytes: int
+    own_cache: Cache | None
+
+    def observe(self, position: int, features: torch.Tensor) -> None:
+        """Features of verified positions (drafters with ``feature_layers`` only)."""
 
     def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
         """Starts a new request (timed as prefill): ``target_cache`` is the cache the target verifies
@@ -73,7 +81,28 @@ class Drafter(Protocol):
         """Told the sequence after verification (the previous seq + accepted draft + one target token)."""
 
 
-class OwnCache:
+class DrafterBase:
+    """The optional parts of the :class:`Drafter` protocol, with what a drafter that needs none of them says:
+    no target features wanted, no weights or KV cache of its own."""
+
+    feature_layers: tuple[int, ...] = ()
+
+    def observe(self, position: int, features: torch.Tensor) -> None:
+        """Features ``[T, F]`` of the target's verified positions position..position+T-1 (only called for
+        drafters with ``feature_layers``)."""
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of weights it holds besides the target's."""
+        return 0
+
+    @property
+    def own_cache(self) -> Cache | None:
+        """Its own KV cache (not the target's), if it keeps one."""
+        return None
+
+
+class OwnCache(DrafterBase):
     """For drafters with a KV cache of their own (a draft model, an EAGLE head): ``cache_config`` says its
     kind, and ``_claim_cache`` sizes it like the target's (the draft never holds more tokens than the target
     verifies) under the engine's KV budget, reusing it across requests while it fits."""
@@ -81,6 +110,10 @@ class OwnCache:
     cache_config: CacheConfig
     cache: Cache | None = None
     _memory: KVMemory | None = None
+
+    @property
+    def own_cache(self) -> Cache | None:
+        return self.cache
 
     def _claim_cache(self, model, target_cache: Cache, memory: KVMemory | None) -> KVMemory:
         """Empties slot 0 of the cache (allocated for ``model`` when missing, too small, or under another

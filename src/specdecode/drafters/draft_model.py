@@ -74,6 +74,10 @@ class DraftModelDrafter(OwnCache):
         self.model = model
         self.cache_config = cache
 
+    @property
+    def weight_nbytes(self) -> int:
+        return self.model.weight_nbytes
+
     def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
         memory = self._claim_cache(self.model, target_cache, memory)
         # Prefill here, so that drafting time counts drafting only.

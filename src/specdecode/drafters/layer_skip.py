@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, model_draft
+from specdecode.drafters.base import MODEL_SIGNALS, Draft, DrafterBase, StopRule, model_draft
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.models.transformer import Transformer
@@ -40,7 +40,7 @@ def parse_layers(spec: str, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-class LayerSkipDrafter:
+class LayerSkipDrafter(DrafterBase):
     """Drafting with the target itself, skipping some layers.
 
     Args:

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import MODEL_SIGNALS, Draft, StopRule, chain_draft
+from specdecode.drafters.base import MODEL_SIGNALS, Draft, DrafterBase, StopRule, chain_draft
 from specdecode.heads.medusa import MedusaHeads
 from specdecode.heads.vocab import VocabHead
 from specdecode.kv.cache import Cache
@@ -21,7 +21,7 @@ from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 
 
-class MedusaDrafter:
+class MedusaDrafter(DrafterBase):
     """Drafts up to ``heads.head_config.heads`` tokens a step.
 
     Args:

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import Draft, StopRule
+from specdecode.drafters.base import Draft, DrafterBase, StopRule
 from specdecode.kv.cache import Cache
 from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams
@@ -23,7 +23,7 @@ MAX_OCCURRENCES = 16
 
 
 @dataclass
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """Prompt-lookup drafting over prompt + generated text.
 
     Its signals (NGRAM_SIGNALS), per proposed token: the matched tail's length, how many earlier

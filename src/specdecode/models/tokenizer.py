@@ -28,6 +28,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _Backend
 
 from specdecode.models.fetch import cache_dir
+from specdecode.models.gguf import read_gguf
 
 # Bumped whenever the GGUF conversion changes, so stale cached tokenizers are rebuilt.
 _CONVERTER_VERSION = 1
@@ -262,9 +263,6 @@ class Tokenizer:
         if cached is not None and cached.is_dir():
             return cls.from_hf_dir(cached)
         if metadata is None:
-            # Imported here: loader imports this module, and only a cache miss needs the GGUF reader.
-            from specdecode.models.loader import read_gguf
-
             metadata = read_gguf(path).metadata
         tokenizer = cls.from_gguf_metadata(metadata, source=str(path))
         if cached is not None:

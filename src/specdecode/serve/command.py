@@ -69,13 +69,13 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)
     cache, _ = cache_configs(args, draft=False)
     loaded = load_model(args.model, args.dtype, args.device, progress=log, linear=args.linear)
-    new_drafter = None
-    if args.drafter != "none":
-        def new_drafter():
-            return make_drafter(args.drafter, loaded.model, ngram_sizes=args.ngram)
+
+    def new_drafter():
+        return make_drafter(args.drafter, loaded.model, ngram_sizes=args.ngram)
     name = args.served_model_name or args.model
     metrics = ServeMetrics(name)
-    engine = BatchEngine(loaded.model, loaded.tokenizer, new_drafter, spec, cache, scheduler, args.max_len)
+    engine = BatchEngine(loaded.model, loaded.tokenizer, new_drafter if args.drafter != "none" else None, spec, cache,
+                         scheduler, args.max_len)
     log(f"warming up ({args.max_running} slots of {engine.max_len} tokens, KV {engine.cache.nbytes / 2**20:.0f} MiB) ...")
     engine.warmup()
     engine.observer = metrics  # the warm-up request is not counted

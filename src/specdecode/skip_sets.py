@@ -1,7 +1,8 @@
 """Where layer-skip sets come from: shipped defaults, stored calibrations, or a calibration run now.
 
 Stores results as small JSON files under the model cache directory; it does not search (see
-``layer_skip.calibrate_skip_set``).
+``drafters/layer_skip.calibrate_skip_set``). It sits beside the command line rather than among the
+drafters because it knows loaded models and where they are cached; the drafter itself takes a skip set.
 """
 
 from __future__ import annotations
