@@ -15,20 +15,18 @@ from typing import Sequence
 import torch
 
 from specdecode.bench.command import add_arguments as add_bench_arguments
-from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, ngram_sizes, positive_int
+from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, positive_int
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.model_file import load_controller_file
-from specdecode.drafters import DRAFTERS, HEAD_DRAFTERS, make_drafter
-from specdecode.drafters.draft_model import check_draft_pair
+from specdecode.drafter_setup import add_drafter_arguments, drafter_factory, drafter_kind
 from specdecode.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
 from specdecode.engine import Engine, SpeculativeConfig
-from specdecode.heads import no_head_message, shipped_head
 from specdecode.heads.command import add_arguments as add_head_arguments
 from specdecode.bench.serve_command import add_arguments as add_bench_serve_arguments
 from specdecode.serve.command import add_arguments as add_serve_arguments
 from specdecode.kv.cache import CacheConfig, CacheFullError
 from specdecode.kv.memory import KVBudgetError
-from specdecode.models.build import DEVICES, DRAFT_QUANT, LoadedModel, load_model, resolve_device
+from specdecode.models.build import DEVICES, LoadedModel, load_model, resolve_device
 from specdecode.models.linear import LINEAR_KERNELS
 from specdecode.models.fetch import FetchError
 from specdecode.models.loader import LoadError
@@ -65,15 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt")
     _model_args(g)
     g.add_argument("prompt", help="the prompt; '-' reads it from stdin")
-    g.add_argument("--draft-model", default=None, help="draft model for --drafter draft (same vocabulary as --model)")
-    g.add_argument("--draft-quant", choices=DRAFT_QUANT, default="none",
-                   help="int8 = int8 weight-only draft model: cheaper drafts, output still exact (default none)")
-    g.add_argument("--drafter", choices=DRAFTERS, default=None,
-                   help="how to draft (default: draft when --draft-model is given, else ngram)")
-    g.add_argument("--head", default=None, metavar="FILE",
-                   help="head file for --drafter eagle|medusa (default: the head shipped for --model, if any)")
-    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="--drafter eagle|medusa: draft over the N most frequent tokens (0 = all; default: as trained)")
+    add_drafter_arguments(g)
     g.add_argument("--gamma", type=gamma, default="adaptive",
                    help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)} (default adaptive)")
     g.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
@@ -81,7 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="acceptance models for --gamma confidence|adaptive (from fit-controller; default: the shipped one)")
     g.add_argument("--skip-layers", default="auto",
                    help="layers layerskip skips, e.g. '4,6,8-12'; 'auto' uses (or runs) the stored calibration")
-    g.add_argument("--ngram", type=ngram_sizes, default=(1, 3), help="min,max n-gram sizes for ngram lookup (default 1,3)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -146,40 +135,12 @@ def _read_prompt(prompt: str) -> str:
     return prompt
 
 
-def _drafter_kind(args: argparse.Namespace) -> str:
-    """The drafter to use; refuses contradictory flags before anything is loaded."""
-    kind = args.drafter or ("draft" if args.draft_model else "ngram")
-    if kind == "draft" and not args.draft_model:
-        raise UsageError("--drafter draft needs --draft-model NAME|PATH")
-    if kind != "draft" and args.draft_model:
-        raise UsageError(f"--draft-model is only used by --drafter draft, not {kind}")
-    if kind != "draft" and args.draft_quant != "none":
-        raise UsageError(f"--draft-quant applies to a draft model (--drafter draft), not {kind}")
-    if kind not in HEAD_DRAFTERS and (args.head or args.draft_vocab is not None):
-        raise UsageError(f"--head and --draft-vocab are only used by --drafter eagle|medusa, not {kind}")
-    return kind
-
-
 def _engine_for(args: argparse.Namespace, target: LoadedModel, spec: SpeculativeConfig,
                 caches: tuple[CacheConfig, CacheConfig]) -> Engine:
-    drafter_kind = _drafter_kind(args)
-    draft_model = skip = None
-    if drafter_kind == "draft":
-        _log(f"loading draft model {args.draft_model} ...")
-        draft = load_model(args.draft_model, args.dtype, args.device, progress=_log, linear=args.linear,
-                           quantize=args.draft_quant)
-        check_draft_pair(target, draft)
-        draft_model = draft.model
-    if drafter_kind == "layerskip":
-        skip = resolve_skip_set(target, args.dtype, args.skip_layers, progress=_log)
-    head = None
-    if drafter_kind in HEAD_DRAFTERS:
-        head = args.head or shipped_head(target.model, drafter_kind)
-        if head is None:
-            raise UsageError(no_head_message(drafter_kind, args.model) + " with --head FILE")
-    drafter = make_drafter(drafter_kind, target.model, draft_model, skip, ngram_sizes=args.ngram, draft_cache=caches[1],
-                           head=head, draft_vocab=args.draft_vocab)
-    return Engine(target.model, target.tokenizer, drafter, spec, cache=caches[0])
+    skip = resolve_skip_set(target, args.dtype, args.skip_layers, progress=_log) if drafter_kind(args) == "layerskip" \
+        else None
+    new = drafter_factory(args, target, caches[1], _log, skip)
+    return Engine(target.model, target.tokenizer, new() if new is not None else None, spec, cache=caches[0])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -190,7 +151,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)  # validated before any model is loaded
     if args.gamma in ("confidence", "adaptive"):
         load_controller_file(args.controller_file)
-    caches = cache_configs(args, draft=_drafter_kind(args) in ("draft", "eagle"))
+    caches = cache_configs(args, draft=drafter_kind(args) in ("draft", "eagle"))
     target = load_model(args.model, args.dtype, args.device, progress=_log, linear=args.linear)
     if args.chat:
         if not target.tokenizer.chat_template:

@@ -9,12 +9,12 @@ import torch
 from kernel_paths import path_params, require_path
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import QueueFullError, SchedulerConfig
-from specdecode.drafters import LayerSkipDrafter, NgramDrafter
+from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer
-from tiny_models import varied_model
+from tiny_models import random_head_drafter, varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,11 +46,27 @@ def _requests():
     return [dict(prompt=p, max_new_tokens=n, eos_token_ids=()) for p, n in zip(PROMPTS, BUDGETS)]
 
 
+@pytest.fixture(scope="module")
+def draft_model() -> Transformer:
+    return varied_model(0, keep_layers=[0, 1])  # the target truncated: agrees often, not always
+
+
+def _new_drafter(kind: str, target: Transformer, draft_model: Transformer, cache: CacheConfig):
+    """A drafter factory (the batch engine makes one drafter per KV slot)."""
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return NgramDrafter
+    if kind == "draft":
+        return lambda: DraftModelDrafter(draft_model, target, cache)
+    return lambda: random_head_drafter(kind, target, seed=3, cache=cache)
+
+
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("kind", ["none", "ngram"])
-def test_batched_greedy_output_equals_each_request_served_alone(target, setting, kind):
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft", "eagle", "medusa"])
+def test_batched_greedy_output_equals_each_request_served_alone(target, draft_model, setting, kind):
     cache = SETTINGS[setting]
-    new = NgramDrafter if kind == "ngram" else None
+    new = _new_drafter(kind, target, draft_model, cache)
     solo = Engine(target, drafter=new() if new else None, spec=SpeculativeConfig(gamma=4), cache=cache)
     want = [solo.generate(**r).token_ids for r in _requests()]
     engine = BatchEngine(target, new_drafter=new, spec=SpeculativeConfig(gamma=4), cache=cache,
@@ -59,20 +75,23 @@ def test_batched_greedy_output_equals_each_request_served_alone(target, setting,
         results = engine.run(_requests())
         assert [r.token_ids for r in results] == want, (setting, kind)
         assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
-    if kind == "ngram":
-        assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were verified, and some kept
+    if kind != "none":
+        assert sum(r.stats.drafted_tokens for r in results) > 0  # drafts were verified
+    if kind in ("ngram", "draft"):
+        assert sum(r.stats.accepted_tokens for r in results) > 0  # and some kept (random heads may get none)
     assert engine.scheduler.slots.free == 3 and all(t.referenced == 0 for t in engine.memory.prefixes.values())
 
 
 @pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
-@pytest.mark.parametrize("kind", ["none", "ngram"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "eagle"])
 def test_prompts_prefilled_inside_decode_steps_change_no_token(path, kind):
     """On our kernels prompts are prefilled a few rows per step, in the same forwards as other sequences'
-    decode rows; every request still gets, bitwise, what it gets alone."""
+    decode rows (an EAGLE head reading their features chunk by chunk); every request still gets, bitwise,
+    what it gets alone."""
     require_path(path)
     model = varied_model(0, dtype=torch.bfloat16)
     model.pack_weights(path)
-    new = NgramDrafter if kind == "ngram" else None
+    new = _new_drafter(kind, model, None, CacheConfig())
     solo = Engine(model, drafter=new() if new else None, spec=SpeculativeConfig(gamma=4))
     want = [solo.generate(**r).token_ids for r in _requests()]
     for rows, chunk in ((16, 256), (5, 3)):  # prompts in chunks of up to 15 rows, or 1 to 3 rows at a time
@@ -120,7 +139,7 @@ def test_bad_input_and_a_full_queue_are_refused_with_the_reason(target):
     engine.submit([1, 2], max_new_tokens=8)
     with pytest.raises(QueueFullError, match="queue is full"):
         engine.submit([1, 2], max_new_tokens=8)
-    with pytest.raises(ValueError, match="drafter 'layerskip' cannot serve a batch yet"):
+    with pytest.raises(ValueError, match=r"drafter 'layerskip' cannot serve a batch \(it drafts in the target's"):
         BatchEngine(target, new_drafter=lambda: LayerSkipDrafter(target, [1]))
     with pytest.raises(ValueError, match=r"max_len must be in 1..512"):
         BatchEngine(target, max_len=1000)

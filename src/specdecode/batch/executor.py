@@ -9,9 +9,12 @@ row-invariant forward over every sequence's ragged rows, ``[prompt rows][last to
 emit. Rows are computed as they would be alone, so a request's greedy output is bitwise what it is
 served alone, and a sampled one (n-gram drafting or none) depends only on its seed.
 
-Not here: threads (``serve/loop.py`` steps the executor from one thread), HTTP, or drafters that keep
-per-request state in a model cache (draft model, layerskip, trained heads); those still run one request
-at a time on :class:`~specdecode.engine.Engine`.
+Each KV slot has a drafter of its own, reset for every sequence it serves: a draft model's or EAGLE
+head's cache is that slot's (named ``draft-<slot>`` in the KV memory), and drafters that read the
+target's features (trained heads) get their sequence's rows of each forward.
+
+Not here: threads (``serve/loop.py`` steps the executor from one thread), HTTP, or layerskip (it drafts
+in the target's own cache slot 0; it runs on :class:`~specdecode.engine.Engine`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from specdecode.batch.scheduler import Scheduler, SchedulerConfig, fit_rows
 from specdecode.batch.sequence import Output, Request, Sequence, prompt_ids
 from specdecode.control import StepContext, StepRecord, controller_factory
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import Draft, Drafter, OwnCache
 from specdecode.engine import GenerationResult, SpeculativeConfig, kv_setting
 from specdecode.kv.cache import CacheConfig
 from specdecode.kv.memory import KVMemory
@@ -35,8 +38,8 @@ from specdecode.sampling import SamplingParams
 from specdecode.timing import interleaved_timings
 from specdecode.verify import Pending, Verdict, verify_batch
 
-# Drafters whose state lives outside any model cache, so one instance per sequence serves a batch.
-BATCHED_DRAFTERS = ("ngram",)
+# Drafters a batch can run, one per KV slot (layerskip drafts in the target's slot 0).
+BATCHED_DRAFTERS = ("ngram", "draft", "eagle", "medusa")
 
 
 class StepObserver(Protocol):
@@ -58,7 +61,7 @@ class BatchEngine:
     Args:
         target: the model whose output distribution is reproduced exactly.
         tokenizer: for text prompts, stop strings and text output.
-        new_drafter: makes one drafter per sequence (None: plain decoding); see BATCHED_DRAFTERS.
+        new_drafter: makes a drafter (None: plain decoding), called once per KV slot; see BATCHED_DRAFTERS.
         spec: gamma policy; each sequence gets its own controller, sharing the engine's cost estimates.
         cache: KV settings; ``slots`` is taken from the scheduler's ``max_running`` and ``max_len`` per slot
             from ``max_len``.
@@ -73,12 +76,17 @@ class BatchEngine:
                  observer: StepObserver | None = None) -> None:
         probe = new_drafter() if new_drafter is not None else None
         if probe is not None and probe.name not in BATCHED_DRAFTERS:
-            raise ValueError(f"drafter {probe.name!r} cannot serve a batch yet (it keeps per-request state in a model "
-                             f"cache); batched drafters: {', '.join(BATCHED_DRAFTERS)}, or none")
+            raise ValueError(f"drafter {probe.name!r} cannot serve a batch (it drafts in the target's cache slot 0); "
+                             f"batched drafters: {', '.join(BATCHED_DRAFTERS)}, or none")
         self.target = target
         self.tokenizer = tokenizer
-        self.new_drafter = new_drafter if probe is not None else None
         self.spec = spec if probe is not None else SpeculativeConfig(gamma=0)
+        # One drafter per slot, reused by the sequences the slot serves; a drafter's own cache is its slot's.
+        self._drafters = [probe, *(new_drafter() for _ in range(scheduler.max_running - 1))] if probe else []
+        for slot, drafter in enumerate(self._drafters):
+            if isinstance(drafter, OwnCache):
+                drafter.cache_name = f"draft-{slot}"
+        self._features = tuple(probe.feature_layers) if probe is not None else ()
         self._new_controller = controller_factory(
             self.spec.gamma, self.spec.gamma_max, probe.name if probe is not None else None,
             probe.signal_names if probe is not None else (), self.spec.controller_file, scheduler.max_rows)
@@ -250,15 +258,16 @@ class BatchEngine:
         seq.seed = seq.request.sampling.request_seed()
         seq.generator = seq.request.sampling.generator(self.target.device, seq.seed)
         seq.controller = self._new_controller()
-        seq.drafter = self.new_drafter() if self.new_drafter is not None else None
+        seq.drafter = self._drafters[seq.slot] if self._drafters else None
         if seq.drafter is not None:
             seq.drafter.reset(self.cache, seq.request.prompt_ids, self.memory)
         prompt = seq.tokens[:-1]
         if self._chunked_prefill:
             self.cache.commit(seq.slot, len(prompt))  # prompt tokens are verified before they are written
         else:
+            observe = seq.drafter.observe if self._features else None
             seq.stats.prefix_hit_tokens = prefill(self.cache, seq.slot, prompt, self.target, self._prefix,
-                                                  invariant_rows=self.target.row_invariant)
+                                                  self._features, observe, invariant_rows=self.target.row_invariant)
             seq.prefilled = len(prompt)
             seq.stats.prefill_s = time.perf_counter() - start
         if self.observer is not None:
@@ -276,10 +285,11 @@ class BatchEngine:
         Each sequence's rows are consecutive: its prompt rows for this step (if any), then, if it decodes,
         [last token, d_1..d_k]. Only decoding rows get logits.
         """
-        rows, slots, counts, scored, held = [], [], [], [], {}
+        rows, slots, counts, scored, held, first_row = [], [], [], [], {}, {}
         for seq in running:
             n = chunk.get(seq, 0)
             part = seq.tokens[seq.prefilled:seq.prefilled + n]
+            first_row[seq] = len(rows)
             if seq in drafts:
                 held[seq] = self.cache.lengths[seq.slot] + n  # every token but the last is cached then
                 scored += range(len(rows) + n, len(rows) + n + 1 + len(drafts[seq].tokens))
@@ -288,15 +298,19 @@ class BatchEngine:
                 rows += part
                 slots.append(seq.slot)
                 counts.append(len(part))
-            seq.prefilled += n
         # Filler rows (copies of the last row, rolled back) bring a forward up to _min_rows; they come after
         # the last sequence's real rows, so no real row sees them. (Only off our kernels, where no prompt is
         # prefilled here: the last sequence decodes, and its rollback drops them.)
         filler = max(0, self._min_rows - len(rows))
         counts[-1] += filler
         rows += [rows[-1]] * filler
-        logits = self.target.forward_rows(torch.tensor(rows, device=self.target.device), self.cache, slots, counts,
-                                          logits=torch.tensor(scored, dtype=torch.long))  # [scored, V]
+        out = self.target.forward_rows(torch.tensor(rows, device=self.target.device), self.cache, slots, counts,
+                                       logits=torch.tensor(scored, dtype=torch.long), features=self._features)
+        logits, hidden = out if self._features else (out, None)  # [scored, V], [N, F]
+        for seq, n in chunk.items():
+            if hidden is not None and n:  # a head drafter reads the prompt's features as they are computed
+                seq.drafter.observe(seq.prefilled, hidden[first_row[seq]:first_row[seq] + n])
+            seq.prefilled += n
         decoding = list(drafts)
         verdicts = verify_batch(logits, [1 + len(drafts[s].tokens) for s in decoding],
                                 [Pending(drafts[s].tokens, drafts[s].q, s.request.sampling, s.seed, len(s.tokens),
@@ -304,6 +318,9 @@ class BatchEngine:
         for seq, verdict in zip(decoding, verdicts):
             # Keep the fed token and the accepted drafts; the emitted target token is fed next step.
             self.cache.trim(seq.slot, held[seq] + 1 + verdict.accepted)
+            if hidden is not None:
+                start = first_row[seq] + chunk.get(seq, 0)
+                seq.drafter.observe(held[seq], hidden[start:start + verdict.accepted + 1])
         return dict(zip(decoding, verdicts)), len(rows)
 
     def _retire(self, seq: Sequence) -> None:

@@ -1,6 +1,7 @@
 """``specdecode bench-serve``: the real server under load, plain decoding vs speculation, side by side.
 
-One ``specdecode serve`` process per method (``none`` = plain decoding, ``ngram:<gamma>``), all started
+One ``specdecode serve`` process per method (``none`` = plain decoding, ``ngram:<gamma>``, ``eagle:<gamma>``,
+``medusa:<gamma>`` with the heads shipped for the model), all started
 before the first measurement and measured in turns: for each concurrency level and repeat, every method
 in order, so that drift on a noisy machine touches them alike. Each run sends the same greedy chat
 requests (the packaged suites, or ``--prompts``) from ``concurrency`` closed-loop clients on loopback.
@@ -32,6 +33,7 @@ from specdecode.bench.load import run_level, summarize
 from specdecode.bench.prompts import default_prompts, load_prompts, select
 from specdecode.models.native import cpu_flags, cpu_model
 
+SERVED_DRAFTERS = ("ngram", "eagle", "medusa")  # batched drafters that need no other model (the heads: the shipped ones)
 METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
 
 
@@ -49,8 +51,9 @@ def _methods(value: str) -> list[str]:
     methods = [m.strip() for m in value.split(",") if m.strip()]
     for m in methods:
         drafter, _, gamma = m.partition(":")
-        if drafter not in ("none", "ngram") or (drafter == "ngram" and not gamma) or (drafter == "none" and gamma):
-            raise argparse.ArgumentTypeError(f"method {m!r}: expected 'none' or 'ngram:<gamma>' (e.g. ngram:adaptive)")
+        if drafter not in ("none", *SERVED_DRAFTERS) or bool(gamma) != (drafter != "none"):
+            raise argparse.ArgumentTypeError(f"method {m!r}: expected 'none' or DRAFTER:GAMMA with DRAFTER one of "
+                                             f"{', '.join(SERVED_DRAFTERS)} (e.g. ngram:adaptive, eagle:4)")
     if "none" not in methods:
         methods.insert(0, "none")  # the reference every ratio is taken against
     return methods
@@ -58,7 +61,8 @@ def _methods(value: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", type=_methods, default=_methods("none,ngram:adaptive"),
-                   help="comma list: none (plain decoding, always run) and ngram:<gamma> (default none,ngram:adaptive)")
+                   help="comma list: none (plain decoding, always run) and DRAFTER:GAMMA for DRAFTER in "
+                        f"{', '.join(SERVED_DRAFTERS)} (default none,ngram:adaptive)")
     p.add_argument("--concurrency", type=_levels, default=_levels("1,2,4,8"),
                    help="concurrent clients per level (default 1,2,4,8)")
     p.add_argument("--requests", type=positive_int, default=None,

@@ -110,6 +110,7 @@ class OwnCache(DrafterBase):
     cache_config: CacheConfig
     cache: Cache | None = None
     _memory: KVMemory | None = None
+    cache_name: str = "draft"  # its name in the KV memory (a batch gives each slot's drafter its own)
 
     @property
     def own_cache(self) -> Cache | None:
@@ -122,7 +123,7 @@ class OwnCache(DrafterBase):
             memory = self._memory or KVMemory()
         if self.cache is None or self.cache.max_len < target_cache.max_len or memory is not self._memory:
             config = replace(self.cache_config, max_len=target_cache.max_len)
-            self.cache, self._memory = memory.new_cache("draft", model, config), memory
+            self.cache, self._memory = memory.new_cache(self.cache_name, model, config), memory
         self.cache.reset(0)
         return memory
 

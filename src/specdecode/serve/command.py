@@ -11,11 +11,11 @@ import argparse
 from contextlib import asynccontextmanager
 from typing import Callable
 
-from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, ngram_sizes, positive_int
+from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, positive_int
 from specdecode.batch.executor import BATCHED_DRAFTERS, BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.control import GAMMA_POLICIES
-from specdecode.drafters import DRAFTERS, make_drafter
+from specdecode.drafter_setup import add_drafter_arguments, drafter_factory, drafter_kind
 from specdecode.engine import SpeculativeConfig
 
 SHUTDOWN_GRACE_S = 30  # running requests may finish for this long after SIGTERM, then they are cancelled
@@ -26,9 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the --model value)")
-    p.add_argument("--drafter", choices=DRAFTERS, default="ngram",
-                   help=f"how to draft; batched serving supports {', '.join(BATCHED_DRAFTERS)} and none (default ngram)")
-    p.add_argument("--ngram", type=ngram_sizes, default=(1, 3), help="min,max n-gram sizes (default 1,3)")
+    add_drafter_arguments(p, ("none", *BATCHED_DRAFTERS))
     p.add_argument("--gamma", type=gamma, default="adaptive",
                    help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)} (default adaptive)")
     p.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
@@ -62,20 +60,15 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     from specdecode.serve.loop import EngineLoop
     from specdecode.serve.metrics import ServeMetrics
 
-    if args.drafter not in ("none", *BATCHED_DRAFTERS):
-        raise ValueError(f"--drafter {args.drafter}: batched serving supports {', '.join(BATCHED_DRAFTERS)} or none "
-                         "so far (the others keep per-request state in a model cache)")
     scheduler = SchedulerConfig(args.max_running, args.max_waiting, args.max_rows, args.prefill_chunk)
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)
-    cache, _ = cache_configs(args, draft=False)
+    kind = drafter_kind(args)
+    cache, draft_cache = cache_configs(args, draft=kind in ("draft", "eagle"))
     loaded = load_model(args.model, args.dtype, args.device, progress=log, linear=args.linear)
-
-    def new_drafter():
-        return make_drafter(args.drafter, loaded.model, ngram_sizes=args.ngram)
+    new_drafter = drafter_factory(args, loaded, draft_cache, log)
     name = args.served_model_name or args.model
     metrics = ServeMetrics(name)
-    engine = BatchEngine(loaded.model, loaded.tokenizer, new_drafter if args.drafter != "none" else None, spec, cache,
-                         scheduler, args.max_len)
+    engine = BatchEngine(loaded.model, loaded.tokenizer, new_drafter, spec, cache, scheduler, args.max_len)
     log(f"warming up ({args.max_running} slots of {engine.max_len} tokens, KV {engine.cache.nbytes / 2**20:.0f} MiB) ...")
     engine.warmup()
     engine.observer = metrics  # the warm-up request is not counted
@@ -90,7 +83,7 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         loop.stop(timeout=SHUTDOWN_GRACE_S)
 
     app = build_app(loop, name, metrics, lifespan=lifespan)
-    log(f"serving {name} on http://{args.host}:{args.port}/v1 (drafter {args.drafter}, gamma {args.gamma})")
+    log(f"serving {name} on http://{args.host}:{args.port}/v1 (drafter {kind}, gamma {args.gamma})")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0

@@ -1,0 +1,76 @@
+"""The drafter flags of ``generate`` and ``serve``, and the drafter they ask for, built from loaded models.
+
+One place decides which drafter the flags mean, refuses contradictory ones before anything is loaded,
+and loads what the drafter needs (a draft model, a head file, a layer-skip calibration). It returns a
+factory, so that the batch engine can make one drafter per KV slot over the same loaded weights.
+It does not run anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from specdecode.argtypes import ngram_sizes
+from specdecode.drafters import DRAFTERS, HEAD_DRAFTERS, Drafter, make_drafter
+from specdecode.drafters.draft_model import check_draft_pair
+from specdecode.heads import no_head_message, shipped_head
+from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import DRAFT_QUANT, LoadedModel, load_model
+
+
+def add_drafter_arguments(p: argparse.ArgumentParser, kinds: tuple[str, ...] = DRAFTERS) -> None:
+    p.add_argument("--drafter", choices=kinds, default=None,
+                   help="how to draft (default: draft when --draft-model is given, else ngram)")
+    p.add_argument("--draft-model", default=None, help="draft model for --drafter draft (same vocabulary as --model)")
+    p.add_argument("--draft-quant", choices=DRAFT_QUANT, default="none",
+                   help="int8 = int8 weight-only draft model: cheaper drafts, output still exact (default none)")
+    p.add_argument("--head", default=None, metavar="FILE",
+                   help="head file for --drafter eagle|medusa (default: the head shipped for --model, if any)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="--drafter eagle|medusa: draft over the N most frequent tokens (0 = all; default: as trained)")
+    p.add_argument("--ngram", type=ngram_sizes, default=(1, 3), help="min,max n-gram sizes for ngram lookup (default 1,3)")
+
+
+def drafter_kind(args: argparse.Namespace) -> str:
+    """The drafter the flags ask for; refuses contradictory flags (ValueError) before anything is loaded."""
+    kind = args.drafter or ("draft" if args.draft_model else "ngram")
+    if kind == "draft" and not args.draft_model:
+        raise ValueError("--drafter draft needs --draft-model NAME|PATH")
+    if kind != "draft" and args.draft_model:
+        raise ValueError(f"--draft-model is only used by --drafter draft, not {kind}")
+    if kind != "draft" and args.draft_quant != "none":
+        raise ValueError(f"--draft-quant applies to a draft model (--drafter draft), not {kind}")
+    if kind not in HEAD_DRAFTERS and (args.head or args.draft_vocab is not None):
+        raise ValueError(f"--head and --draft-vocab are only used by --drafter eagle|medusa, not {kind}")
+    return kind
+
+
+def drafter_factory(args: argparse.Namespace, target: LoadedModel, draft_cache: CacheConfig,
+                    log: Callable[[str], None], skip_layers: tuple[int, ...] | None = None
+                    ) -> Callable[[], Drafter | None] | None:
+    """Loads what the flags' drafter needs and returns a maker of such drafters (None for ``--drafter none``).
+
+    Args:
+        args: parsed flags (see :func:`add_drafter_arguments`, plus the model flags).
+        target: the loaded target.
+        draft_cache: the draft model's (or EAGLE head's) cache settings.
+        log: progress lines.
+        skip_layers: layerskip's skip set (resolved by the caller).
+    """
+    kind = drafter_kind(args)
+    if kind == "none":
+        return None
+    draft_model = head = None
+    if kind == "draft":
+        log(f"loading draft model {args.draft_model} ...")
+        draft = load_model(args.draft_model, args.dtype, args.device, progress=log, linear=args.linear,
+                           quantize=args.draft_quant)
+        check_draft_pair(target, draft)
+        draft_model = draft.model
+    if kind in HEAD_DRAFTERS:
+        head = args.head or shipped_head(target.model, kind)
+        if head is None:
+            raise ValueError(no_head_message(kind, args.model) + " with --head FILE")
+    return lambda: make_drafter(kind, target.model, draft_model, skip_layers, ngram_sizes=args.ngram,
+                                draft_cache=draft_cache, head=head, draft_vocab=args.draft_vocab)

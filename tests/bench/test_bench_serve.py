@@ -1,0 +1,40 @@
+"""bench-serve's pieces that need no server: method and level parsing, percentiles, a level's summary."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specdecode.bench.load import RequestResult, percentile, summarize
+from specdecode.bench.serve_command import _levels, _methods
+
+
+def test_methods_always_include_plain_decoding_and_name_bad_ones():
+    assert _methods("ngram:adaptive,eagle:4") == ["none", "ngram:adaptive", "eagle:4"]
+    assert _methods("none,medusa:adaptive") == ["none", "medusa:adaptive"]
+    for bad in ("ngram", "none:4", "draft:4", "layerskip:adaptive"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad.split(":")[0]):
+            _methods(bad)
+
+
+def test_levels():
+    assert _levels("1,2,4,8") == [1, 2, 4, 8]
+    for bad in ("0,1", "a", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _levels(bad)
+
+
+def test_percentile_interpolates_and_handles_no_values():
+    assert percentile([], 50) is None
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
+
+
+def test_summary_counts_tokens_of_successful_requests_only():
+    results = [RequestResult(0, "ab", 10, 0.2, [0.05, 0.07], 1.0), RequestResult(1, "c", 6, 0.4, [0.06], 0.9),
+               RequestResult(2, error="HTTP 429: full")]
+    s = summarize(results, wall_s=2.0)
+    assert (s["requests"], s["errors"], s["tokens"], s["tokens_per_s"]) == (3, 1, 16, 8.0)
+    assert s["ttft_p50_s"] == pytest.approx(0.3) and s["itl_p50_s"] == pytest.approx(0.06)
