@@ -140,7 +140,8 @@ def test_cli_device_reaches_load_model(no_cuda, monkeypatch, capsys, tmp_path):
         devices.append(device)
         return load_model(source, dtype, device, **kwargs)
 
-    monkeypatch.setattr("specdecode.cli.load_model", spy)
+    monkeypatch.setattr("specdecode.cli.load_model", spy)  # the target
+    monkeypatch.setattr("specdecode.drafter_setup.load_model", spy)  # the draft model
     for flag in ([], ["--device", "auto"], ["--device", "cpu"]):
         rc, out, err = run(capsys, "generate", "--model", folder, "--threads", "1", "--dtype", "float32", "--json",
                             "--drafter", "draft", "--draft-model", folder, "--max-new-tokens", "4", *flag,

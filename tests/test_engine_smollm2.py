@@ -28,7 +28,10 @@ def plain(smollm2, prompts):
     return [engine.generate(p, max_new_tokens=NEW_TOKENS, eos_token_ids=()).token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("kind,gamma", [("ngram", 4), ("ngram", "agreement"), ("ngram", "adaptive"), ("layerskip", 3),
+# The default controller for each drafter in the default suite; fixed and baseline gammas with `-m slow`.
+@pytest.mark.parametrize("kind,gamma", [pytest.param("ngram", 4, marks=pytest.mark.slow),
+                                        pytest.param("ngram", "agreement", marks=pytest.mark.slow),
+                                        ("ngram", "adaptive"), pytest.param("layerskip", 3, marks=pytest.mark.slow),
                                         ("layerskip", "confidence")])
 def test_greedy_speculation_is_identical_to_plain(smollm2, prompts, plain, kind, gamma):
     model = smollm2.model

@@ -149,7 +149,7 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
             log(f"starting the {s.method} server on port {s.port} ...")
             s.wait_ready()
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
-        texts: dict[tuple[str, int], list[str]] = {}
+        texts: dict[tuple[str, int], list[list[str]]] = {}  # per repeat, each request's answer
         for level in levels:
             bodies = _bodies(prompts, args.max_tokens, args.requests or max(len(prompts), 2 * level))
             for s in servers:  # an untimed run, so that no level starts cold
@@ -159,7 +159,7 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
                     results, wall = run_level("127.0.0.1", s.port, bodies, level)
                     summary = summarize(results, wall)
                     runs.setdefault((s.method, level), []).append(summary)
-                    texts[(s.method, level)] = [x.text for x in results]
+                    texts.setdefault((s.method, level), []).append([x.text for x in results])
                     log(f"c={level} {s.method}: {summary['tokens_per_s']:.1f} tok/s, "
                         f"ITL p99 {1e3 * (summary['itl_p99_s'] or 0):.0f} ms, errors {summary['errors']}")
     finally:
@@ -186,7 +186,7 @@ def _report(args: argparse.Namespace, levels: list[int], runs: dict, texts: dict
             row = {"method": method, "concurrency": level,
                    **{m: _median([r[m] for r in runs[(method, level)]]) for m in METRICS},
                    "errors": sum(r["errors"] for r in runs[(method, level)]),
-                   "identical": texts[(method, level)] == texts[("none", level)]}
+                   "identical": all(t == texts[("none", level)][0] for t in texts[(method, level)])}
             row["vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
             rows.append(row)
     single = next(r for r in rows if r["method"] == "none" and r["concurrency"] == min(levels))

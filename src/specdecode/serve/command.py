@@ -1,6 +1,7 @@
 """``specdecode serve``: load a model, build the batch engine and serve the OpenAI-compatible API with uvicorn.
 
-Flags as for ``generate`` where they apply (model, kernel path, drafter, gamma, KV cache), plus the
+Flags as for ``generate`` where they apply (model, kernel path, drafter and its model or head, gamma, KV
+cache; ``drafter_setup.py`` builds the drafter for both), plus the
 server's (``--host``, ``--port``) and the scheduler's (``--max-running``, ``--max-waiting``,
 ``--max-rows``, ``--max-len``). It does not define the API (``app.py``) or the step loop (``loop.py``).
 """
