@@ -8,6 +8,7 @@ import torch
 from specdecode.drafters import LayerSkipDrafter, NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from kernel_paths import path_params
+from specdecode.models.linear import NATIVE_KERNELS
 from real_prompts import ALL
 
 pytestmark = pytest.mark.integration
@@ -28,11 +29,12 @@ def plain(smollm2, prompts):
     return [engine.generate(p, max_new_tokens=NEW_TOKENS, eos_token_ids=()).token_ids for p in prompts]
 
 
-# The default controller for each drafter in the default suite; fixed and baseline gammas with `-m slow`.
+# n-gram drafting with the default controller in the default suite (layerskip: on every kernel path below);
+# the other drafter/gamma pairs with `-m slow`.
 @pytest.mark.parametrize("kind,gamma", [pytest.param("ngram", 4, marks=pytest.mark.slow),
                                         pytest.param("ngram", "agreement", marks=pytest.mark.slow),
                                         ("ngram", "adaptive"), pytest.param("layerskip", 3, marks=pytest.mark.slow),
-                                        ("layerskip", "confidence")])
+                                        pytest.param("layerskip", "confidence", marks=pytest.mark.slow)])
 def test_greedy_speculation_is_identical_to_plain(smollm2, prompts, plain, kind, gamma):
     model = smollm2.model
     # Any skip set must give identical output; this one drafts with 2/3 of the layers.
@@ -49,7 +51,10 @@ def test_greedy_speculation_is_identical_to_plain(smollm2, prompts, plain, kind,
     assert accepted > 0  # the drafts were really verified, not all rejected
 
 
-@pytest.mark.parametrize("path", path_params())
+# oneDNN and F.linear are not the default on any x86-64 CPU with AVX2: their cases run with `-m slow`.
+@pytest.mark.parametrize("path", [p if p.values[0] in NATIVE_KERNELS else pytest.param(*p.values, marks=[*p.marks,
+                                                                                                    pytest.mark.slow])
+                                  for p in path_params()])
 def test_greedy_speculation_is_identical_to_plain_on_every_kernel_path(smollm2_on, path):
     """The exactness claim on each path this CPU can run (the default path is also covered above)."""
     lm = smollm2_on(path)

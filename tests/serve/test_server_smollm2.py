@@ -153,10 +153,10 @@ def test_stop_strings_and_seeded_sampling(client):
 
 def test_concurrent_greedy_requests_each_equal_a_solo_generate(client, solo):
     def ask(prompt):
-        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0).choices[0].text
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         answers = list(pool.map(ask, PROMPTS))
-    assert answers == [solo(p, 40) for p in PROMPTS]
+    assert answers == [solo(p, 24) for p in PROMPTS]
 
 
 def test_a_dropped_stream_frees_its_slot(client, server):
@@ -194,7 +194,7 @@ def test_chat_with_a_wrong_message_shape_gets_a_400(server):
 
 
 def test_a_full_queue_answers_429_with_retry_after(server):
-    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 48, "temperature": 0}
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0}
     with ThreadPoolExecutor(24) as pool:
         replies = list(pool.map(lambda _: _post(server[1], "/v1/completions", body), range(24)))
     statuses = [status for status, _, _ in replies]
@@ -213,7 +213,7 @@ def test_bounded_load_every_request_answered_once_no_leaks_flat_memory(client, s
     start = time.monotonic()
 
     def ask(i):
-        r = client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)] + f" ({i})", max_tokens=8,
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)] + f" ({i})", max_tokens=4,
                                       temperature=0)
         return i, r.id, r.usage.completion_tokens
     with ThreadPoolExecutor(8) as pool:
