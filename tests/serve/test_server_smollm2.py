@@ -11,15 +11,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from specdecode.bench.serve_command import Server
 
 openai = pytest.importorskip("openai")
 
@@ -32,45 +31,26 @@ PROMPTS = ["def quicksort(items):", "The three primary colors are", "Once upon a
            "List of planets: Mercury, Venus,", "SELECT name, age FROM users WHERE", "Dear team, I am writing to"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path, tmp_path_factory):
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")  # a file: a pipe nobody reads could fill
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specdecode.cli", "serve", "--model", str(smollm2_path), "--served-model-name", MODEL,
-         "--port", str(port), "--threads", "2", "--max-running", str(MAX_RUNNING), "--max-waiting", str(MAX_WAITING),
-         "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, text=True)
-    proc.output = lambda: (log.seek(0), log.read())[1]
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{proc.output()}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("the server did not come up within 180 s")
-    yield proc, base
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    log.close()
+def server(smollm2_path):
+    srv = Server("test", ["--model", str(smollm2_path), "--served-model-name", MODEL, "--threads", "2", "--max-running",
+                          str(MAX_RUNNING), "--max-waiting", str(MAX_WAITING), "--log-level", "warning"])
+    try:
+        srv.wait_ready(timeout=180)
+    except RuntimeError as exc:
+        srv.proc.kill()
+        pytest.fail(str(exc))
+    srv.proc.output = srv.output
+    yield srv.proc, srv.url
+    if srv.proc.poll() is None:
+        srv.proc.kill()
+        srv.proc.wait()
+    srv.log.close()
 
 
 @pytest.fixture(scope="module")

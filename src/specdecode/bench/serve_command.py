@@ -86,47 +86,64 @@ def _free_port() -> int:
 
 
 class Server:
-    """A ``specdecode serve`` child process on loopback."""
+    """A ``specdecode serve`` child process on a free loopback port; its output goes to a temporary file (a
+    pipe nobody reads while it serves could fill and block it).
 
-    def __init__(self, method: str, args: argparse.Namespace, max_running: int) -> None:
-        drafter, _, gamma = method.partition(":")
-        self.method, self.port = method, _free_port()
-        command = [sys.executable, "-m", "specdecode.cli", "serve", "--model", args.model, "--served-model-name", "m",
-                   "--port", str(self.port), "--drafter", drafter, "--max-running", str(max_running),
-                   "--max-waiting", "1024", "--log-level", "warning", "--dtype", args.dtype, "--linear", args.linear]
-        for flag in ("max_rows", "prefill_chunk"):
-            if getattr(args, flag) is not None:
-                command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        if gamma:
-            command += ["--gamma", gamma]
-        if args.threads:
-            command += ["--threads", str(args.threads)]
-        # Its output goes to a file: a pipe nobody reads while it serves could fill and block it.
+    Args:
+        name: what the errors call it.
+        flags: ``specdecode serve`` flags (``--port`` is added).
+    """
+
+    def __init__(self, name: str, flags: list[str]) -> None:
+        self.name, self.port = name, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), *flags],
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def wait_ready(self, timeout: float = 600.0) -> None:
+        """Returns once ``/health`` answers 200; raises RuntimeError if the process exits or time runs out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"the {self.method} server exited with {self.proc.returncode}:\n{self.log.read()}")
+                raise RuntimeError(f"the {self.name} server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
                     if r.status == 200:
                         return
             except OSError:
                 time.sleep(0.5)
-        raise RuntimeError(f"the {self.method} server did not answer /health within {timeout:.0f} s")
+        raise RuntimeError(f"the {self.name} server did not answer /health within {timeout:.0f} s")
 
     def stop(self) -> None:
+        """SIGTERM (the server finishes what runs), then a kill after 60 s."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
         self.log.close()
+
+
+def _server_flags(method: str, args: argparse.Namespace, max_running: int) -> list[str]:
+    """The ``serve`` flags of one method's server."""
+    drafter, _, gamma = method.partition(":")
+    flags = ["--model", args.model, "--served-model-name", "m", "--drafter", drafter, "--max-running", str(max_running),
+             "--max-waiting", "1024", "--log-level", "warning", "--dtype", args.dtype, "--linear", args.linear]
+    if gamma:
+        flags += ["--gamma", gamma]
+    if args.threads:
+        flags += ["--threads", str(args.threads)]
+    for flag in ("max_rows", "prefill_chunk"):
+        if getattr(args, flag) is not None:
+            flags += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return flags
 
 
 def _bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, Any]]:
@@ -143,10 +160,10 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     levels = sorted(set(args.concurrency))
     max_running = args.max_running or max(levels)
     prompts = select(load_prompts(args.prompts) if args.prompts else default_prompts(), limit=args.limit)
-    servers = [Server(m, args, max_running) for m in args.methods]
+    servers = [Server(m, _server_flags(m, args, max_running)) for m in args.methods]
     try:
         for s in servers:
-            log(f"starting the {s.method} server on port {s.port} ...")
+            log(f"starting the {s.name} server on port {s.port} ...")
             s.wait_ready()
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
         texts: dict[tuple[str, int], list[list[str]]] = {}  # per repeat, each request's answer
@@ -158,9 +175,9 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
                 for s in servers:
                     results, wall = run_level("127.0.0.1", s.port, bodies, level)
                     summary = summarize(results, wall)
-                    runs.setdefault((s.method, level), []).append(summary)
-                    texts.setdefault((s.method, level), []).append([x.text for x in results])
-                    log(f"c={level} {s.method}: {summary['tokens_per_s']:.1f} tok/s, "
+                    runs.setdefault((s.name, level), []).append(summary)
+                    texts.setdefault((s.name, level), []).append([x.text for x in results])
+                    log(f"c={level} {s.name}: {summary['tokens_per_s']:.1f} tok/s, "
                         f"ITL p99 {1e3 * (summary['itl_p99_s'] or 0):.0f} ms, errors {summary['errors']}")
     finally:
         for s in servers:
