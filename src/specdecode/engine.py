@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from specdecode.batch.sequence import Output, Request, Sequence as RequestState, prompt_ids
+from specdecode.batch.sequence import Output, Request, Sequence as RequestState, eos_ids, prompt_ids, stop_strings
 from specdecode.control import GAMMA_POLICIES, StepContext, StepRecord, controller_factory
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.kv.cache import Cache, CacheConfig
@@ -88,11 +88,6 @@ def _synchronize(device: torch.device) -> None:
     """Waits for the work queued on a GPU, so that a timer around it sees it (CUDA runs asynchronously)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _stop_tuple(stop: str | Iterable[str]) -> tuple[str, ...]:
-    """A single stop string or several; a bare string is one stop string, not its characters."""
-    return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 def kv_setting(cache: CacheConfig, dtype: torch.dtype) -> str:
@@ -229,7 +224,7 @@ class Engine:
                  max_new_tokens: int = 128, stop: str | Iterable[str] = (),
                  eos_token_ids: Iterable[int] | None = None) -> GenerationResult:
         """Generates a continuation of ``prompt``; see :meth:`stream` for the arguments."""
-        steps = self._run(prompt, sampling, max_new_tokens, _stop_tuple(stop), eos_token_ids)
+        steps = self._run(prompt, sampling, max_new_tokens, stop_strings(stop, self.tokenizer), eos_token_ids)
         while True:
             try:
                 next(steps)
@@ -249,7 +244,8 @@ class Engine:
                 one (as plain decoding would), and the text is cut before it.
             eos_token_ids: ids that end generation; default: the tokenizer's end-of-sequence ids.
         """
-        return TextStream(self._run(prompt, sampling, max_new_tokens, _stop_tuple(stop), eos_token_ids))
+        stop = stop_strings(stop, self.tokenizer)
+        return TextStream(self._run(prompt, sampling, max_new_tokens, stop, eos_token_ids))
 
     def _prepare(self, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
         ids = prompt_ids(prompt, self.tokenizer, self.target.config.vocab_size,
@@ -266,12 +262,7 @@ class Engine:
     def _run(self, prompt, sampling: SamplingParams, max_new_tokens: int, stop: tuple[str, ...],
              eos_token_ids) -> Iterator[Output]:
         prompt_ids = self._prepare(prompt, max_new_tokens)
-        if stop and self.tokenizer is None:
-            raise ValueError("stop strings need an engine with a tokenizer")
-        if any(not s for s in stop):
-            raise ValueError("stop strings must not be empty")
-        eos = frozenset(eos_token_ids if eos_token_ids is not None
-                        else (self.tokenizer.eos_token_ids if self.tokenizer is not None else ()))
+        eos = eos_ids(eos_token_ids, self.tokenizer)
         # The request's state and end rules (EOS, stop strings, budget), as the batch engine keeps them.
         seq = RequestState(Request(tuple(prompt_ids), sampling, max_new_tokens, stop, eos), self.tokenizer)
         stats = seq.stats

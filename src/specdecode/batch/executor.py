@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Protocol, Sequence as Seq
 import torch
 
 from specdecode.batch.scheduler import Scheduler, SchedulerConfig, fit_rows
-from specdecode.batch.sequence import Output, Request, Sequence, prompt_ids
+from specdecode.batch.sequence import Output, Request, Sequence, eos_ids, prompt_ids, stop_strings
 from specdecode.control import StepContext, StepRecord, controller_factory
 from specdecode.drafters.base import Draft, Drafter, OwnCache
 from specdecode.engine import GenerationResult, SpeculativeConfig, kv_setting
@@ -148,16 +148,10 @@ class BatchEngine:
             ValueError: bad input (named).
             QueueFullError: the waiting queue is full.
         """
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        if stop and self.tokenizer is None:
-            raise ValueError("stop strings need an engine with a tokenizer")
-        if any(not s for s in stop):
-            raise ValueError("stop strings must not be empty")
+        stop = stop_strings(stop, self.tokenizer)
         ids = prompt_ids(prompt, self.tokenizer, self.target.config.vocab_size, self.max_len, max_new_tokens,
                          "the engine's max_len per sequence")
-        if eos_token_ids is None:
-            eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
-        request = Request(tuple(ids), sampling, max_new_tokens, stop, frozenset(eos_token_ids))
+        request = Request(tuple(ids), sampling, max_new_tokens, stop, eos_ids(eos_token_ids, self.tokenizer))
         seq = Sequence(request, self.tokenizer, on_output)
         self.scheduler.add(seq)
         return seq
@@ -222,8 +216,8 @@ class BatchEngine:
         for seq in decoding:
             t0 = time.perf_counter()
             stop = seq.controller.stop if seq.controller.early_stop else None
-            k = ks[seq]
-            drafts[seq] = seq.drafter.propose(seq.tokens, k, seq.request.sampling, seq.generator, stop) if k else Draft([])
+            k, params = ks[seq], seq.request.sampling
+            drafts[seq] = seq.drafter.propose(seq.tokens, k, params, seq.generator, stop) if k else Draft([])
             draft_s[seq] = time.perf_counter() - t0
         t1 = time.perf_counter()
         verdicts, total_rows = self._forward(running, chunk, drafts)

@@ -162,6 +162,23 @@ class Sequence:
         return Output(tokens, text, self.finish_reason)
 
 
+def stop_strings(stop: str | Iterable[str], tokenizer) -> tuple[str, ...]:
+    """A single stop string (not its characters) or several, checked: non-empty, and a tokenizer to see them."""
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need an engine with a tokenizer")
+    if any(not s for s in stop):
+        raise ValueError("stop strings must not be empty")
+    return stop
+
+
+def eos_ids(eos_token_ids: Iterable[int] | None, tokenizer) -> frozenset[int]:
+    """The ids that end generation: those given, else the tokenizer's end-of-sequence ids (none without one)."""
+    if eos_token_ids is None:
+        eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
+    return frozenset(eos_token_ids)
+
+
 def prompt_ids(prompt: str | Seq[int], tokenizer, vocab_size: int, context: int, max_new_tokens: int,
                context_name: str = "the model's context length") -> list[int]:
     """The prompt's token ids, checked: non-empty, in the vocabulary, and with room for ``max_new_tokens``.

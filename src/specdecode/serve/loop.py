@@ -38,7 +38,6 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
-        self.steps = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -104,7 +103,6 @@ class EngineLoop:
             except Exception as exc:
                 log.exception("engine step failed")
                 self._fail_all(exc)
-            self.steps += 1
             if self._on_step is not None:
                 self._on_step(self.engine)
 
