@@ -220,6 +220,9 @@ def test_bad_arguments_before_any_loading(tiny, capsys, flags, needles):
     (["--drafter", "draft"], ["--drafter draft needs --draft-model"]),
     (["--drafter", "ngram", "--draft-model", "DRAFT"], ["--draft-model is only used by --drafter draft", "ngram"]),
     (["--drafter", "none", "--draft-model", "DRAFT"], ["--draft-model", "none"]),
+    (["--drafter", "draft-tree"], ["--drafter draft-tree needs --draft-model"]),
+    (["--drafter", "ngram", "--tree-width", "3"], ["--tree-width is only used by --drafter draft-tree|eagle-tree",
+                                                   "ngram"]),
 ])
 def test_contradictory_drafter_flags_fail_before_loading(tiny, capsys, flags, needles):
     flags = [str(tiny["draft"]) if f == "DRAFT" else f for f in flags]
@@ -447,7 +450,7 @@ def test_smollm2_chat_json_and_drafter_none_agree(smollm2_path):
 
 def test_draft_quant_needs_a_draft_model(capsys):
     assert main(["generate", "--drafter", "ngram", "--draft-quant", "int8", "hello"]) == 2
-    assert "--draft-quant applies to a draft model (--drafter draft), not ngram" in capsys.readouterr().err
+    assert "--draft-quant applies to a draft model (--drafter draft|draft-tree), not ngram" in capsys.readouterr().err
 
 
 def test_generate_with_an_int8_draft_model_matches_plain(tiny, capsys):

@@ -21,7 +21,7 @@ import torch
 from specdecode import verify as verify_module
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
-from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
@@ -105,15 +105,17 @@ def sample_counts(engine: Engine, sampling: SamplingParams, samples: int = SAMPL
 
 
 def _drafter(kind: str, target: Transformer):
-    if kind in ("eagle", "medusa"):
+    if kind in ("eagle", "eagle-tree", "medusa"):
         # Draft vocabulary: the target's 4 least likely first tokens, so the head's mass sits where the
         # target's mostly is not; the residual must still restore the target's distribution.
         p1 = _next_probs(target, [PROMPT], SamplingParams(temperature=1.0))[0]
         return random_head_drafter(kind, target, vocab=p1.argsort()[:4].tolist(), seed=5)
     if kind == "ngram":
         return NgramDrafter(min_ngram=1, max_ngram=2)
-    if kind == "draft":
-        return DraftModelDrafter(_model(11, layers=1))
+    if kind == "ngram-tree":
+        return NgramTreeDrafter(min_ngram=1, max_ngram=2)
+    if kind in ("draft", "draft-tree"):
+        return DraftModelDrafter(_model(11, layers=1), tree_width=3 if kind == "draft-tree" else 0)
     return LayerSkipDrafter(target, skip=[1])
 
 
@@ -126,8 +128,26 @@ def test_speculative_sampling_matches_target_distribution(target, kind, sampling
     assert p_value > ALPHA, f"{kind} at {sampling}: chi-square p = {p_value:.2e}"
 
 
-@pytest.mark.parametrize("kind, sampling", [("eagle", SETTINGS[0]), ("medusa", SETTINGS[4])],
-                         ids=["eagle-T1.0", "medusa-T0.5-p0.9"])
+def _tree_cases() -> list:
+    """Two settings of the stochastic tree and one of the deterministic one by default (CI time), the rest slow."""
+    fast = {("draft-tree", 0), ("draft-tree", 4), ("ngram-tree", 3)}
+    return [pytest.param(kind, SETTINGS[i], id=f"{kind}-{i}", marks=() if (kind, i) in fast else pytest.mark.slow)
+            for kind in ("draft-tree", "ngram-tree") for i in range(len(SETTINGS))]
+
+
+@pytest.mark.parametrize("kind, sampling", _tree_cases())
+def test_tree_sampling_matches_target_distribution(target, kind, sampling):
+    """Trees with up to 6 nodes, three children per expanded node (draft-tree: drawn without replacement,
+    recursive rejection; ngram-tree: deterministic, coupled)."""
+    engine = Engine(target, drafter=_drafter(kind, target), spec=SpeculativeConfig(gamma=6))
+    counts = sample_counts(engine, sampling)
+    p_value = chi_square_p_value(counts, exact_joint(target, sampling))
+    assert p_value > ALPHA, f"{kind} at {sampling}: chi-square p = {p_value:.2e}"
+
+
+@pytest.mark.parametrize("kind, sampling", [("eagle", SETTINGS[0]), ("eagle-tree", SETTINGS[2]),
+                                            ("medusa", SETTINGS[4])],
+                         ids=["eagle-T1.0", "eagle-tree-T1.0-k6", "medusa-T0.5-p0.9"])
 def test_head_drafts_over_a_reduced_vocabulary_keep_the_target_distribution(target, kind, sampling):
     engine = Engine(target, drafter=_drafter(kind, target), spec=SpeculativeConfig(gamma=3))
     counts = sample_counts(engine, sampling)
@@ -137,14 +157,16 @@ def test_head_drafts_over_a_reduced_vocabulary_keep_the_target_distribution(targ
 
 def test_drafts_are_actually_verified(target):
     """Guards the tests above: every drafter proposes and gets tokens accepted in this setting."""
-    for kind in ("ngram", "draft", "layerskip", "eagle", "medusa"):
+    for kind in ("ngram", "ngram-tree", "draft", "draft-tree", "layerskip", "eagle", "eagle-tree", "medusa"):
         engine = Engine(target, drafter=_drafter(kind, target), spec=SpeculativeConfig(gamma=3))
-        drafted = accepted = 0
+        drafted = accepted = trees = 0
         for seed in range(50):
             stats = engine.generate(PROMPT, SamplingParams(1.0, seed=seed), NEW_TOKENS, eos_token_ids=()).stats
             drafted += stats.drafted_tokens
             accepted += stats.accepted_tokens
+            trees += stats.tree_steps
         assert drafted >= 50 and 0 < accepted < drafted, (kind, drafted, accepted)
+        assert trees > 0 if kind in ("draft-tree", "eagle-tree") else trees == 0, (kind, trees)
 
 
 def _lossy_seed_rule(p, q, draft, generator):

@@ -7,11 +7,12 @@ import math
 
 import pytest
 
-from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
+from specdecode.drafters.base import Draft
 from specdecode.engine import Engine, GenerationResult, SpeculativeConfig
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
-from tiny_models import varied_model
+from tiny_models import OracleTreeDrafter, varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,6 +39,10 @@ def models(target) -> dict[str, Transformer]:
 def _drafter(kind: str, target: Transformer, models: dict[str, Transformer]):
     if kind == "ngram":
         return NgramDrafter(max_ngram=3, min_ngram=1)
+    if kind == "ngram-tree":
+        return NgramTreeDrafter(max_ngram=2, min_ngram=1)
+    if kind == "tree-truncated":
+        return DraftModelDrafter(models["truncated"], tree_width=2)
     if kind.startswith("draft-"):
         return DraftModelDrafter(models[kind.split("-", 1)[1]])
     if kind == "layerskip":
@@ -68,7 +73,8 @@ def _check_stats(result: GenerationResult, prompt: list[int], gamma_bound: int) 
     # Every step emits its accepted drafts plus one target token.
     assert s.tokens_generated == s.accepted_tokens + s.target_forwards
     assert len(s.drafted_by_position) <= gamma_bound
-    assert sum(s.drafted_by_position) == s.drafted_tokens and sum(s.accepted_by_position) == s.accepted_tokens
+    if not s.tree_steps:  # a tree's levels count by position, its nodes by tokens
+        assert sum(s.drafted_by_position) == s.drafted_tokens and sum(s.accepted_by_position) == s.accepted_tokens
     assert all(a <= d for a, d in zip(s.accepted_by_position, s.drafted_by_position))
     assert s.decode_step_s is not None and s.decode_step_s > 0 and s.wall_s > 0
 
@@ -76,10 +82,13 @@ def _check_stats(result: GenerationResult, prompt: list[int], gamma_bound: int) 
 # --------------------------------------------------------------------------- greedy losslessness
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft-truncated", "draft-other", "layerskip"])
+@pytest.mark.parametrize("kind", ["ngram", "ngram-tree", "draft-truncated", "tree-truncated", "draft-other",
+                                  "layerskip"])
 def test_greedy_speculation_is_token_identical_to_plain_decoding(target, models, plain, kind):
     accepted = rejected = 0
     for gamma in GAMMAS:
+        if "tree" in kind and gamma == "confidence":
+            continue  # a tree has no per-token signals to stop on
         spec = SpeculativeConfig(gamma=gamma, gamma_max=6)
         engine = Engine(target, drafter=_drafter(kind, target, models), spec=spec)
         bound = spec.max_draft
@@ -95,6 +104,48 @@ def test_greedy_speculation_is_token_identical_to_plain_decoding(target, models,
     assert rejected > 0
     if kind != "draft-other":
         assert accepted > 0
+
+
+def test_tree_paths_off_the_first_branch_are_kept_in_place(target, plain):
+    """Every draft's accepted path leaves the first branch at two levels (``OracleTreeDrafter``): the cache
+    moves the path into place and decoding goes on exactly as plain decoding."""
+    engine = Engine(target, drafter=OracleTreeDrafter(plain, target.config.vocab_size), spec=SpeculativeConfig(gamma=5))
+    for prompt in PROMPTS[1:]:
+        result = engine.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert result.token_ids == plain[tuple(prompt)], prompt
+        s = result.stats
+        assert s.tree_steps >= s.steps_by_budget[5] >= NEW_TOKENS // 4 - 1
+        assert s.accepted_by_budget[5] == 3 * s.steps_by_budget[5]  # each tree's whole right path was kept
+        assert s.accepted_length_by_budget[5] == 4.0
+
+
+class _BadTree:
+    """Proposes what a broken drafter would (test helper)."""
+
+    name, signal_names, feature_layers, weight_nbytes, own_cache = "bad", (), (), 0, None
+
+    def __init__(self, tokens, parents) -> None:
+        self.tokens, self.parents = tokens, parents
+
+    def reset(self, *args, **kwargs) -> None:
+        pass
+
+    def propose(self, seq, k, sampling, generator, stop=None):
+        return Draft(list(self.tokens), parents=self.parents)
+
+    def commit(self, seq) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tokens, parents, message", [
+    ([1, 2, 3, 4, 5], None, "proposed 5 tokens for a budget of 3"),
+    ([1, 2, 3], [-1, 2, 0], "node 1 has parent 2"),
+    ([1, 1], [-1, -1], "token 1 twice"),
+])
+def test_a_bad_draft_is_refused_with_the_drafter_named(target, tokens, parents, message):
+    engine = Engine(target, drafter=_BadTree(tokens, parents), spec=SpeculativeConfig(gamma=3))
+    with pytest.raises(ValueError, match=f"drafter 'bad'.*{message}|{message}"):
+        engine.generate(PROMPTS[1], max_new_tokens=8)
 
 
 def test_ngram_gets_accepted_on_a_repetitive_prompt(target):

@@ -79,14 +79,25 @@ def test_to_dict_has_raw_and_derived_keys_and_is_json():
     raw = {"prompt_tokens", "tokens_generated", "target_forwards", "drafted_tokens", "accepted_tokens",
            "rejections", "drafted_by_position", "accepted_by_position", "prefill_s", "draft_s", "verify_s",
            "control_s", "wall_s", "decode_step_s", "kv_bytes", "kv_bytes_per_token", "draft_kv_bytes",
-           "draft_kv_bytes_per_token", "prefix_hit_tokens"}
+           "draft_kv_bytes_per_token", "prefix_hit_tokens", "tree_steps", "steps_by_budget", "accepted_by_budget"}
     derived = {"acceptance_rate", "token_acceptance", "mean_accepted_length", "mean_gamma", "acceptance_by_position",
-               "tokens_per_s", "predicted_speedup"}
+               "accepted_length_by_budget", "tokens_per_s", "predicted_speedup"}
     assert set(d) == raw | derived
     assert d["accepted_by_position"] == [1, 0] and d["acceptance_rate"] == 0.5
+    assert d["steps_by_budget"] == [0, 0, 1] and d["accepted_length_by_budget"] == [None, None, 2.0]
     assert d["rejections"] == 1 and d["token_acceptance"] == 0.5
     assert d["kv_bytes"] == 0 and d["kv_bytes_per_token"] == 0.0 and d["prefix_hit_tokens"] == 0  # set by the engine
     assert json.loads(json.dumps(d)) == d
+
+
+def test_a_tree_step_counts_its_levels_by_position_and_its_nodes_by_budget():
+    s = RequestStats()
+    s.record_step(drafted=5, accepted=2, emitted=3, depth=3)  # 5 nodes over 3 levels, 2 kept
+    s.record_step(drafted=2, accepted=2, emitted=3)  # a chain, all kept
+    assert s.tree_steps == 1 and s.drafted_tokens == 7 and s.accepted_tokens == 4
+    assert s.drafted_by_position == [2, 2, 1] and s.accepted_by_position == [2, 2, 0]
+    assert s.rejections == 1  # the tree stopped above its deepest level; the chain was all kept
+    assert s.accepted_length_by_budget == [None, None, 3.0, None, None, 3.0]
 
 
 def test_token_acceptance_recovers_a_geometric_acceptance_rate():

@@ -122,17 +122,18 @@ def random_head(kind: str, target: Transformer, seed: int = 0, medusa_heads: int
 
 
 def random_head_drafter(kind: str, target: Transformer, vocab: Sequence[int] | None = None, seed: int = 0, cache=None):
-    """A drafter over a random head (``vocab``: the draft vocabulary, default all ids), ready for an Engine."""
+    """A drafter over a random head (``vocab``: the draft vocabulary, default all ids), ready for an Engine;
+    kind "eagle-tree" drafts trees two wide."""
     from specdecode.drafters import EagleDrafter, MedusaDrafter
     from specdecode.heads.vocab import VocabHead
     from specdecode.kv.cache import CacheConfig
 
-    net, _ = random_head(kind, target, seed)
+    net, _ = random_head(kind.removesuffix("-tree"), target, seed)
     net = net.to(target.dtype).eval().requires_grad_(False)
     ids = torch.tensor(list(vocab) if vocab is not None else range(target.config.vocab_size))
-    if kind == "eagle":
+    if kind in ("eagle", "eagle-tree"):
         net.pack(target.linear_kernel)
-        return EagleDrafter(target, net, VocabHead(target, ids), cache or CacheConfig())
+        return EagleDrafter(target, net, VocabHead(target, ids), cache or CacheConfig(), 2 if kind == "eagle-tree" else 0)
     return MedusaDrafter(target, net, VocabHead(target, ids))
 
 
@@ -146,3 +147,41 @@ def write_head_file(path: Path, kind: str, target: Transformer, vocab: Sequence[
     save_head(path, HeadFile(kind, config, target_identity(target, "tiny"), {"test": True}, net.state_dict(), ranking,
                              len(first)))
     return path
+
+
+class OracleTreeDrafter:
+    """A tree drafter that knows the answer (test helper): every draft puts a wrong token first at the root
+    (and, given 5 nodes, at the second level) and the known continuation on the second branch, so that each
+    accepted path leaves the first branch and the cache must move it into place.
+
+    Args:
+        answers: prompt (as a tuple) -> the tokens plain decoding generates after it.
+        vocab: the target's vocabulary size (wrong tokens are the right ones plus one).
+    """
+
+    name, signal_names, feature_layers, weight_nbytes, own_cache = "oracle-tree", (), (), 0, None
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.answers, self.vocab, self.prompt = answers, vocab, ()
+
+    def observe(self, position, features) -> None:
+        pass
+
+    def reset(self, target_cache, prompt=(), memory=None) -> None:
+        self.prompt = tuple(prompt)
+
+    def propose(self, seq, k, sampling, generator, stop=None):
+        from specdecode.drafters.base import Draft
+
+        right = self.answers[self.prompt][len(seq) - len(self.prompt):][:3]
+        wrong = [(t + 1) % self.vocab for t in right]
+        if k >= 5 and len(right) == 3:  # root: wrong, right[0]; under right[0]: wrong, right[1]; then right[2]
+            return Draft([wrong[0], right[0], wrong[1], right[1], right[2]], parents=[-1, -1, 1, 1, 3])
+        if k >= 3 and len(right) >= 2:  # compressed caches allow short drafts: root: wrong, right[0]; right[1]
+            return Draft([wrong[0], right[0], right[1]], parents=[-1, -1, 1])
+        if k == 2 and right:
+            return Draft([wrong[0], right[0]], parents=[-1, -1])
+        return Draft([])
+
+    def commit(self, seq) -> None:
+        pass

@@ -19,6 +19,7 @@ from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, positive
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.model_file import load_controller_file
 from specdecode.drafter_setup import add_drafter_arguments, drafter_factory, drafter_kind
+from specdecode.drafters import base_kind
 from specdecode.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.heads.command import add_arguments as add_head_arguments
@@ -151,7 +152,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)  # validated before any model is loaded
     if args.gamma in ("confidence", "adaptive"):
         load_controller_file(args.controller_file)
-    caches = cache_configs(args, draft=drafter_kind(args) in ("draft", "eagle"))
+    caches = cache_configs(args, draft=base_kind(drafter_kind(args)) in ("draft", "eagle"))
     target = load_model(args.model, args.dtype, args.device, progress=_log, linear=args.linear)
     if args.chat:
         if not target.tokenizer.chat_template:

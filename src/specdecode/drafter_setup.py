@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from specdecode.argtypes import ngram_sizes
-from specdecode.drafters import DRAFTERS, HEAD_DRAFTERS, Drafter, make_drafter
+from specdecode.argtypes import ngram_sizes, positive_int
+from specdecode.drafters import DRAFTERS, HEAD_DRAFTERS, TREE_WIDTH, Drafter, base_kind, make_drafter
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import no_head_message, shipped_head
 from specdecode.kv.cache import CacheConfig
@@ -30,19 +30,24 @@ def add_drafter_arguments(p: argparse.ArgumentParser, kinds: tuple[str, ...] = D
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="--drafter eagle|medusa: draft over the N most frequent tokens (0 = all; default: as trained)")
     p.add_argument("--ngram", type=ngram_sizes, default=(1, 3), help="min,max n-gram sizes for ngram lookup (default 1,3)")
+    p.add_argument("--tree-width", type=positive_int, default=TREE_WIDTH, metavar="W",
+                   help=f"--drafter draft-tree|eagle-tree: children per expanded node (default {TREE_WIDTH})")
 
 
 def drafter_kind(args: argparse.Namespace) -> str:
     """The drafter the flags ask for; refuses contradictory flags (ValueError) before anything is loaded."""
     kind = args.drafter or ("draft" if args.draft_model else "ngram")
-    if kind == "draft" and not args.draft_model:
-        raise ValueError("--drafter draft needs --draft-model NAME|PATH")
-    if kind != "draft" and args.draft_model:
-        raise ValueError(f"--draft-model is only used by --drafter draft, not {kind}")
-    if kind != "draft" and args.draft_quant != "none":
-        raise ValueError(f"--draft-quant applies to a draft model (--drafter draft), not {kind}")
+    uses_model = base_kind(kind) == "draft"
+    if uses_model and not args.draft_model:
+        raise ValueError(f"--drafter {kind} needs --draft-model NAME|PATH")
+    if not uses_model and args.draft_model:
+        raise ValueError(f"--draft-model is only used by --drafter draft|draft-tree, not {kind}")
+    if not uses_model and args.draft_quant != "none":
+        raise ValueError(f"--draft-quant applies to a draft model (--drafter draft|draft-tree), not {kind}")
     if kind not in HEAD_DRAFTERS and (args.head or args.draft_vocab is not None):
-        raise ValueError(f"--head and --draft-vocab are only used by --drafter eagle|medusa, not {kind}")
+        raise ValueError(f"--head and --draft-vocab are only used by --drafter eagle|eagle-tree|medusa, not {kind}")
+    if kind not in ("draft-tree", "eagle-tree") and getattr(args, "tree_width", TREE_WIDTH) != TREE_WIDTH:
+        raise ValueError(f"--tree-width is only used by --drafter draft-tree|eagle-tree, not {kind}")
     return kind
 
 
@@ -62,15 +67,16 @@ def drafter_factory(args: argparse.Namespace, target: LoadedModel, draft_cache: 
     if kind == "none":
         return None
     draft_model = head = None
-    if kind == "draft":
+    if base_kind(kind) == "draft":
         log(f"loading draft model {args.draft_model} ...")
         draft = load_model(args.draft_model, args.dtype, args.device, progress=log, linear=args.linear,
                            quantize=args.draft_quant)
         check_draft_pair(target, draft)
         draft_model = draft.model
     if kind in HEAD_DRAFTERS:
-        head = args.head or shipped_head(target.model, kind)
+        head = args.head or shipped_head(target.model, base_kind(kind))
         if head is None:
-            raise ValueError(no_head_message(kind, args.model) + " with --head FILE")
+            raise ValueError(no_head_message(base_kind(kind), args.model) + " with --head FILE")
     return lambda: make_drafter(kind, target.model, draft_model, skip_layers, ngram_sizes=args.ngram,
-                                draft_cache=draft_cache, head=head, draft_vocab=args.draft_vocab)
+                                draft_cache=draft_cache, head=head, draft_vocab=args.draft_vocab,
+                                tree_width=args.tree_width)

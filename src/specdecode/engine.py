@@ -99,6 +99,17 @@ def kv_setting(cache: CacheConfig, dtype: torch.dtype) -> str:
     return cache.kv_dtype if cache.kv_dtype != "auto" else str(dtype).removeprefix("torch.")
 
 
+def keep_rows(cache: Cache, slot: int, held: int, verdict: Verdict) -> list[int]:
+    """Rolls a slot back to the fed token and the accepted drafts, which a forward wrote as rows from ``held``
+    on; returns the kept rows' offsets from ``held`` (a tree's path moved into place by ``Cache.compact``)."""
+    if verdict.path is None:
+        cache.trim(slot, held + 1 + verdict.accepted)
+        return list(range(verdict.accepted + 1))
+    rows = [0] + [1 + node for node in verdict.path]
+    cache.compact(slot, held, rows)
+    return rows
+
+
 class TextStream:
     """Iterates over text pieces as they are generated; ``result`` is set once iteration ends.
 
@@ -298,7 +309,8 @@ class Engine:
             stats.control_s += t0 - tick
             # Signals are computed only for a controller that stops early, or for the step records.
             watch = timed_stop if controller.early_stop or self.on_step is not None else None
-            draft = self.drafter.propose(seq.tokens, k, sampling, generator, watch) if k > 0 else Draft([])
+            draft = self.drafter.propose(seq.tokens, k, sampling, generator, watch).check(k, self.drafter.name) \
+                if k > 0 else Draft([])
             t1 = time.perf_counter()
             verdict = self._verify(seq.tokens, draft, sampling, generator, seed, observe)
             t2 = time.perf_counter()
@@ -315,7 +327,7 @@ class Engine:
             stats.control_s += time.perf_counter() - tick
             if self.on_step is not None:
                 self.on_step(record)
-            stats.record_step(len(draft.tokens), verdict.accepted, len(kept))
+            stats.record_step(len(draft.tokens), verdict.accepted, len(kept), draft.tree_depth)
             if seq.finished:
                 stats.wall_s = time.perf_counter() - start
                 stats.kv_bytes, stats.kv_bytes_per_token = self.memory.usage("target")
@@ -336,17 +348,22 @@ class Engine:
         rows = seq[-1:] + draft.tokens
         want = max(min(self._padded_rows.get(len(rows), self._min_rows), self.cache.stable_rows(0)), len(rows),
                    self._min_rows)
-        rows += seq[-1:] * (want - len(rows))
+        filler = want - len(rows)
+        parents = draft.row_parents()
+        if parents is not None:
+            parents += range(len(rows) - 1, want - 1)  # filler rows follow the last row
+        rows += seq[-1:] * filler
         features = self._features if observe is not None else ()
-        out = self.target(torch.tensor([rows], device=self.target.device), self.cache, invariant_rows=True,
-                          features=features)
-        logits, hidden = out if features else (out, None)
-        verdict = verify_batch(logits[0, :k + 1], [k + 1],  # [k + 1, V]
-                               [Pending(draft.tokens, draft.q, sampling, seed, len(seq), generator)])[0]
-        # Keep the last token and the accepted drafts; the emitted target token is fed next step.
-        self.cache.trim(0, held + 1 + verdict.accepted)
+        out = self.target.forward_rows(torch.tensor(rows, device=self.target.device), self.cache, (0,), (want,),
+                                       features=features, parents=None if parents is None else [parents])
+        logits, hidden = out if features else (out, None)  # [want, V], [want, F]
+        verdict = verify_batch(logits[:k + 1], [k + 1],  # [k + 1, V]
+                               [Pending(draft.tokens, draft.q, sampling, seed, len(seq), generator, draft.parents)])[0]
+        # Keep the last token and the accepted drafts (a tree's path, moved into place); the emitted target token
+        # is fed next step.
+        kept = keep_rows(self.cache, 0, held, verdict)
         if hidden is not None:
-            observe(held, hidden[0, :verdict.accepted + 1])
+            observe(held, hidden[kept])
         return verdict
 
     def _cache_fill(self) -> float | None:

@@ -70,20 +70,39 @@ class RequestStats:
     draft_kv_bytes: int = 0
     draft_kv_bytes_per_token: float = 0.0
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # Token trees: steps whose draft branched, and per draft size (nodes, 0 = nothing drafted) the steps and
+    # the tokens they accepted.
+    tree_steps: int = 0
+    steps_by_budget: list[int] = field(default_factory=list)
+    accepted_by_budget: list[int] = field(default_factory=list)
 
-    def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
-        """Counts one draft-verify step."""
+    def record_step(self, drafted: int, accepted: int, emitted: int, depth: int | None = None) -> None:
+        """Counts one draft-verify step.
+
+        Args:
+            drafted: tokens (tree nodes) drafted.
+            accepted: drafted tokens kept.
+            emitted: tokens the step added to the output.
+            depth: a tree's depth when the draft branched (its levels count by position); None for a chain.
+        """
         self.target_forwards += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
-        self.rejections += accepted < drafted
+        levels = drafted if depth is None else depth
+        self.rejections += accepted < levels
+        self.tree_steps += depth is not None
         self.tokens_generated += emitted
-        while len(self.drafted_by_position) < drafted:
+        while len(self.drafted_by_position) < levels:
             self.drafted_by_position.append(0)
             self.accepted_by_position.append(0)
-        for i in range(drafted):
+        for i in range(levels):
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < accepted
+        while len(self.steps_by_budget) <= drafted:
+            self.steps_by_budget.append(0)
+            self.accepted_by_budget.append(0)
+        self.steps_by_budget[drafted] += 1
+        self.accepted_by_budget[drafted] += accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -109,6 +128,11 @@ class RequestStats:
         return [a / d for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
     @property
+    def accepted_length_by_budget(self) -> list[float | None]:
+        """Per draft size (tokens or tree nodes), the mean tokens its steps emitted (None where none ran)."""
+        return [(a + s) / s if s else None for a, s in zip(self.accepted_by_budget, self.steps_by_budget)]
+
+    @property
     def tokens_per_s(self) -> float:
         return self.tokens_generated / self.wall_s if self.wall_s > 0 else 0.0
 
@@ -127,6 +151,6 @@ class RequestStats:
         """Plain-JSON view: raw counters plus derived figures."""
         out = {k: v for k, v in self.__dict__.items()}
         for name in ("acceptance_rate", "token_acceptance", "mean_accepted_length", "mean_gamma", "acceptance_by_position",
-                     "tokens_per_s", "predicted_speedup"):
+                     "accepted_length_by_budget", "tokens_per_s", "predicted_speedup"):
             out[name] = getattr(self, name)
         return out

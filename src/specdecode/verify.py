@@ -4,6 +4,16 @@ The lossless rule (Leviathan et al. 2023; Chen et al. 2023): accept draft token 
 min(1, p_i(d_i) / q_i(d_i)); at the first rejection emit a token from normalize(max(0, p_i - q_i)); if
 all k are accepted emit a bonus token from p_{k+1}. The output distribution then equals the target's.
 A deterministic drafter has q = one-hot(d_i). Greedy (temperature 0) accepts while d_i == argmax p_i.
+
+Token trees (``tree.py``) generalize the chain, which stays the special case. From the root down, at each
+node: greedy follows the child equal to the target's argmax; a deterministic tree (n-gram) draws the
+target's own token at that position and follows the child equal to it; a stochastic tree uses recursive
+rejection sampling over the node's children, which the drafter drew without replacement from q (Jeon et
+al. 2024, "Recursive Speculative Decoding"; SpecTr, Sun et al. 2023, for the idea): child c_i is accepted
+with probability min(1, p_i(c_i) / q_i(c_i)); after a rejection p_{i+1} = normalize(max(0, p_i - q_i)) and
+q_{i+1} = q_i without c_i, renormalized; when every child is rejected the token is drawn from the last
+p_i. Each emitted token is then distributed as the target's p, whatever the tree.
+
 This module does not offer the lossy "accept if p >= q, sample p / (1 - q)" rule.
 """
 
@@ -14,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from specdecode import tree
 from specdecode.sampling import SamplingParams, position_generator, probs_from_logits, sample
 
 
@@ -24,10 +35,13 @@ class Verdict:
     Args:
         accepted: how many draft tokens were kept (0..k).
         tokens: the kept draft tokens followed by one token from the target (correction or bonus).
+        path: for a tree, the kept nodes root-down (their rows are ``1 + node``); None for a chain, whose
+            first ``accepted`` tokens are kept.
     """
 
     accepted: int
     tokens: list[int]
+    path: list[int] | None = None
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> Verdict:
@@ -107,6 +121,83 @@ def verify_coupled(p: torch.Tensor, draft: list[int], seed: int, position: int) 
     raise AssertionError("unreachable")
 
 
+def verify_tree_greedy(best: Sequence[int], draft: list[int], parents: list[int]) -> Verdict:
+    """Greedy verification of a tree: from the root, follow the child equal to the target's argmax.
+
+    Args:
+        best: the target's argmax at rows [root, node 0, ..., node n-1].
+        draft: the nodes' tokens; ``parents`` their parents (-1 = the root).
+    """
+    return _walk(draft, parents, lambda row, depth: best[row])
+
+
+def verify_tree_coupled(p: torch.Tensor, draft: list[int], parents: list[int], seed: int, position: int) -> Verdict:
+    """Sampling verification of a deterministic tree: at each node on the way down, the target's own token
+    is drawn from ``p`` by (seed, position), as :func:`verify_coupled` does for a chain, and the walk goes on
+    while a child holds it. The tokens are those plain sampling with the same seed draws.
+
+    Args:
+        p: ``[n + 1, V]`` target probabilities at rows [root, node 0, ..., node n-1].
+        draft: the nodes' tokens; ``parents`` their parents.
+        seed: the request's seed.
+        position: index of the first token this step emits.
+    """
+    return _walk(draft, parents, lambda row, depth: int(sample(p[row:row + 1],
+                                                               position_generator(seed, position + depth, p.device))))
+
+
+def _walk(draft: list[int], parents: list[int], pick) -> Verdict:
+    """Goes down the tree while a child of the current node holds ``pick(row, depth)``, the target's token there."""
+    kids = tree.children(parents)
+    path, node = [], -1
+    while True:
+        token = pick(node + 1, len(path))
+        child = next((c for c in kids.get(node, ()) if draft[c] == token), None)
+        if child is None:
+            return Verdict(len(path), [draft[c] for c in path] + [token], path)
+        path.append(child)
+        node = child
+
+
+def verify_tree_stochastic(p: torch.Tensor, q: torch.Tensor, draft: list[int], parents: list[int],
+                           generator: torch.Generator) -> Verdict:
+    """Recursive rejection sampling down a tree whose siblings were drawn without replacement (module docstring).
+
+    Args:
+        p: ``[n + 1, V]`` target probabilities at rows [root, node 0, ..., node n-1].
+        q: ``[n, V]``: ``q[i]`` is the distribution node i and its siblings were drawn from (without
+            replacement, in node order), after the target's processing.
+        draft: the nodes' tokens; ``parents`` their parents.
+        generator: the request's generator.
+    """
+    kids = tree.children(parents)
+    path, node = [], -1
+    while True:
+        residual, left = p[node + 1].clone(), None
+        child = None
+        for c in kids.get(node, ()):
+            if left is None:
+                left = q[c].clone()
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u * float(left[draft[c]]) < float(residual[draft[c]]):
+                child = c
+                break
+            residual = (residual - left).clamp_(min=0.0)
+            total = residual.sum()
+            # Zero only when p == q here, where rejection has probability 0: rounding alone gets here.
+            residual = residual / total if total > 0 else p[node + 1].clone()
+            left[draft[c]] = 0.0
+            mass = left.sum()
+            if mass <= 0:
+                break
+            left = left / mass
+        if child is None:
+            token = int(sample(residual[None], generator))
+            return Verdict(len(path), [draft[c] for c in path] + [token], path)
+        path.append(child)
+        node = child
+
+
 @dataclass(frozen=True)
 class Pending:
     """One sequence's draft waiting for :func:`verify_batch`.
@@ -118,6 +209,7 @@ class Pending:
         seed: the request's seed (deterministic drafts and plain steps draw by position).
         position: index of the first token this step emits.
         generator: the request's generator (stochastic drafts only).
+        parents: the draft's tree (``tree.py``), None for a chain.
     """
 
     tokens: list[int]
@@ -126,6 +218,7 @@ class Pending:
     seed: int
     position: int
     generator: torch.Generator | None = None
+    parents: list[int] | None = None
 
 
 def verify_batch(logits: torch.Tensor, counts: Sequence[int], pending: Sequence[Pending]) -> list[Verdict]:
@@ -133,7 +226,8 @@ def verify_batch(logits: torch.Tensor, counts: Sequence[int], pending: Sequence[
 
     Greedy rows share one argmax over the whole batch. A sampled sequence draws with its own seed: by
     position for deterministic drafts (:func:`verify_coupled`, so its tokens do not depend on the batch),
-    from its own generator for stochastic ones (:func:`verify_stochastic`).
+    from its own generator for stochastic ones (:func:`verify_stochastic`). Trees (``Pending.parents``) take
+    the tree forms of the same rules.
 
     Args:
         logits: ``[N, V]`` target logits; sequence i owns ``counts[i]`` consecutive rows, the first
@@ -147,7 +241,9 @@ def verify_batch(logits: torch.Tensor, counts: Sequence[int], pending: Sequence[
     verdicts, start = [], 0
     for n, x in zip(counts, pending):
         rows = logits[start:start + len(x.tokens) + 1]
-        if x.sampling.greedy:
+        if x.parents is not None and not tree.is_chain(x.parents):
+            verdicts.append(_verify_tree(best[start:start + len(x.tokens) + 1], rows, x))
+        elif x.sampling.greedy:
             verdicts.append(_accept_greedy(best[start:start + len(x.tokens) + 1], x.tokens))
         elif x.q is None:
             verdicts.append(verify_coupled(probs_from_logits(rows, x.sampling), x.tokens, x.seed, x.position))
@@ -155,3 +251,12 @@ def verify_batch(logits: torch.Tensor, counts: Sequence[int], pending: Sequence[
             verdicts.append(verify_stochastic(probs_from_logits(rows, x.sampling), x.q, x.tokens, x.generator))
         start += n
     return verdicts
+
+
+def _verify_tree(best: Sequence[int], logits: torch.Tensor, x: Pending) -> Verdict:
+    if x.sampling.greedy:
+        return verify_tree_greedy(best, x.tokens, x.parents)
+    p = probs_from_logits(logits, x.sampling)
+    if x.q is None:
+        return verify_tree_coupled(p, x.tokens, x.parents, x.seed, x.position)
+    return verify_tree_stochastic(p, x.q, x.tokens, x.parents, x.generator)

@@ -9,12 +9,12 @@ import torch
 from kernel_paths import path_params, require_path
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import QueueFullError, SchedulerConfig
-from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer
-from tiny_models import random_head_drafter, varied_model
+from tiny_models import OracleTreeDrafter, random_head_drafter, varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,13 +57,17 @@ def _new_drafter(kind: str, target: Transformer, draft_model: Transformer, cache
         return None
     if kind == "ngram":
         return NgramDrafter
+    if kind == "ngram-tree":
+        return NgramTreeDrafter
     if kind == "draft":
         return lambda: DraftModelDrafter(draft_model, target, cache)
+    if kind == "draft-tree":
+        return lambda: DraftModelDrafter(draft_model, target, cache, tree_width=2)
     return lambda: random_head_drafter(kind, target, seed=3, cache=cache)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("kind", ["none", "ngram", "draft", "eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "ngram-tree", "draft", "draft-tree", "eagle", "eagle-tree", "medusa"])
 def test_batched_greedy_output_equals_each_request_served_alone(target, draft_model, setting, kind):
     cache = SETTINGS[setting]
     new = _new_drafter(kind, target, draft_model, cache)
@@ -77,9 +81,26 @@ def test_batched_greedy_output_equals_each_request_served_alone(target, draft_mo
         assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
     if kind != "none":
         assert sum(r.stats.drafted_tokens for r in results) > 0  # drafts were verified
-    if kind in ("ngram", "draft"):
+    if kind in ("ngram", "ngram-tree", "draft", "draft-tree"):
         assert sum(r.stats.accepted_tokens for r in results) > 0  # and some kept (random heads may get none)
     assert engine.scheduler.slots.free == 3 and all(t.referenced == 0 for t in engine.memory.prefixes.values())
+
+
+@pytest.mark.parametrize("setting", ["auto", "int8", "window"])
+def test_batched_trees_move_each_accepted_path_into_its_slot(target, setting):
+    """Several sequences' trees (paths off the first branch, ``OracleTreeDrafter``) share each forward with
+    chains and prompt rows; every request still gets its plain greedy output."""
+    cache = SETTINGS[setting]
+    solo = Engine(target, cache=cache)
+    want = [solo.generate(**r).token_ids for r in _requests()]
+    answers = {tuple(r["prompt"]): w for r, w in zip(_requests(), want)}
+    engine = BatchEngine(target, new_drafter=lambda: OracleTreeDrafter(answers, target.config.vocab_size),
+                         spec=SpeculativeConfig(gamma=5), cache=cache,
+                         scheduler=SchedulerConfig(max_running=3, max_rows=18), max_len=96)
+    results = engine.run(_requests())
+    assert [r.token_ids for r in results] == want, setting
+    assert sum(r.stats.tree_steps for r in results) > 10
+    assert all(r.stats.accepted_tokens >= r.stats.tree_steps for r in results)
 
 
 @pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))

@@ -135,6 +135,30 @@ def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
             f"| {ours[0]} float32; draft int8 float32 |")
 
 
+def test_tree_methods_run_report_accepted_length_by_size_and_skip_confidence(tiny_model_dirs, prompt_file, tmp_path,
+                                                                            capsys):
+    out_json, report = tmp_path / "bench.json", tmp_path / "report"
+    args = _base_args(tiny_model_dirs, prompt_file) + [
+        "--draft-model", str(tiny_model_dirs[1]), "--methods", "none,ngram,ngram-tree,draft-tree", "--gammas",
+        "4,confidence", "--tree-width", "3", "--cost-curve", "0", "--json", str(out_json)]
+    if matplotlib_available():
+        args += ["--report", str(report)]
+    assert main(args) == 0
+    doc = json.loads(out_json.read_text())
+    by_name = {m["name"]: m for m in doc["methods"]}
+    assert {"ngram-tree:g4", "ngram-tree:agreement", "draft-tree:g4", "draft-tree:agreement"} <= set(by_name)
+    assert {s["name"] for s in doc["skipped"]} >= {"ngram-tree:confidence", "draft-tree:confidence"}
+    assert by_name["draft-tree:g4"]["params"]["tree_width"] == 3
+    assert by_name["draft-tree:g4"]["overall"]["tree_steps"] > 0  # a 3-wide draft model tree branches
+    budget = by_name["draft-tree:g4"]["overall"]["accepted_length_by_budget"]
+    assert len(budget) <= 5 and all(v is None or v >= 1.0 for v in budget)
+    assert doc["identical_outputs"] == doc["identity_comparisons"] > 0
+    if matplotlib_available():
+        md = (report / "report.md").read_text()
+        assert "## Accepted length by draft size" in md and "| `draft-tree:g4` |" in md
+        assert (report / "accepted_length_by_budget.png").read_bytes().startswith(PNG_MAGIC)
+
+
 def test_every_controller_runs_and_record_steps_writes_valid_jsonl(tiny_model_dirs, prompt_file, tmp_path):
     from specdecode.control import GAMMA_POLICIES
     from specdecode.control.records import read_records

@@ -29,7 +29,7 @@ from specdecode.batch.scheduler import Scheduler, SchedulerConfig, fit_rows
 from specdecode.batch.sequence import Output, Request, Sequence, eos_ids, prompt_ids, stop_strings
 from specdecode.control import StepContext, StepRecord, controller_factory
 from specdecode.drafters.base import Draft, Drafter, OwnCache
-from specdecode.engine import GenerationResult, SpeculativeConfig, kv_setting
+from specdecode.engine import GenerationResult, SpeculativeConfig, keep_rows, kv_setting
 from specdecode.kv.cache import CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
@@ -38,8 +38,10 @@ from specdecode.sampling import SamplingParams
 from specdecode.timing import interleaved_timings
 from specdecode.verify import Pending, Verdict, verify_batch
 
-# Drafters a batch can run, one per KV slot (layerskip drafts in the target's slot 0).
-BATCHED_DRAFTERS = ("ngram", "draft", "eagle", "medusa")
+# Drafters that draft in the target's own cache slot 0, which a batch cannot give them; every other one runs
+# (one per KV slot).
+SLOT0_DRAFTERS = ("layerskip",)
+BATCHED_DRAFTERS = ("ngram", "ngram-tree", "draft", "draft-tree", "eagle", "eagle-tree", "medusa")  # the built-in ones that batch
 
 
 class StepObserver(Protocol):
@@ -75,7 +77,7 @@ class BatchEngine:
                  scheduler: SchedulerConfig = SchedulerConfig(), max_len: int | None = None,
                  observer: StepObserver | None = None) -> None:
         probe = new_drafter() if new_drafter is not None else None
-        if probe is not None and probe.name not in BATCHED_DRAFTERS:
+        if probe is not None and probe.name in SLOT0_DRAFTERS:
             raise ValueError(f"drafter {probe.name!r} cannot serve a batch (it drafts in the target's cache slot 0); "
                              f"batched drafters: {', '.join(BATCHED_DRAFTERS)}, or none")
         self.target = target
@@ -217,7 +219,8 @@ class BatchEngine:
             t0 = time.perf_counter()
             stop = seq.controller.stop if seq.controller.early_stop else None
             k, params = ks[seq], seq.request.sampling
-            drafts[seq] = seq.drafter.propose(seq.tokens, k, params, seq.generator, stop) if k else Draft([])
+            drafts[seq] = seq.drafter.propose(seq.tokens, k, params, seq.generator, stop).check(k, seq.drafter.name) \
+                if k else Draft([])
             draft_s[seq] = time.perf_counter() - t0
         t1 = time.perf_counter()
         verdicts, total_rows = self._forward(running, chunk, drafts)
@@ -235,7 +238,7 @@ class BatchEngine:
             record = StepRecord(contexts[seq], ks[seq], len(draft.tokens), verdict.accepted, d_s, verify_s,
                                 draft.signals, others_rows=total_rows - seq.last_rows - chunk.get(seq, 0))
             seq.controller.update(record)
-            seq.stats.record_step(len(draft.tokens), verdict.accepted, len(kept))
+            seq.stats.record_step(len(draft.tokens), verdict.accepted, len(kept), draft.tree_depth)
             seq.stats.draft_s += d_s
             seq.stats.verify_s += verify_s
             seq.stats.control_s += control_s
@@ -279,27 +282,33 @@ class BatchEngine:
         Each sequence's rows are consecutive: its prompt rows for this step (if any), then, if it decodes,
         [last token, d_1..d_k]. Only decoding rows get logits.
         """
-        rows, slots, counts, scored, held, first_row = [], [], [], [], {}, {}
+        rows, slots, counts, parents, scored, held, first_row = [], [], [], [], [], {}, {}
         for seq in running:
             n = chunk.get(seq, 0)
             part = seq.tokens[seq.prefilled:seq.prefilled + n]
             first_row[seq] = len(rows)
+            tree = None
             if seq in drafts:
                 held[seq] = self.cache.lengths[seq.slot] + n  # every token but the last is cached then
                 scored += range(len(rows) + n, len(rows) + n + 1 + len(drafts[seq].tokens))
                 part += [seq.tokens[-1], *drafts[seq].tokens]
+                tree = drafts[seq].row_parents(offset=n)
             if part:
                 rows += part
                 slots.append(seq.slot)
                 counts.append(len(part))
+                parents.append(None if tree is None else list(range(-1, n - 1)) + tree)  # prompt rows: a chain
         # Filler rows (copies of the last row, rolled back) bring a forward up to _min_rows; they come after
         # the last sequence's real rows, so no real row sees them. (Only off our kernels, where no prompt is
         # prefilled here: the last sequence decodes, and its rollback drops them.)
         filler = max(0, self._min_rows - len(rows))
+        if filler and parents[-1] is not None:
+            parents[-1] += range(counts[-1] - 1, counts[-1] - 1 + filler)
         counts[-1] += filler
         rows += [rows[-1]] * filler
         out = self.target.forward_rows(torch.tensor(rows, device=self.target.device), self.cache, slots, counts,
-                                       logits=torch.tensor(scored, dtype=torch.long), features=self._features)
+                                       logits=torch.tensor(scored, dtype=torch.long), features=self._features,
+                                       parents=parents)
         logits, hidden = out if self._features else (out, None)  # [scored, V], [N, F]
         for seq, n in chunk.items():
             if hidden is not None and n:  # a head drafter reads the prompt's features as they are computed
@@ -308,13 +317,14 @@ class BatchEngine:
         decoding = list(drafts)
         verdicts = verify_batch(logits, [1 + len(drafts[s].tokens) for s in decoding],
                                 [Pending(drafts[s].tokens, drafts[s].q, s.request.sampling, s.seed, len(s.tokens),
-                                         s.generator) for s in decoding])
+                                         s.generator, drafts[s].parents) for s in decoding])
         for seq, verdict in zip(decoding, verdicts):
-            # Keep the fed token and the accepted drafts; the emitted target token is fed next step.
-            self.cache.trim(seq.slot, held[seq] + 1 + verdict.accepted)
+            # Keep the fed token and the accepted drafts (a tree's path, moved into place); the emitted target
+            # token is fed next step.
+            kept = keep_rows(self.cache, seq.slot, held[seq], verdict)
             if hidden is not None:
                 start = first_row[seq] + chunk.get(seq, 0)
-                seq.drafter.observe(held[seq], hidden[start:start + verdict.accepted + 1])
+                seq.drafter.observe(held[seq], hidden[[start + r for r in kept]])
         return dict(zip(decoding, verdicts)), len(rows)
 
     def _retire(self, seq: Sequence) -> None:

@@ -16,6 +16,7 @@ from specdecode.engine import MAX_GAMMA
 from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, ngram_sizes, nonnegative_int, positive_int
 from specdecode.control import GAMMA_POLICIES
 from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
+from specdecode.drafters import TREE_WIDTH, base_kind
 from specdecode.models.build import DRAFT_QUANT
 
 
@@ -80,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: as each head was trained)")
     p.add_argument("--ngram", type=ngram_sizes, default=(1, 3),
                    help="min,max n-gram sizes of the ngram drafter; max is also hf-lookup's (default 1,3)")
+    p.add_argument("--tree-width", type=positive_int, default=TREE_WIDTH, metavar="W",
+                   help=f"children per expanded node of the draft-tree and eagle-tree methods (default {TREE_WIDTH})")
     p.add_argument("--no-chat", dest="chat", action="store_false",
                    help="feed plain 'prompt' entries as raw text (default: wrapped as one user message in the "
                         "model's chat template, when it has one)")
@@ -110,14 +113,16 @@ def run_command(args: argparse.Namespace) -> int:
     families = args.methods
     if families is None:
         families = tuple(f for f in FAMILIES if args.draft_model or f not in DRAFT_MODEL_FAMILIES)
-    cache, draft_cache = cache_configs(args, draft=bool(args.draft_model) or "eagle" in (args.methods or ()))
+    cache, draft_cache = cache_configs(args, draft=bool(args.draft_model) or
+                                       any(base_kind(m) == "eagle" for m in args.methods or ()))
     config = BenchConfig(model=args.model, draft_model=args.draft_model, families=families, gammas=args.gammas,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                          dtype=args.dtype, seed=args.seed, skip_layers=args.skip_layers, ngram_sizes=args.ngram,
                          gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, linear=args.linear,
                          draft_quant=args.draft_quant, controller_file=args.controller_file,
                          record_steps=args.record_steps, cache=cache, draft_cache=draft_cache,
-                         heads={"eagle": args.eagle_head, "medusa": args.medusa_head}, draft_vocab=args.draft_vocab)
+                         heads={"eagle": args.eagle_head, "medusa": args.medusa_head}, draft_vocab=args.draft_vocab,
+                         tree_width=args.tree_width)
     result = run_bench(config, prompts, progress=args.progress)
     echo: dict[str, Any] = {
         "model": args.model, "draft_model": args.draft_model, "methods": list(families),
@@ -125,6 +130,7 @@ def run_command(args: argparse.Namespace) -> int:
         "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "dtype": args.dtype,
         "prompts_file": args.prompts, "categories": categories, "limit": args.limit, "skip_layers": args.skip_layers,
         "eagle_head": args.eagle_head, "medusa_head": args.medusa_head, "draft_vocab": args.draft_vocab,
+        "tree_width": args.tree_width,
         "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None),
         "cost_curve": args.cost_curve, "linear": args.linear, "draft_quant": args.draft_quant,
         "controller_file": args.controller_file, "record_steps": args.record_steps,
@@ -144,6 +150,6 @@ def run_command(args: argparse.Namespace) -> int:
     if args.report:
         files = write_report(doc, args.report)
         print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
-    ours_failed = [f for f in doc["failed"] if f["name"].split(":")[0] in ("none", "ngram", "draft", "layerskip")]
+    ours_failed = [f for f in doc["failed"] if base_kind(f["name"].split(":")[0]) in ("none", "ngram", "draft", "layerskip")]
     mismatch = doc["identical_outputs"] is not None and doc["identical_outputs"] != doc["identity_comparisons"]
     return 1 if mismatch or ours_failed else 0

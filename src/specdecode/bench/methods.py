@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from specdecode.control import StepRecord
-from specdecode.drafters import DRAFTERS, make_drafter
+from specdecode.drafters import DRAFTERS, TREE_WIDTH, make_drafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel
@@ -30,7 +30,7 @@ OUR_FAMILIES = DRAFTERS  # our engine with each drafter ("none": plain decoding)
 PEER_FAMILIES = ("hf", "hf-assisted", "hf-lookup", "llamacpp", "llamacpp-lookup")
 FAMILIES = OUR_FAMILIES + PEER_FAMILIES
 # Families that need a separate draft model (--draft-model).
-DRAFT_MODEL_FAMILIES = ("draft", "hf-assisted")
+DRAFT_MODEL_FAMILIES = ("draft", "draft-tree", "hf-assisted")
 
 _HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "mistral": ("MistralConfig", "MistralForCausalLM")}
@@ -116,7 +116,8 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
                   skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
                   gamma_max: int = 8, controller_file: str | None = None, record: bool = False,
                   cache: CacheConfig = CacheConfig(), draft_cache: CacheConfig = CacheConfig(),
-                  head: str | Path | None = None, draft_vocab: int | None = None) -> Method:
+                  head: str | Path | None = None, draft_vocab: int | None = None,
+                  tree_width: int = TREE_WIDTH) -> Method:
     """Our engine with one drafter (or none) and one gamma policy, under one KV cache setting.
 
     Each method gets its own Engine (own KV cache, prefix cache and drafter state); the target weights are shared.
@@ -124,7 +125,8 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
     with ``record``, keeping each step's record (which also makes the drafter compute its signals).
     """
     drafter = make_drafter(family, target.model, draft_model.model if draft_model else None, skip_layers,
-                           ngram_sizes=ngram_sizes, draft_cache=draft_cache, head=head, draft_vocab=draft_vocab)
+                           ngram_sizes=ngram_sizes, draft_cache=draft_cache, head=head, draft_vocab=draft_vocab,
+                           tree_width=tree_width)
     spec = SpeculativeConfig(gamma if gamma is not None else 0, gamma_max, controller_file)
     steps: list[StepRecord] = []
     engine = Engine(target.model, target.tokenizer, drafter, spec, on_step=steps.append if record else None,
@@ -140,11 +142,13 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         return Output(result.token_ids, seconds, result.stats.to_dict(), result.finish_reason, list(steps))
 
     params: dict[str, Any] = {}
-    if family == "ngram":
+    if family in ("ngram", "ngram-tree"):
         params["ngram_sizes"] = list(ngram_sizes)
+    if family.endswith("-tree") and family != "ngram-tree":
+        params["tree_width"] = drafter.tree_width
     if family == "layerskip":
         params["skip_layers"] = list(skip_layers or ())
-    if family == "draft" and draft_model is not None:
+    if family in ("draft", "draft-tree") and draft_model is not None:
         params["draft_model"] = draft_model.source
     if head is not None:
         params["head"] = str(head)
@@ -153,7 +157,7 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         params["gamma_max"] = gamma_max
     if gamma in ("confidence", "adaptive"):
         params["controller_file"] = controller_file
-    drafts_with = draft_model.model if family == "draft" and draft_model is not None else None
+    drafts_with = draft_model.model if family in ("draft", "draft-tree") and draft_model is not None else None
     return Method(method_name(family, gamma), family, run, gamma, params, memory=engine.memory_bytes,
                   signal_names=drafter.signal_names if drafter is not None else (),
                   kernel=target.model.linear_kernel, dtype=dtype_name(target.model.dtype),

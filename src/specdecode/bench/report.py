@@ -64,7 +64,8 @@ def empty_figures() -> dict[str, Any]:
     keys = ["prompts", "samples", "tokens", "seconds", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max"]
     for b in BASELINES:
         keys += [f"speedup_vs_{b}", f"speedup_vs_{b}_min", f"speedup_vs_{b}_max"]
-    keys += ["mean_accepted_length", "acceptance_rate", "acceptance_by_position", "mean_gamma", "predicted_speedup",
+    keys += ["mean_accepted_length", "acceptance_rate", "acceptance_by_position", "accepted_length_by_budget",
+             "tree_steps", "mean_gamma", "predicted_speedup",
              "draft_ms_per_token", "draft_cost", "control_share", "identical_to_none", "compared_to_none", "kv_bytes", "kv_bytes_per_token",
              "draft_kv_bytes_per_token"]
     out: dict[str, Any] = {k: None for k in keys}
@@ -109,6 +110,13 @@ def figures(samples: Sequence[Any], tps: dict[str, float], baselines: dict[str, 
             for i, (d, a) in enumerate(zip(st["drafted_by_position"], st["accepted_by_position"])):
                 d_pos[i] += d
                 a_pos[i] += a
+        # Per draft size (tokens or tree nodes): steps and accepted tokens, then tokens per step.
+        sizes = max((len(st.get("steps_by_budget", ())) for st in stats), default=0)
+        b_steps, b_acc = [0] * sizes, [0] * sizes
+        for st in stats:
+            for i, (n, a) in enumerate(zip(st.get("steps_by_budget", ()), st.get("accepted_by_budget", ()))):
+                b_steps[i] += n
+                b_acc[i] += a
         predicted = [st["predicted_speedup"] for st in stats if st.get("predicted_speedup") is not None]
         wall = sum(st["wall_s"] for st in stats)
         # Drafting time per drafted token (a head catching up on verified rows included), and as a share
@@ -118,6 +126,8 @@ def figures(samples: Sequence[Any], tps: dict[str, float], baselines: dict[str, 
         out.update(mean_accepted_length=_r(generated / forwards) if forwards else None,
                    acceptance_rate=_r(accepted / drafted) if drafted else None,
                    acceptance_by_position=[_r(a / d) for a, d in zip(a_pos, d_pos) if d],
+                   accepted_length_by_budget=[_r((a + n) / n) if n else None for a, n in zip(b_acc, b_steps)],
+                   tree_steps=sum(st.get("tree_steps", 0) for st in stats),
                    mean_gamma=_r(drafted / forwards) if forwards else None,
                    predicted_speedup=_r(_median(predicted)),
                    draft_ms_per_token=_r(per_token * 1000) if per_token is not None else None,
@@ -394,7 +404,8 @@ def _columns(rows: Sequence[Sequence[str]]) -> str:
 # ----------------------------------------------------------------------------------------------
 # Markdown report and plots
 
-PLOTS = ("speedup_by_category.png", "acceptance_by_position.png", "gamma_sweep.png", "verification_cost.png")
+PLOTS = ("speedup_by_category.png", "acceptance_by_position.png", "gamma_sweep.png", "verification_cost.png",
+         "accepted_length_by_budget.png")
 # Line styles of the controllers in the gamma sweep (dashed is taken by the none/hf references).
 CONTROLLER_LINES = {"agreement": ":", "cost": "-.", "confidence": (0, (3, 1, 1, 1, 1, 1)), "adaptive": (0, (6, 2))}
 
@@ -505,6 +516,16 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
                 _md_table(["method", *(str(i + 1) for i in range(width))],
                           ([f"`{e['name']}`", *(_n(v) for v in e["overall"]["acceptance_by_position"]),
                             *["-"] * (width - len(e["overall"]["acceptance_by_position"]))] for e in with_pos)), ""]
+    by_budget = _by_budget(ok)
+    if by_budget:
+        width = max(len(e["overall"]["accepted_length_by_budget"]) for e in by_budget)
+        out += ["## Accepted length by draft size", "",
+                "Tokens emitted per step (accepted + 1), by the tokens (tree nodes) the step drafted; `-` where "
+                "no step drafted that many.", "",
+                _md_table(["method", "tree steps", *(str(i) for i in range(width))],
+                          ([f"`{e['name']}`", _n(e["overall"]["tree_steps"]),
+                            *(_n(v) for v in e["overall"]["accepted_length_by_budget"]),
+                            *["-"] * (width - len(e["overall"]["accepted_length_by_budget"]))] for e in by_budget)), ""]
     if doc["identity_mismatches"]:
         out += ["## Output mismatches", "", _md_table(["method", "prompt", "repeat", "first differing token"],
                                                        ([m["method"], m["prompt_id"], str(m["repeat"]),
@@ -635,7 +656,29 @@ def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
         ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(_save(fig, folder / "verification_cost.png", plt))
+
+    # 5. accepted length against draft (tree) size
+    by_budget = _by_budget(ok)
+    if by_budget:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for e in by_budget:
+            pts = [(i, v) for i, v in enumerate(e["overall"]["accepted_length_by_budget"]) if v is not None and i]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=e["name"], color=color_of[e["name"]],
+                        linestyle="-" if e["family"].endswith("-tree") else "--")
+        ax.set_xlabel("tokens drafted in the step (tree nodes for trees)")
+        ax.set_ylabel("tokens emitted per step")
+        ax.set_title("Accepted length by draft size (solid: trees, dashed: chains)")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.tight_layout()
+        written.append(_save(fig, folder / "accepted_length_by_budget.png", plt))
     return written
+
+
+def _by_budget(ok: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drafting methods with accepted lengths by draft size, when some method drafted trees."""
+    drafting = [e for e in ok if e["family"] != "none" and e["overall"].get("accepted_length_by_budget")]
+    return drafting if any(e["overall"].get("tree_steps") for e in drafting) else []
 
 
 def _save(fig, path: Path, plt) -> Path:

@@ -22,12 +22,12 @@ import torch
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.records import record_json
 from specdecode.engine import MAX_GAMMA
-from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method,
+from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method, method_name,
                                       build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
                                       llamacpp_method)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
 from specdecode.bench.prompts import Prompt, render
-from specdecode.drafters import HEAD_DRAFTERS
+from specdecode.drafters import HEAD_DRAFTERS, TREE_WIDTH, base_kind
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import shipped_head
 from specdecode.kv.cache import CacheConfig
@@ -72,6 +72,7 @@ class BenchConfig:
         heads: head files of the ``eagle`` and ``medusa`` methods by kind; None (or missing) = the one
             shipped for the target, and without one those methods are skipped with a note.
         draft_vocab: their draft vocabulary size (0 = all tokens); None = as each head was trained.
+        tree_width: children per expanded node of the draft-tree and eagle-tree methods.
     """
 
     model: str
@@ -96,6 +97,7 @@ class BenchConfig:
     draft_cache: CacheConfig = CacheConfig()
     heads: dict[str, str | None] = field(default_factory=dict)
     draft_vocab: int | None = None
+    tree_width: int = TREE_WIDTH
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES]
@@ -367,16 +369,20 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
             if family == "layerskip":
                 skip = _skip_layers(config, target, log)  # a bad --skip-layers is a usage error
             if family in HEAD_DRAFTERS:
-                head = config.heads.get(family) or shipped_head(target.model, family)
+                kind = base_kind(family)
+                head = config.heads.get(kind) or shipped_head(target.model, kind)
                 if head is None:
-                    skipped.append((family, f"no {family} head for this model (train-head, then --{family}-head FILE)"))
+                    skipped.append((family, f"no {kind} head for this model (train-head, then --{kind}-head FILE)"))
                     continue
             for g in gammas:
+                if family.endswith("-tree") and g == "confidence":
+                    skipped.append((method_name(family, g), "a tree has no per-token signals to stop on"))
+                    continue
                 methods.append(engine_method(family, g, target, sampling, config.max_new_tokens, loaded.draft, skip,
                                              config.ngram_sizes, config.gamma_max, config.controller_file,
                                              record=config.record_steps is not None and family != "none",
                                              cache=config.cache, draft_cache=config.draft_cache, head=head,
-                                             draft_vocab=config.draft_vocab))
+                                             draft_vocab=config.draft_vocab, tree_width=config.tree_width))
         elif family.startswith("hf"):
             if not transformers_available():
                 skipped.append((family, "transformers is not installed"))

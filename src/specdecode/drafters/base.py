@@ -12,6 +12,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from specdecode import tree
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
@@ -32,11 +33,44 @@ class Draft:
             target's (same temperature/top-k/top-p); None when the drafter is deterministic (one-hot q).
         signals: per token, the drafter's confidence signals (named by ``Drafter.signal_names``);
             filled only when ``propose`` was given a stop rule.
+        parents: a token tree (``tree.py``): each token's parent, an earlier token or -1 for the sequence's
+            last token; None for a chain. A stochastic tree's ``q[i]`` is the distribution token i and its
+            siblings were drawn from, without replacement.
     """
 
     tokens: list[int]
     q: torch.Tensor | None = None
     signals: list[Signal] = field(default_factory=list)
+    parents: list[int] | None = None
+
+    def check(self, budget: int, drafter: str) -> "Draft":
+        """Itself, once checked against the ``budget`` the drafter was given and, for a tree, its shape.
+
+        Raises:
+            ValueError: more tokens than the budget, or a malformed tree (named, with the drafter).
+        """
+        if len(self.tokens) > budget:
+            raise ValueError(f"drafter {drafter!r} proposed {len(self.tokens)} tokens for a budget of {budget}")
+        if self.parents is not None:
+            try:
+                tree.check_tree(self.tokens, self.parents)
+            except ValueError as err:
+                raise ValueError(f"drafter {drafter!r}: {err}") from None
+        return self
+
+    @property
+    def tree_depth(self) -> int | None:
+        """The depth of a draft that branches; None for a chain (a tree of width 1 included)."""
+        if self.parents is None or tree.is_chain(self.parents):
+            return None
+        return max(tree.depths(self.parents))
+
+    def row_parents(self, offset: int = 0) -> list[int] | None:
+        """Parents of the rows ``[last token, tokens...]`` when they follow ``offset`` other rows of the same
+        sequence in a forward (``Transformer.forward_rows``); None for a chain."""
+        if self.parents is None:
+            return None
+        return [offset - 1] + [p + 1 + offset for p in self.parents]
 
 
 class Drafter(Protocol):

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.base import MODEL_SIGNALS, Draft, OwnCache, StopRule, model_draft
+from specdecode.drafters.tree_search import grow_tree
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
@@ -53,26 +54,30 @@ def check_draft_pair(target, draft) -> None:
 
 
 class DraftModelDrafter(OwnCache):
-    """Drafting with a separate (smaller) model.
+    """Drafting with a separate (smaller) model: a chain, or with ``tree_width`` a dynamic tree
+    (``tree_search.py``; ``k`` is then the node budget).
 
     Args:
         model: the draft transformer.
         target: the target it drafts for; when given, output heads of different sizes are refused here
             (token-level vocabulary checks need the tokenizers: see :func:`check_draft_pair`).
         cache: the draft cache's settings (kv dtype, window, sinks); its size follows the target's cache.
+        tree_width: children per expanded node (0: draft chains).
     """
 
-    name = "draft"
-    signal_names = MODEL_SIGNALS
-
     def __init__(self, model: Transformer, target: Transformer | None = None,
-                 cache: CacheConfig = CacheConfig()) -> None:
+                 cache: CacheConfig = CacheConfig(), tree_width: int = 0) -> None:
         if target is not None and target.config.vocab_size != model.config.vocab_size:
             raise VocabularyMismatchError(
                 f"draft output head has {model.config.vocab_size} rows but the target's has "
                 f"{target.config.vocab_size}; a draft model must use the target's vocabulary")
+        if tree_width < 0:
+            raise ValueError(f"tree_width must be >= 0 (0 = chains), got {tree_width}")
         self.model = model
         self.cache_config = cache
+        self.tree_width = tree_width
+        self.name = "draft-tree" if tree_width else "draft"
+        self.signal_names = () if tree_width else MODEL_SIGNALS  # a tree has no per-token stop
 
     @property
     def weight_nbytes(self) -> int:
@@ -86,7 +91,19 @@ class DraftModelDrafter(OwnCache):
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
         # Feed whatever the draft has not seen: the whole prompt first time, then 1-2 tokens a step.
-        return model_draft(self.model, self.cache, seq[self.cache.lengths[0]:], k, sampling, generator, stop=stop)
+        fed = seq[self.cache.lengths[0]:]
+        if not self.tree_width:
+            return model_draft(self.model, self.cache, fed, k, sampling, generator, stop=stop)
+        device = self.model.device
+        first = self.model.forward_rows(torch.tensor(fed, device=device), self.cache, (0,), (len(fed),), logits="last")
+        held = self.cache.lengths[0]
+
+        def run(tokens: list[int], parents: list[int]) -> torch.Tensor:
+            return self.model.forward_rows(torch.tensor(tokens, device=device), self.cache, (0,), (len(tokens),),
+                                           parents=[parents])
+        draft = grow_tree(first[-1], run, k, self.tree_width, sampling, generator)
+        self.cache.trim(0, held)  # the tree's rows; the accepted ones are fed again next step
+        return draft
 
     def commit(self, seq: list[int]) -> None:
         # Cached entries past len(seq) - 1 are rejected drafts (or the token still to be fed): drop them.

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.base import MODEL_SIGNALS, Draft, OwnCache, StopRule, chain_draft
+from specdecode.drafters.tree_search import grow_tree
 from specdecode.heads.eagle import EagleHead
 from specdecode.heads.vocab import VocabHead
 from specdecode.kv.cache import Cache, CacheConfig
@@ -36,14 +37,18 @@ class EagleDrafter(OwnCache):
         head: the trained head, already in the target's dtype and on its device (``heads.prepare_head``).
         vocab: the draft vocabulary's output head.
         cache: the head cache's settings (kv dtype, window, sinks); its size follows the target's cache.
+        tree_width: children per expanded node of a dynamic draft tree (``tree_search.py``: EAGLE-2's);
+            0 drafts chains.
     """
 
-    name = "eagle"
-    signal_names = MODEL_SIGNALS
-
     def __init__(self, target: Transformer, head: EagleHead, vocab: VocabHead,
-                 cache: CacheConfig = CacheConfig()) -> None:
+                 cache: CacheConfig = CacheConfig(), tree_width: int = 0) -> None:
+        if tree_width < 0:
+            raise ValueError(f"tree_width must be >= 0 (0 = chains), got {tree_width}")
         self.target, self.head, self.vocab = target, head, vocab
+        self.tree_width = tree_width
+        self.name = "eagle-tree" if tree_width else "eagle"
+        self.signal_names = () if tree_width else MODEL_SIGNALS  # a tree has no per-token stop
         self.feature_layers = (target.config.num_layers,)  # the normed final state
         self.cache_config = cache
         self._base = 0  # sequence position of the head cache's row 0
@@ -79,9 +84,27 @@ class EagleDrafter(OwnCache):
             state = self.head.step(self.target.embed(ids), state, self.cache)
             return self.vocab.full(self.vocab(state[0, -1]))
 
-        draft = chain_draft(self.vocab.full(self.vocab(state[0, -1])), advance, k, sampling, generator, stop)
+        first = self.vocab.full(self.vocab(state[0, -1]))
+        if self.tree_width:
+            draft = grow_tree(first, self._tree_level(state[0, -1]), k, self.tree_width, sampling, generator)
+        else:
+            draft = chain_draft(first, advance, k, sampling, generator, stop)
         self.cache.trim(0, len(seq) - 1 - self._base)  # drop the drafted rows; the real ones stay
         return draft
+
+    def _tree_level(self, root: torch.Tensor):
+        """``tree_search.RunLevel`` over the head: a node's input feature is its parent's output (``root``,
+        ``[h]``, for children of the root)."""
+        outputs: list[torch.Tensor] = []  # [h] per tree row
+
+        def run(tokens: list[int], parents: list[int]) -> torch.Tensor:
+            new = range(len(parents) - len(tokens), len(parents))
+            features = torch.stack([root if parents[r] < 0 else outputs[parents[r]] for r in new])[None]  # [1, T, h]
+            ids = torch.tensor([tokens], device=self.target.device)
+            out = self.head.step(self.target.embed(ids), features, self.cache, parents)[0]  # [T, h]
+            outputs.extend(out)
+            return self.vocab.full(self.vocab(out))  # [T, V]
+        return run
 
     def _catch_up(self, seq: list[int]) -> torch.Tensor | None:
         """Runs the head over the rows whose features arrived; returns its last output ``[1, 1, h]``."""

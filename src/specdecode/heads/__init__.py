@@ -53,7 +53,8 @@ def no_head_message(kind: str, source: str) -> str:
             "--out FILE` and pass its file")
 
 
-def load_head_drafter(path: str | Path, target, cache: CacheConfig = CacheConfig(), draft_vocab: int | None = None):
+def load_head_drafter(path: str | Path, target, cache: CacheConfig = CacheConfig(), draft_vocab: int | None = None,
+                      tree_width: int = 0):
     """A ready ``EagleDrafter`` or ``MedusaDrafter`` from a head file, in the target's dtype, on its device
     and kernel path.
 
@@ -62,6 +63,7 @@ def load_head_drafter(path: str | Path, target, cache: CacheConfig = CacheConfig
         target: the target ``Transformer``.
         cache: the EAGLE head cache's settings.
         draft_vocab: draft vocabulary size (the most frequent tokens first; 0 = all); None = as trained.
+        tree_width: an EAGLE head drafts trees with this many children per expanded node (0: chains).
 
     Raises:
         HeadFileError: unreadable, corrupt, or made for another model (the message names the file and the mismatch).
@@ -85,7 +87,7 @@ def load_head_drafter(path: str | Path, target, cache: CacheConfig = CacheConfig
     vocab = VocabHead(target, draft_ids(head.vocab, head.draft_vocab if draft_vocab is None else draft_vocab))
     if head.kind == "eagle":
         net.pack(target.linear_kernel)
-        return EagleDrafter(target, net, vocab, cache)
+        return EagleDrafter(target, net, vocab, cache, tree_width)
     return MedusaDrafter(target, net, vocab)
 
 

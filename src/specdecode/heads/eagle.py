@@ -15,13 +15,14 @@ EAGLE-3's fusion of low, middle and high layer features is not built: the head r
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specdecode.kv.cache import Cache, CacheConfig
+from specdecode.tree import place_rows
 from specdecode.kv.factory import make_cache
 from specdecode.models.config import ModelConfig
 from specdecode.models.linear import NATIVE_KERNELS, packed_linear
@@ -93,19 +94,29 @@ class EagleHead(nn.Module):
             self._rope = (n, *rope_tables(self.inv_freq, n, self.dtype))
         return self._rope[1][start:start + t][None, :, None], self._rope[2][start:start + t][None, :, None]
 
-    def step(self, embedded: torch.Tensor, features: torch.Tensor, cache: Cache) -> torch.Tensor:
+    def step(self, embedded: torch.Tensor, features: torch.Tensor, cache: Cache,
+             parents: Sequence[int] | None = None) -> torch.Tensor:
         """Predicted next features ``[1, T, h]`` of T new rows, appended to ``cache`` (slot 0).
 
         Args:
             embedded: ``[1, T, h]`` embeddings of tokens x_{j+1}.
             features: ``[1, T, h]`` features f_j (the target's, or the head's own predictions).
             cache: the head's cache; its length is the position of the first new row.
+            parents: the rows of a draft tree, as ``Transformer.forward_rows`` takes them (the new rows
+                last); None for consecutive rows.
         """
-        start = cache.lengths[0]
-        cos, sin = self._angles(start, embedded.shape[1])
+        start, t = cache.lengths[0], embedded.shape[1]
+        seen = None
+        if parents is None:
+            cos, sin = self._angles(start, t)
+        else:
+            positions, seen = place_rows(parents, t, start, cache.visible(0))
+            seen = None if seen is None else (seen[0].to(self.device), seen[1].to(self.device))
+            cos, sin = self._angles(0, max(positions) + 1)
+            cos, sin = cos[:, positions], sin[:, positions]  # [1, T, 1, D]
         x = self.fc(torch.cat((embedded, features), dim=-1))  # [1, T, h]
-        x = self.block.forward_rows(x, 0, cache, (0,), (start,), (embedded.shape[1],), cos, sin)
-        cache.advance((0,), embedded.shape[1])
+        x = self.block.forward_rows(x, 0, cache, (0,), (start,), (t,), cos, sin, [seen])
+        cache.advance((0,), t)
         return x
 
     def forward(self, embedded: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:

@@ -145,6 +145,10 @@ class Cache(Protocol):
     def reset(self, slot: int) -> None:
         """Frees a slot for a new sequence."""
 
+    def compact(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        """Keeps the unverified tokens at positions ``start + rows[j]`` as ``start + j`` and drops the rest
+        after ``start`` (a token tree's accepted path): the slot's length becomes ``start + len(rows)``."""
+
     def stable_rows(self, slot: int) -> int:
         """How many tokens a forward starting at the slot's length may write so that each of them sees
         the cache exactly as it would when decoded one token per forward (compression moves in steps)."""
@@ -159,6 +163,18 @@ class Cache(Protocol):
 
     def bytes_used(self, slot: int | None = None) -> int:
         """Bytes occupied by the tokens held, of one slot or of all."""
+
+
+def check_compaction(cache: Cache, slot: int, start: int, rows: Sequence[int]) -> None:
+    """Raises ValueError unless ``rows`` can be kept by ``Cache.compact``: increasing offsets of tokens the
+    slot holds past ``start``, none of them verified (verified tokens may already be compressed or shared)."""
+    length = cache.lengths[slot]
+    if start < cache.committed[slot]:
+        raise ValueError(f"cannot compact slot {slot} from position {start}: tokens up to {cache.committed[slot]} are "
+                         "verified (only unverified rows move)")
+    if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and (rows[0] < 0 or start + rows[-1] >= length)):
+        raise ValueError(f"compact needs increasing offsets of held tokens (slot {slot} holds {length - start} past "
+                         f"position {start}), got {list(rows)}")
 
 
 class KVCache:
@@ -250,6 +266,17 @@ class KVCache:
         """Frees a slot for a new sequence."""
         self.lengths[slot] = 0
         self.committed[slot] = 0
+
+    def compact(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        """Moves the kept tokens ``start + rows[j]`` to ``start + j`` in every layer (a few rows each, never
+        the whole slot) and sets the length to ``start + len(rows)``; see :func:`check_compaction`."""
+        check_compaction(self, slot, start, rows)
+        if any(r != j for j, r in enumerate(rows)):
+            src = torch.tensor(rows, device=self.k[0].device) + start
+            dst = torch.arange(start, start + len(rows), device=self.k[0].device)
+            for buf in self.k + self.v:
+                buf[slot].index_copy_(1, dst, buf[slot].index_select(1, src))  # [H, n, D]
+        self.lengths[slot] = start + len(rows)
 
     def stable_rows(self, slot: int) -> int:
         # Nothing is ever compressed: every row sees exactly what one-token decoding would.

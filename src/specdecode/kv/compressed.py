@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-from specdecode.kv.cache import FLOAT_DTYPES, CacheConfig, CacheFullError
+from specdecode.kv.cache import FLOAT_DTYPES, CacheConfig, CacheFullError, check_compaction
 from specdecode.kv.quant import SCALE_DTYPE, dequantize, packed_width, quantize
 
 
@@ -269,6 +269,21 @@ class CompressedCache:
                                  "tokens that are still in full precision can be rolled back")
             self.committed[slot] = length
         self.lengths[slot] = length
+
+    def compact(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        """Keeps unverified tokens ``start + rows[j]`` as ``start + j`` (all in full precision: unverified
+        tokens are never compressed) and sets the length to ``start + len(rows)``."""
+        check_compaction(self, slot, start, rows)
+        if any(r != j for j, r in enumerate(rows)):
+            for layer in range(self.num_layers):
+                # A position's index in the full-precision buffer: sinks first, then the tail from F on.
+                f = self.flushed[layer][slot]
+                index = [p if p < self.sinks else self.sinks + p - f for p in range(start, start + rows[-1] + 1)]
+                src = torch.tensor([index[r] for r in rows], device=self.fp_k[layer].device)
+                dst = torch.tensor(index[:len(rows)], device=self.fp_k[layer].device)
+                for buf in (self.fp_k[layer], self.fp_v[layer]):
+                    buf[slot].index_copy_(1, dst, buf[slot].index_select(1, src))  # [H, n, D]
+        self.lengths[slot] = start + len(rows)
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = self.committed[slot] = 0

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode import tree
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.factory import make_cache
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
@@ -121,6 +122,32 @@ def rowwise_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         start = 0 if window is None else max(0, end - window)
         rows.append(grouped_attention(q[:, :, i:i + 1], keys[:, :, start:end], values[:, :, start:end]))
     return rows[0] if t == 1 else torch.cat(rows, dim=2)
+
+
+def indexed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
+                      counts: torch.Tensor) -> torch.Tensor:
+    """Attention of each new token over its own list of keys (a token tree), one ``grouped_attention`` call
+    per token: a token whose keys form one range gets the call ``rowwise_attention`` makes for it.
+
+    Args:
+        q: ``[1, H, T, D]``.
+        keys: ``[1, Hkv, L, D]``.
+        values: ``[1, Hkv, L, D]``.
+        index: ``[T, M]`` key indices per token (see ``tree.key_index``); ``counts [T]`` how many are used.
+
+    Returns:
+        ``[1, H, T, D]``.
+    """
+    rows = []
+    for i, (idx, n) in enumerate(zip(index.tolist(), counts.tolist())):
+        idx = idx[:n]
+        if idx[-1] - idx[0] + 1 == n:  # one range, as decoding sees it
+            k, v = keys[:, :, idx[0]:idx[-1] + 1], values[:, :, idx[0]:idx[-1] + 1]
+        else:
+            pick = torch.tensor(idx, device=keys.device)
+            k, v = keys.index_select(2, pick), values.index_select(2, pick)
+        rows.append(grouped_attention(q[:, :, i:i + 1], k, v))
+    return torch.cat(rows, dim=2)
 
 
 @lru_cache(maxsize=8)  # every layer of a forward asks for the same mask
@@ -258,17 +285,30 @@ class Block(nn.Module):
                                                   enable_gqa=self.heads != self.kv_heads)
         return self.finish(x, attn)
 
+    def attend_indexed(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
+                       counts: torch.Tensor) -> torch.Tensor:
+        """Row-invariant attention of one sequence's T new tokens (``[1, H, T, D]``), token t over the keys
+        ``index[t, :counts[t]]`` (a token tree, ``tree.key_index``): our kernel, else ``indexed_attention``."""
+        if self.attention_ops is not None:
+            return self.attention_ops.attention_indexed(q, keys, values, index, counts, self.head_dim ** -0.5)
+        return indexed_attention(q, keys, values, index, counts)
+
     def forward_rows(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
-                     counts: Sequence[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                     counts: Sequence[int], cos: torch.Tensor, sin: torch.Tensor,
+                     trees: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
         """The row-invariant path: ``x [1, N, hidden]`` holds ``counts[i]`` consecutive rows of the sequence in
-        ``slots[i]``; each sequence's rows attend over its own cache alone (``attend``), so a row's result
-        does not depend on what else shares the forward."""
+        ``slots[i]``; each sequence's rows attend over its own cache alone (``attend``), or, where ``trees[i]``
+        gives a key index and counts (``tree.key_index``), each row over its context and ancestors, so a row's
+        result does not depend on what else shares the forward."""
         q, k, v = self.qkv(x, cos, sin)  # q [1, H, N, D], k/v [1, Hkv, N, D]
         parts, offset = [], 0
-        for slot, start, n in zip(slots, starts, counts):
+        for slot, start, n, seen in zip(slots, starts, counts, trees or [None] * len(slots)):
             rows = slice(offset, offset + n)
             keys, values = cache.update(layer, (slot,), (start,), k[:, :, rows], v[:, :, rows])  # [1, Hkv, L, D]
-            parts.append(self.attend(q[:, :, rows], keys, values))
+            if seen is None:
+                parts.append(self.attend(q[:, :, rows], keys, values))
+            else:
+                parts.append(self.attend_indexed(q[:, :, rows], keys, values, *seen))
             offset += n
         return self.finish(x, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
 
@@ -365,7 +405,7 @@ class Transformer(nn.Module):
 
     def forward_rows(self, tokens: torch.Tensor, cache: Cache, slots: Sequence[int], counts: Sequence[int],
                      layers: Sequence[int] | None = None, logits: Logits | torch.Tensor = "all",
-                     features: Sequence[int] = ()):
+                     features: Sequence[int] = (), parents: Sequence[Sequence[int] | None] | None = None):
         """Row-invariant forward over ragged rows of several sequences (a batch's verification step).
 
         Every row is computed as it would be alone: projections row by row on our kernels, attention of
@@ -381,6 +421,12 @@ class Transformer(nn.Module):
             layers, features: as for :meth:`forward`.
             logits: "all" rows ``[N, V]``, "last" row of each sequence ``[len(slots), V]``, "none", or the
                 indices of the rows to score (``[len(indices), V]``; prompt rows in a batch need none).
+            parents: per sequence, None for consecutive rows, or its rows' parents (a token tree, see
+                ``tree.py``: ``parents[j] < j``, -1 = follows the context before the tree): row j then sits
+                at that context's length plus its depth and sees the context, its ancestors and itself. The
+                list may start with rows earlier forwards wrote (the slot's last tokens; a drafter grows a
+                tree a level at a time); its last ``counts[i]`` rows are this forward's. The slot still
+                advances by all its rows; ``Cache.compact`` keeps an accepted path afterwards.
 
         Returns:
             Logits in float32 (or None), and with ``features`` the pair (logits, hidden ``[N, F]``).
@@ -390,15 +436,28 @@ class Transformer(nn.Module):
                 or sum(counts) != n_rows:
             raise ValueError(f"forward_rows needs distinct slots and a count >= 1 per slot summing to the "
                              f"{n_rows} rows; got slots {list(slots)}, counts {list(counts)}")
+        parents = [None] * len(slots) if parents is None else list(parents)
+        if len(parents) != len(slots):
+            raise ValueError(f"forward_rows needs one parents entry per slot: {len(parents)} for {len(slots)} slots")
         starts = [cache.lengths[s] for s in slots]
-        cos_table, sin_table = self._rope(max(p + n for p, n in zip(starts, counts)))
-        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, counts)]).to(self.device)  # [N]
+        positions, trees = [], []
+        for slot, start, n, rows in zip(slots, starts, counts, parents):
+            if rows is None:
+                positions += range(start, start + n)
+                trees.append(None)
+                continue
+            tree.check_tree(range(len(rows)), rows)
+            at, seen = tree.place_rows(rows, n, start, cache.visible(slot), self.config.sliding_window)
+            positions += at
+            trees.append(None if seen is None else (seen[0].to(self.device), seen[1].to(self.device)))
+        cos_table, sin_table = self._rope(max(positions) + 1)
+        pos = torch.tensor(positions, device=self.device)  # [N]
         cos, sin = cos_table[pos][None, :, None], sin_table[pos][None, :, None]  # [1, N, 1, D]
         run = self._check_run(layers, features)
         kept: dict[int, torch.Tensor] = {}
         x = self.embed(tokens)[None]  # [1, N, hidden]
         for i in run:
-            x = self.layers[i].forward_rows(x, i, cache, slots, starts, counts, cos, sin)
+            x = self.layers[i].forward_rows(x, i, cache, slots, starts, counts, cos, sin, trees)
             if i in features:
                 kept[i] = x
         for slot, n in zip(slots, counts):

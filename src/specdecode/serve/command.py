@@ -17,6 +17,7 @@ from specdecode.batch.executor import BATCHED_DRAFTERS, BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.control import GAMMA_POLICIES
 from specdecode.drafter_setup import add_drafter_arguments, drafter_factory, drafter_kind
+from specdecode.drafters import base_kind
 from specdecode.engine import SpeculativeConfig
 
 SHUTDOWN_GRACE_S = 30  # running requests may finish for this long after SIGTERM, then they are cancelled
@@ -64,7 +65,7 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     scheduler = SchedulerConfig(args.max_running, args.max_waiting, args.max_rows, args.prefill_chunk)
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)
     kind = drafter_kind(args)
-    cache, draft_cache = cache_configs(args, draft=kind in ("draft", "eagle"))
+    cache, draft_cache = cache_configs(args, draft=base_kind(kind) in ("draft", "eagle"))
     loaded = load_model(args.model, args.dtype, args.device, progress=log, linear=args.linear)
     new_drafter = drafter_factory(args, loaded, draft_cache, log)
     name = args.served_model_name or args.model

@@ -13,6 +13,7 @@
 //
 // attention: for each new token of a single sequence, softmax(q K^T * scale) V over its own keys (causal,
 // optionally a sliding window), scores and probabilities in fp32, one pass per (head, token).
+// attention_indexed: the same over an explicit list of keys per new token (a token tree's mask).
 //
 // It does not handle other dtypes, autograd or batches of sequences of unequal length (the caller
 // falls back to torch there).
@@ -238,17 +239,19 @@ namespace {
 
 // ---------------------------------------------------------------- attention
 
-// One new token of one query head over keys [lo, hi): out[D] = softmax(q k_j * scale) v_j.
+// One new token of one query head over n keys: key j is lo + j, or index[j] when an index is given (a tree
+// node sees its context and its ancestors). out[D] = softmax(q k_j * scale) v_j. Every sum runs over the
+// n visible keys in their given order, so a node computes bitwise what decoding its path computes.
 void attend_row(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t key_stride,
-                int64_t value_stride, int64_t lo, int64_t hi, int64_t d, float scale, uint16_t* out,
-                std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc) {
-  const int64_t n = hi - lo, n_padded = (n + kLanes - 1) / kLanes * kLanes;
+                int64_t value_stride, int64_t lo, int64_t n, const int64_t* index, int64_t d, float scale,
+                uint16_t* out, std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc) {
+  const int64_t n_padded = (n + kLanes - 1) / kLanes * kLanes;
   const int64_t d_vec = d / kLanes * kLanes;
   for (int64_t i = 0; i < d; ++i) qf[i] = bf16_to_float(q[i]);
   scores.assign(n_padded, -std::numeric_limits<float>::infinity());
   float best = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {  // each score: one vector sum over d, then a fixed-order lane sum
-    const uint16_t* kj = keys + (lo + j) * key_stride;
+    const uint16_t* kj = keys + (index ? index[j] : lo + j) * key_stride;
     vf s = vzero();
     for (int64_t i = 0; i < d_vec; i += kLanes) s = vfma(vload(qf.data() + i), load_bf16(kj + i), s);
     float total = hsum(s);
@@ -266,7 +269,7 @@ void attend_row(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
   const float inv = 1.0f / hsum(sum);
   std::fill(acc.begin(), acc.end(), 0.0f);
   for (int64_t j = 0; j < n; ++j) {  // out += p_j v_j, in key order
-    const uint16_t* vj = values + (lo + j) * value_stride;
+    const uint16_t* vj = values + (index ? index[j] : lo + j) * value_stride;
     const vf p = vset(scores[j]);
     for (int64_t i = 0; i < d_vec; i += kLanes) vstore(acc.data() + i, vfma(p, load_bf16(vj + i), vload(acc.data() + i)));
     for (int64_t i = d_vec; i < d; ++i) acc[i] = std::fma(scores[j], bf16_to_float(vj[i]), acc[i]);
@@ -305,7 +308,48 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
       const int64_t bi = r / (h * t), hi = (r / t) % h, ti = r % t, kh = hi / group;
       const int64_t end = length - t + ti + 1, start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
       attend_row(qp + r * d, kp + bi * kc.stride(0) + kh * kc.stride(1), vp + bi * vc.stride(0) + kh * vc.stride(1),
-                 kc.stride(2), vc.stride(2), start, end, d, float(scale), op + r * d, scores, qf, acc);
+                 kc.stride(2), vc.stride(2), start, end - start, nullptr, d, float(scale), op + r * d, scores, qf, acc);
+    }
+  });
+  return out;
+}
+
+// Tree attention for one sequence: q [1, H, T, D], keys/values [1, Hkv, L, D]; new token t sees the keys
+// index[t, :counts[t]] (int64 [T, M], in order: its context, its ancestors, itself). Returns [1, H, T, D].
+torch::Tensor attention_indexed(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                                const torch::Tensor& index, const torch::Tensor& counts, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+              values.scalar_type() == at::kBFloat16, "attention_indexed needs bf16");
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && keys.dim() == 4 && keys.size(0) == 1 && values.sizes() == keys.sizes(),
+              "attention_indexed: q [1,H,T,D], keys/values [1,Hkv,L,D]");
+  const int64_t h = q.size(1), t = q.size(2), d = q.size(3), kv_heads = keys.size(1), length = keys.size(2);
+  TORCH_CHECK(keys.size(3) == d && h % kv_heads == 0, "attention_indexed: shapes do not match");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 2 && index.size(0) == t && index.is_contiguous() &&
+              counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == t,
+              "attention_indexed: index int64 [T, M] contiguous, counts int64 [T]");
+  const int64_t* ip = index.data_ptr<int64_t>();
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t ti = 0; ti < t; ++ti) {  // checked once here, so that no row reads outside the keys
+    TORCH_CHECK(cp[ti] >= 1 && cp[ti] <= index.size(1), "attention_indexed: counts out of range");
+    for (int64_t j = 0; j < cp[ti]; ++j)
+      TORCH_CHECK(ip[ti * index.size(1) + j] >= 0 && ip[ti * index.size(1) + j] < length, "attention_indexed: index out of range");
+  }
+  const auto qc = q.contiguous();
+  const auto kc = keys.stride(3) == 1 ? keys : keys.contiguous();
+  const auto vc = values.stride(3) == 1 ? values : values.contiguous();
+  auto out = torch::empty({1, h, t, d}, q.options());
+  const uint16_t* qp = bf16_ptr(qc);
+  const uint16_t* kp = bf16_ptr(kc);
+  const uint16_t* vp = bf16_ptr(vc);
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t group = h / kv_heads, rows = h * t, width = index.size(1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, length * d));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scores, qf(d), acc(d);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t hi = r / t, ti = r % t, kh = hi / group;
+      attend_row(qp + r * d, kp + kh * kc.stride(1), vp + kh * vc.stride(1), kc.stride(2), vc.stride(2), 0, cp[ti],
+                 ip + ti * width, d, float(scale), op + r * d, scores, qf, acc);
     }
   });
   return out;
@@ -314,5 +358,6 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("widened_linear", &widened_linear);
   m.def("attention", &attention);
+  m.def("attention_indexed", &attention_indexed);
   m.def("tile_outputs", &tile_outputs);
 }
