@@ -41,7 +41,8 @@ from specdecode.verify import Pending, Verdict, verify_batch
 # Drafters that draft in the target's own cache slot 0, which a batch cannot give them; every other one runs
 # (one per KV slot).
 SLOT0_DRAFTERS = ("layerskip",)
-BATCHED_DRAFTERS = ("ngram", "ngram-tree", "draft", "draft-tree", "eagle", "eagle-tree", "medusa")  # the built-in ones that batch
+# The built-in drafters that batch.
+BATCHED_DRAFTERS = ("ngram", "ngram-tree", "draft", "draft-tree", "eagle", "eagle-tree", "medusa")
 
 
 class StepObserver(Protocol):

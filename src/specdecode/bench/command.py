@@ -150,6 +150,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.report:
         files = write_report(doc, args.report)
         print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
-    ours_failed = [f for f in doc["failed"] if base_kind(f["name"].split(":")[0]) in ("none", "ngram", "draft", "layerskip")]
+    ours_failed = [f for f in doc["failed"]
+                   if base_kind(f["name"].split(":")[0]) in ("none", "ngram", "draft", "layerskip")]
     mismatch = doc["identical_outputs"] is not None and doc["identical_outputs"] != doc["identity_comparisons"]
     return 1 if mismatch or ours_failed else 0
