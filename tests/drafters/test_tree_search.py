@@ -19,13 +19,13 @@ def _table(seed: int) -> torch.Tensor:
     return 3 * torch.randn(V, V, generator=torch.Generator().manual_seed(seed))
 
 
-def _grow(table: torch.Tensor, budget: int, width: int, sampling: SamplingParams, seed: int = 0):
+def _grow(table: torch.Tensor, budget: int, width: int, sampling: SamplingParams, seed: int = 0, expand: int = 1):
     levels: list[tuple[list[int], list[int]]] = []
 
     def run(tokens, parents):
         levels.append((list(tokens), list(parents)))
         return table[torch.tensor(tokens)]
-    draft = grow_tree(table[0], run, budget, width, sampling, torch.Generator().manual_seed(seed))
+    draft = grow_tree(table[0], run, budget, width, sampling, torch.Generator().manual_seed(seed), expand)
     return draft, levels
 
 
@@ -38,16 +38,16 @@ def _path_logprob(table, tokens, parents, node) -> float:
     return total
 
 
-@pytest.mark.parametrize("budget, width", [(1, 2), (4, 2), (8, 3), (12, 2)])
-def test_greedy_trees_keep_the_most_probable_nodes(budget, width):
+@pytest.mark.parametrize("budget, width, expand", [(1, 2, 1), (4, 2, 1), (8, 3, 1), (12, 2, 1), (8, 3, 2), (12, 2, 2)])
+def test_greedy_trees_keep_the_most_probable_nodes(budget, width, expand):
     table = _table(1)
-    draft, levels = _grow(table, budget, width, SamplingParams())
+    draft, levels = _grow(table, budget, width, SamplingParams(), expand=expand)
     check_tree(draft.tokens, draft.parents)
     assert len(draft.tokens) == budget and draft.q is None
     scores = [_path_logprob(table, draft.tokens, draft.parents, n) for n in range(budget)]
     assert scores == sorted(scores, reverse=True)  # numbered most probable first
-    # No run level expanded more than ``width`` nodes, and one forward per level.
-    assert all(len(tokens) <= width for tokens, _ in levels)
+    # No level ran more than ``expand`` rows through the drafter, and one forward per level.
+    assert all(len(tokens) <= expand for tokens, _ in levels)
     assert len(levels) <= max(depths(draft.parents))
     # The root's children are the drafter's top tokens.
     assert set(draft.tokens[n] for n in range(budget) if draft.parents[n] < 0) <= set(table[0].topk(width).indices.tolist())
