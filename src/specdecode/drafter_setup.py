@@ -30,7 +30,7 @@ def add_drafter_arguments(p: argparse.ArgumentParser, kinds: tuple[str, ...] = D
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="--drafter eagle|medusa: draft over the N most frequent tokens (0 = all; default: as trained)")
     p.add_argument("--ngram", type=ngram_sizes, default=(1, 3), help="min,max n-gram sizes for ngram lookup (default 1,3)")
-    p.add_argument("--tree-width", type=positive_int, default=TREE_WIDTH, metavar="W",
+    p.add_argument("--tree-width", type=positive_int, default=None, metavar="W",
                    help=f"--drafter draft-tree|eagle-tree: children per expanded node (default {TREE_WIDTH})")
 
 
@@ -46,7 +46,7 @@ def drafter_kind(args: argparse.Namespace) -> str:
         raise ValueError(f"--draft-quant applies to a draft model (--drafter draft|draft-tree), not {kind}")
     if kind not in HEAD_DRAFTERS and (args.head or args.draft_vocab is not None):
         raise ValueError(f"--head and --draft-vocab are only used by --drafter eagle|eagle-tree|medusa, not {kind}")
-    if kind not in ("draft-tree", "eagle-tree") and getattr(args, "tree_width", TREE_WIDTH) != TREE_WIDTH:
+    if kind not in ("draft-tree", "eagle-tree") and getattr(args, "tree_width", None) is not None:
         raise ValueError(f"--tree-width is only used by --drafter draft-tree|eagle-tree, not {kind}")
     return kind
 
@@ -79,4 +79,4 @@ def drafter_factory(args: argparse.Namespace, target: LoadedModel, draft_cache: 
             raise ValueError(no_head_message(base_kind(kind), args.model) + " with --head FILE")
     return lambda: make_drafter(kind, target.model, draft_model, skip_layers, ngram_sizes=args.ngram,
                                 draft_cache=draft_cache, head=head, draft_vocab=args.draft_vocab,
-                                tree_width=args.tree_width)
+                                tree_width=args.tree_width or TREE_WIDTH)
