@@ -6,9 +6,9 @@ probabilities on their path) are run through the drafter over their ancestors an
 each. EAGLE-2 expands several nodes per level; on a CPU each is one more row of every drafter forward,
 and expanding one (the default) gave the same accepted length as two on SmolLM2's EAGLE head (1.56 at 4
 nodes, 1.60 vs 1.59 at 8) for fewer drafted rows, so siblings come from the expanded node's own
-distribution, free. For greedy requests, expansion stops when no node of the newest level could still rank among the
-``budget`` best, and the tree kept is the ``budget`` most probable nodes (a child is never more probable
-than its parent, so those nodes always form a tree).
+distribution, free. For greedy requests, expansion stops when no node of the newest level could still
+rank among the ``budget`` best, and the tree kept is the ``budget`` most probable nodes (a child is never
+more probable than its parent, so those nodes always form a tree).
 
 Greedy requests take each node's most probable children (a deterministic tree: q is None). Sampled ones
 draw each node's children from the draft distribution without replacement (Gumbel top-k), as the
@@ -30,6 +30,7 @@ import torch
 
 from specdecode.drafters.base import Draft
 from specdecode.sampling import SamplingParams, probs_from_logits
+from specdecode.tree import path_to
 
 # (tokens of the level's new rows, row-level parents of all rows run so far) -> their logits [n, V]
 RunLevel = Callable[[list[int], list[int]], torch.Tensor]
@@ -80,7 +81,7 @@ def grow_tree(first: torch.Tensor, run: RunLevel, budget: int, width: int, sampl
         else:  # whole sibling groups only: as many expansions as the budget holds
             room = (budget - len(tokens)) // width
             grow = sorted(level, key=lambda n: (-scores[n], n))[:min(expand, room)]
-        if not grow or _depth(parents, grow[0]) >= budget:
+        if not grow or len(path_to(parents, grow[0])) >= budget:
             break
         for n in grow:
             rows[n] = len(row_parents)
@@ -93,13 +94,6 @@ def grow_tree(first: torch.Tensor, run: RunLevel, budget: int, width: int, sampl
     kept = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:budget]
     number = {old: new for new, old in enumerate(kept)}
     return Draft([tokens[n] for n in kept], parents=[number[parents[n]] if parents[n] >= 0 else -1 for n in kept])
-
-
-def _depth(parents: list[int], node: int) -> int:
-    depth = 0
-    while node >= 0:
-        node, depth = parents[node], depth + 1
-    return depth
 
 
 def _pick(logits: torch.Tensor, width: int, sampling: SamplingParams,
