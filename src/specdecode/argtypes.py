@@ -28,6 +28,17 @@ def nonnegative_int(value: str) -> int:
     return _int_at_least(value, 0)
 
 
+def weight_formats(value: str) -> tuple[str, ...]:
+    """A comma list of weight formats (``bench --weights auto,bf16,q4_1``), each one of WEIGHT_FORMATS."""
+    from specdecode.models.weights import WEIGHT_FORMATS
+
+    out = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+    bad = [v for v in out if v not in WEIGHT_FORMATS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(WEIGHT_FORMATS)}, got {value!r}")
+    return out
+
+
 def gamma(value: str) -> int | str:
     """A fixed gamma (an integer >= 0; 0 = speculation off) or a controller name from GAMMA_POLICIES."""
     if value in GAMMA_POLICIES:

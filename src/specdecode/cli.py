@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from specdecode.bench.command import add_arguments as add_bench_arguments
-from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, positive_int
+from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, positive_int, weight_formats
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.model_file import load_controller_file
 from specdecode.drafter_setup import add_drafter_arguments, drafter_factory, drafter_kind
@@ -29,6 +29,7 @@ from specdecode.kv.cache import CacheConfig, CacheFullError
 from specdecode.kv.memory import KVBudgetError
 from specdecode.models.build import DEVICES, LoadedModel, load_model, resolve_device
 from specdecode.models.linear import LINEAR_KERNELS
+from specdecode.models.weights import WEIGHT_FORMATS
 from specdecode.models.fetch import FetchError
 from specdecode.models.loader import LoadError
 from specdecode.models.registry import DEFAULT_MODEL, UnknownModelError
@@ -43,7 +44,12 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _model_args(p: argparse.ArgumentParser, device: bool = True) -> None:
+WEIGHTS_HELP = ("the projections' weight format: auto = a GGUF's own block formats (Q4_1 -> q4_1, Q8_0 -> q8_0, Q4_K -> "
+                "q4_1, Q6_K -> q8_0 ...) where our kernels run, else bf16 (default); bf16; q8_0, q4_0, q4_1 (llama.cpp's "
+                "blocks, kept quantized, int8 activations; the output head stays >= q8_0 under q4)")
+
+
+def _model_args(p: argparse.ArgumentParser, device: bool = True, weights_list: bool = False) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name, .gguf path, HF folder or hub id (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="weights and activations; auto = bf16 where one of our kernels runs (x86-64 with AVX2+FMA) or the GPU supports it, else fp32")
@@ -52,6 +58,12 @@ def _model_args(p: argparse.ArgumentParser, device: bool = True) -> None:
                    help="kernel path for the bf16 projections: ours, compiled once: tiled (AVX512-BF16), avx512 "
                         "(AVX512F), avx2 (AVX2+FMA); onednn; torch (F.linear; the only one on a GPU); auto = "
                         "$SPECDECODE_LINEAR if set, else the first of those that runs here (default)")
+    if weights_list:
+        p.add_argument("--weights", type=weight_formats, default=("auto",), metavar="FORMATS",
+                       help=WEIGHTS_HELP.replace("the projections' weight format", "comma list of the target's weight "
+                                                 "formats, each run as its own set of methods (method@format)"))
+    else:
+        p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto", help=WEIGHTS_HELP)
     if device:
         p.add_argument("--device", choices=DEVICES, default="auto",
                        help="where the models run: auto = cuda when torch sees a GPU, else cpu (default)")
@@ -83,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_arguments(g)
 
     b = sub.add_parser("bench", help="benchmark every method and its peers side by side on prompt suites")
-    _model_args(b, device=False)  # the benchmark runs on the CPU
+    _model_args(b, device=False, weights_list=True)  # the benchmark runs on the CPU
     add_bench_arguments(b)
 
     m = sub.add_parser("models", help="list the named models and whether each is cached")
@@ -153,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.gamma in ("confidence", "adaptive"):
         load_controller_file(args.controller_file)
     caches = cache_configs(args, draft=base_kind(drafter_kind(args)) in ("draft", "eagle"))
-    target = load_model(args.model, args.dtype, args.device, progress=_log, linear=args.linear)
+    target = load_model(args.model, args.dtype, args.device, progress=_log, linear=args.linear, weights=args.weights)
     if args.chat:
         if not target.tokenizer.chat_template:
             raise UsageError(f"model {args.model} has no chat template; drop --chat")
@@ -195,7 +207,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    target = load_model(args.model, args.dtype, args.device, progress=_log, linear=args.linear)
+    target = load_model(args.model, args.dtype, args.device, progress=_log, linear=args.linear, weights=args.weights)
     result = calibrate_and_store(target, args.dtype, gamma=args.gamma, new_tokens=args.new_tokens, progress=_log)
     if args.json:
         print(json.dumps({"model": target.source, "skip": list(result.skip), "agreement": result.agreement,

@@ -17,6 +17,7 @@ from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import no_head_message, shipped_head
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import DRAFT_QUANT, LoadedModel, load_model
+from specdecode.models.weights import WEIGHT_FORMATS
 
 
 def add_drafter_arguments(p: argparse.ArgumentParser, kinds: tuple[str, ...] = DRAFTERS) -> None:
@@ -24,7 +25,10 @@ def add_drafter_arguments(p: argparse.ArgumentParser, kinds: tuple[str, ...] = D
                    help="how to draft (default: draft when --draft-model is given, else ngram)")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft (same vocabulary as --model)")
     p.add_argument("--draft-quant", choices=DRAFT_QUANT, default="none",
-                   help="int8 = int8 weight-only draft model: cheaper drafts, output still exact (default none)")
+                   help="int8 = int8 weight-only draft model (torch's kernel, any path): cheaper drafts, output still "
+                        "exact (default none; on our kernels --draft-weights q8_0 is faster)")
+    p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="auto",
+                   help="the draft model's weight format, as --weights is the target's (default auto)")
     p.add_argument("--head", default=None, metavar="FILE",
                    help="head file for --drafter eagle|medusa (default: the head shipped for --model, if any)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
@@ -44,6 +48,10 @@ def drafter_kind(args: argparse.Namespace) -> str:
         raise ValueError(f"--draft-model is only used by --drafter draft|draft-tree, not {kind}")
     if not uses_model and args.draft_quant != "none":
         raise ValueError(f"--draft-quant applies to a draft model (--drafter draft|draft-tree), not {kind}")
+    if not uses_model and getattr(args, "draft_weights", "auto") != "auto":
+        raise ValueError(f"--draft-weights applies to a draft model (--drafter draft|draft-tree), not {kind}")
+    if args.draft_quant != "none" and getattr(args, "draft_weights", "auto") != "auto":
+        raise ValueError("--draft-quant int8 and --draft-weights both set the draft model's weights; give one")
     if kind not in HEAD_DRAFTERS and (args.head or args.draft_vocab is not None):
         raise ValueError(f"--head and --draft-vocab are only used by --drafter eagle|eagle-tree|medusa, not {kind}")
     if kind not in ("draft-tree", "eagle-tree") and getattr(args, "tree_width", None) is not None:
@@ -70,7 +78,7 @@ def drafter_factory(args: argparse.Namespace, target: LoadedModel, draft_cache: 
     if base_kind(kind) == "draft":
         log(f"loading draft model {args.draft_model} ...")
         draft = load_model(args.draft_model, args.dtype, args.device, progress=log, linear=args.linear,
-                           quantize=args.draft_quant)
+                           quantize=args.draft_quant, weights=args.draft_weights)
         check_draft_pair(target, draft)
         draft_model = draft.model
     if kind in HEAD_DRAFTERS:

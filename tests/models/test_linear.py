@@ -14,7 +14,8 @@ from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafte
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models import native
-from specdecode.models.linear import NATIVE_KERNELS, Int8Linear, NativeLinear, PackedLinear, can_pack
+from specdecode.models.linear import NATIVE_KERNELS, Int8Linear, NativeLinear, PackedLinear, QuantLinear, can_pack
+from specdecode.models.weights import BLOCK_FORMATS, quantize
 from specdecode.models.transformer import Transformer
 from kernel_paths import path_params, path_problem
 from tiny_models import random_hf_tensors, tiny_config, tiny_model, varied_model
@@ -65,13 +66,60 @@ def test_the_widened_builds_agree_bitwise_and_with_a_sequential_fp32_sum():
         assert torch.equal(out, want)
 
 
+def _kernel_activations(x: torch.Tensor) -> torch.Tensor:
+    """Rows of x as the block kernels quantize them (int8 per 32 inputs, fp32 scale amax / 127, codes rounded
+    to nearest even), dequantized to float64."""
+    k = x.shape[-1]
+    blocks = F.pad(x.float(), (0, -k % 32)).view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    return (torch.round(blocks * inv).double() * d.double()).view(x.shape[0], -1)[:, :k]
+
+
+@pytest.mark.parametrize("path", OURS)
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("out_features,in_features,bias", [(5, 32, False), (160, 96, True), (70, 100, True),
+                                                           (576, 1536, False)])
+def test_block_formats_are_close_to_float64_and_row_invariant(path, fmt, out_features, in_features, bias):
+    g = torch.Generator().manual_seed(out_features)
+    blocks = quantize(torch.randn(out_features, in_features, generator=g) * 0.1, fmt)
+    b = torch.randn(out_features, generator=g) if bias else None
+    layer = QuantLinear(blocks, b, path)
+    x = torch.randn(32, in_features, generator=g)
+    with torch.inference_mode():
+        got = layer(x)
+        xq, w = _kernel_activations(x), blocks.dequantize().double()
+        exact = xq @ w.T + (0 if b is None else b.double())
+        # Exact integer block sums, then fp32 scaling and one fp32 add per block (and the bias).
+        bound = (in_features / 32 + 2) * 2**-23 * (xq.abs() @ w.abs().T + (0 if b is None else b.abs().double()))
+        assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= bound + 1e-30).all()
+        for rows in range(1, 33):  # every row bitwise the same whatever shares its call
+            assert torch.equal(layer(x[:rows]), got[:rows]), rows
+        assert torch.equal(layer(x.bfloat16()), layer(x.bfloat16().float()).bfloat16())  # bf16 in, bf16 out
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_the_block_kernels_of_every_build_agree_bitwise(fmt):
+    """Integer block sums (VNNI or AVX2's vpmaddubsw) and the same fp32 steps: one answer on every build."""
+    runnable = [p for p in NATIVE_KERNELS if path_problem(p) is None]
+    if len(runnable) < 2:
+        pytest.skip(f"fewer than two builds run here: {runnable}")
+    g = torch.Generator().manual_seed(3)
+    blocks = quantize(torch.randn(100, 320, generator=g), fmt)
+    x = torch.randn(9, 320, generator=g) * 5
+    outs = [QuantLinear(blocks, None, p)(x) for p in runnable]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 @pytest.mark.parametrize("path", OURS)
 @pytest.mark.parametrize("kind", ["ngram", "layerskip", "draft"])
-def test_greedy_speculation_is_exact_on_our_kernels(path, kind):
+@pytest.mark.parametrize("weights", ["bf16", *BLOCK_FORMATS])
+def test_greedy_speculation_is_exact_on_our_kernels(path, kind, weights):
     target = varied_model(0, dtype=torch.bfloat16)
-    assert target.pack_weights(path) == path and target.pack_weights() == path  # idempotent
+    assert target.pack_weights(path, weights=weights) == path and target.pack_weights() == path  # idempotent
+    assert target.weight_format == (weights if weights in ("bf16", "q8_0") else f"{weights}, head q8_0")
     draft = varied_model(0, keep_layers=[0, 1], dtype=torch.bfloat16)
-    draft.pack_weights(path)
+    draft.pack_weights(path, weights=weights)
     drafter = {"ngram": NgramDrafter(max_ngram=3, min_ngram=1), "layerskip": LayerSkipDrafter(target, [1]),
                "draft": DraftModelDrafter(draft)}[kind]
     prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9], [90, 3, 17, 44, 2, 60]]

@@ -17,9 +17,10 @@ from tiny_models import varied_model
 
 CPU = torch.device("cpu")
 FLAGS = {  # what /proc/cpuinfo shows on the CPU families this project meets
-    "zen4": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"},
-    "xeon-no-bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
-    "zen2": {"avx2", "fma"},
+    "zen4": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"},
+    "xeon-no-bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+    "skylake-sp": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"},
+    "zen2": {"avx2", "fma", "f16c"},
     "old": {"sse4_2", "avx"},
 }
 
@@ -40,9 +41,11 @@ def test_reasons_name_what_is_missing(monkeypatch):
     assert native._static_reason("tiled") == "the CPU lacks avx512_bf16"
     assert native._static_reason("avx512") is None
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(FLAGS["zen2"]))
-    assert native._static_reason("avx512") == "the CPU lacks avx512f"
+    assert native._static_reason("avx512") == "the CPU lacks avx512_vnni, avx512bw, avx512f, avx512vl"
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(FLAGS["skylake-sp"]))
+    assert native._static_reason("avx512") == "the CPU lacks avx512_vnni"
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert native._static_reason("avx2") == "the CPU lacks fma"
+    assert native._static_reason("avx2") == "the CPU lacks f16c, fma"
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(FLAGS["zen4"]))
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     assert native._static_reason("tiled") == "ninja is not on PATH (needed to compile the kernel)"
@@ -51,7 +54,8 @@ def test_reasons_name_what_is_missing(monkeypatch):
 
 
 @pytest.mark.parametrize("cpu,dtype,path", [("zen4", torch.bfloat16, "tiled"), ("xeon-no-bf16", torch.bfloat16, "avx512"),
-                                            ("zen2", torch.bfloat16, "avx2"), ("old", torch.float32, "torch")])
+                                            ("skylake-sp", torch.bfloat16, "avx2"), ("zen2", torch.bfloat16, "avx2"),
+                                            ("old", torch.float32, "torch")])
 def test_auto_dtype_and_path_follow_the_cpu_flags(monkeypatch, cpu, dtype, path):
     _fake_cpu(monkeypatch, FLAGS[cpu])
     monkeypatch.delenv(LINEAR_ENV, raising=False)
@@ -63,8 +67,9 @@ def test_auto_dtype_and_path_follow_the_cpu_flags(monkeypatch, cpu, dtype, path)
         assert resolve_linear_kernel("auto", dtype, CPU) == "torch"  # oneDNN packs bf16 only
 
 
-@pytest.mark.parametrize("cpu,path,missing", [("xeon-no-bf16", "tiled", "avx512_bf16"), ("zen2", "avx512", "avx512f"),
-                                              ("zen2", "tiled", "avx512_bf16, avx512bw, avx512f, avx512vl")])
+@pytest.mark.parametrize("cpu,path,missing", [("xeon-no-bf16", "tiled", "avx512_bf16"),
+                                              ("zen2", "avx512", "avx512_vnni, avx512bw, avx512f, avx512vl"),
+                                              ("zen2", "tiled", "avx512_bf16, avx512_vnni, avx512bw, avx512f, avx512vl")])
 def test_forcing_a_path_the_cpu_cannot_run_names_the_path_and_the_feature(monkeypatch, cpu, path, missing):
     _fake_cpu(monkeypatch, FLAGS[cpu])
     with pytest.raises(ValueError, match=f"the {path} kernel is unavailable: the CPU lacks {missing}$"):
@@ -116,7 +121,7 @@ def test_every_build_compiles_even_where_it_cannot_run(name, tmp_path):
 
     b = native.BUILDS[name]
     # -c, not -fsyntax-only: an intrinsic the flags do not enable fails only when it is inlined.
-    command = ["c++", "-std=c++17", "-c", "-O0", *b.cflags, "-DTORCH_EXTENSION_NAME=check",
+    command = ["c++", "-std=c++20", "-c", "-O0", *b.cflags, "-DTORCH_EXTENSION_NAME=check",
                *[f"-I{p}" for p in include_paths()], *[f"-I{p}" for p in _python_includes()], str(b.source),
                "-o", str(tmp_path / f"{name}.o")]
     done = subprocess.run(command, capture_output=True, text=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer
 from specdecode.tree import children, path_to
 from tests.kernel_paths import path_params, require_path
@@ -34,10 +35,11 @@ def _leaves(parents: list[int]) -> list[int]:
     return [j for j in range(len(parents)) if j not in kids]
 
 
-@pytest.mark.parametrize("path", path_params())
+@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
 @pytest.mark.parametrize("window", [None, 6], ids=["full", "sliding-window"])
 def test_each_tree_row_equals_decoding_its_path(path, window):
-    """Every row of a tree forward gives, bitwise, the logits decoding its root-to-row path gives."""
+    """Every row of a tree forward gives, bitwise, the logits decoding its root-to-row path gives, on our
+    kernels (row-invariant by construction; F.linear's one-row and multi-row products differ on some CPUs)."""
     require_path(path)
     model = _model(path, **({} if window is None else {"sliding_window": window}))
     g = torch.Generator().manual_seed(5)

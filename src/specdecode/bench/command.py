@@ -18,6 +18,7 @@ from specdecode.control import GAMMA_POLICIES
 from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
 from specdecode.drafters import TREE_WIDTH, base_kind
 from specdecode.models.build import DRAFT_QUANT
+from specdecode.models.weights import WEIGHT_FORMATS
 
 
 def _families(value: str) -> tuple[str, ...]:
@@ -93,6 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time verifying 0..K drafted tokens, v(k) (default 16; 0 = skip)")
     p.add_argument("--draft-quant", choices=DRAFT_QUANT, default="none",
                    help="int8: our draft model with int8 weight-only projections (peers keep bf16)")
+    p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="auto",
+                   help="our draft model's weight format, as --weights is the target's (default auto)")
     add_kv_arguments(p)
 
 
@@ -122,7 +125,7 @@ def run_command(args: argparse.Namespace) -> int:
                          draft_quant=args.draft_quant, controller_file=args.controller_file,
                          record_steps=args.record_steps, cache=cache, draft_cache=draft_cache,
                          heads={"eagle": args.eagle_head, "medusa": args.medusa_head}, draft_vocab=args.draft_vocab,
-                         tree_width=args.tree_width)
+                         tree_width=args.tree_width, weights=args.weights, draft_weights=args.draft_weights)
     result = run_bench(config, prompts, progress=args.progress)
     echo: dict[str, Any] = {
         "model": args.model, "draft_model": args.draft_model, "methods": list(families),
@@ -133,6 +136,7 @@ def run_command(args: argparse.Namespace) -> int:
         "tree_width": args.tree_width,
         "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None),
         "cost_curve": args.cost_curve, "linear": args.linear, "draft_quant": args.draft_quant,
+        "weights": list(args.weights), "draft_weights": args.draft_weights,
         "controller_file": args.controller_file, "record_steps": args.record_steps,
         "kv_dtype": args.kv_dtype, "draft_kv_dtype": args.draft_kv_dtype, "kv_window": args.kv_window,
         "kv_sinks": args.kv_sinks, "kv_budget": args.kv_budget, "prefix_cache": args.prefix_cache}
@@ -151,6 +155,6 @@ def run_command(args: argparse.Namespace) -> int:
         files = write_report(doc, args.report)
         print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
     ours_failed = [f for f in doc["failed"]
-                   if base_kind(f["name"].split(":")[0]) in ("none", "ngram", "draft", "layerskip")]
+                   if base_kind(f["name"].partition("@")[0].split(":")[0]) in ("none", "ngram", "draft", "layerskip")]
     mismatch = doc["identical_outputs"] is not None and doc["identical_outputs"] != doc["identity_comparisons"]
     return 1 if mismatch or ours_failed else 0

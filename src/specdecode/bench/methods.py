@@ -72,6 +72,8 @@ class Method:
         dtype: the target's parameter dtype ("bfloat16", ...); "gguf" for llama.cpp (the file's own types).
         draft_kernel: the separate draft model's kernel (``draft`` and ``hf-assisted``), else None.
         draft_dtype: the separate draft model's dtype, else None.
+        weights: the target's weight formats (``Transformer.weight_format``), "gguf" for llama.cpp.
+        weight_bytes: the target's resident weight bytes (ours; packed copies included).
     """
 
     name: str
@@ -85,6 +87,8 @@ class Method:
     dtype: str | None = None
     draft_kernel: str | None = None
     draft_dtype: str | None = None
+    weights: str | None = None
+    weight_bytes: int | None = None
 
     @property
     def kind(self) -> str:
@@ -95,6 +99,13 @@ class Method:
 def dtype_name(dtype: torch.dtype) -> str:
     """A dtype as the JSON document spells it: "bfloat16" for ``torch.bfloat16``."""
     return str(dtype).replace("torch.", "")
+
+
+def plain_of(name: str) -> str:
+    """The plain-decoding method a method of ours is checked and compared against: ``none``, or in a run of
+    several weight formats, the ``none@format`` of its own format."""
+    _, at, weights = name.partition("@")
+    return f"none@{weights}" if at else "none"
 
 
 def method_name(family: str, gamma: int | str | None) -> str:
@@ -162,7 +173,8 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
                   signal_names=drafter.signal_names if drafter is not None else (),
                   kernel=target.model.linear_kernel, dtype=dtype_name(target.model.dtype),
                   draft_kernel=drafts_with.linear_kernel if drafts_with else None,
-                  draft_dtype=dtype_name(drafts_with.dtype) if drafts_with else None)
+                  draft_dtype=dtype_name(drafts_with.dtype) if drafts_with else None,
+                  weights=target.model.weight_format, weight_bytes=target.model.weight_nbytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,4 +326,4 @@ def llamacpp_method(family: str, gguf_path: str | Path, eos_token_ids: frozenset
         return Output(tokens, seconds, None, finish)
 
     return Method(family, family, run, lookup_tokens if family == "llamacpp-lookup" else None, params,
-                  kernel="llama.cpp", dtype="gguf")
+                  kernel="llama.cpp", dtype="gguf", weights="gguf")

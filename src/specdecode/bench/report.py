@@ -10,7 +10,8 @@ Aggregation rules (per method, per category and overall):
   (ratios of sums); predicted speedup = median over calls of RequestStats'
   prediction (compare with the measured speedup vs ``none``).
 - identity (greedy only): each call of our speculative methods is compared with ``none``'s output on
-  the same prompt and repeat.
+  the same prompt and repeat (in a run of several weight formats, with its own format's ``none@format``,
+  which is also its ``speedup_vs_none`` baseline; peers are compared with the first format's).
 - KV memory (ours only): ``kv_bytes`` = the most any call's target cache held at its end, ``kv_bytes_per_token``
   and ``draft_kv_bytes_per_token`` = median over calls of bytes held / tokens held.
 Every float in the JSON is rounded to ROUND decimals, and the Markdown report prints those very values.
@@ -25,11 +26,11 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from specdecode.bench.methods import OUR_FAMILIES
+from specdecode.bench.methods import OUR_FAMILIES, plain_of
 
 SCHEMA_VERSION = 1
 ROUND = 4
-BASELINES = ("hf", "none")
+BASELINES = ("hf", "none", "llamacpp")
 
 
 def _r(x: float | None) -> float | None:
@@ -80,7 +81,7 @@ def figures(samples: Sequence[Any], tps: dict[str, float], baselines: dict[str, 
     Args:
         samples: the method's calls on the group's prompts.
         tps: the method's per-prompt tokens/s (see :func:`prompt_tokens_per_s`).
-        baselines: baseline name ("hf", "none") -> its per-prompt tokens/s, or None when it did not run.
+        baselines: baseline name ("hf", "none", "llamacpp") -> its per-prompt tokens/s, or None when it did not run.
         prompt_ids: the group's prompts.
         reference: (prompt id, repeat) -> ``none``'s tokens, for the identity count; None to skip it.
     """
@@ -154,15 +155,19 @@ def aggregate(samples: Sequence[Any], method_names: Sequence[str], categories: S
         identity: count outputs identical to ``none`` (greedy runs).
     """
     tps = prompt_tokens_per_s(samples)
-    baselines = {b: tps.get(b) for b in BASELINES}
-    reference = None
-    if identity:
-        reference = {(s.prompt_id, s.repeat): list(s.token_ids) for s in samples if s.method == "none"}
+    plains = [n for n in method_names if n.partition("@")[0] == "none"]
+    outputs: dict[str, dict[tuple[str, int], list[int]]] = {}
+    for s in samples:
+        if s.method in plains:
+            outputs.setdefault(s.method, {})[(s.prompt_id, s.repeat)] = list(s.token_ids)
     all_ids = [p for c in categories for p in prompts_by_category.get(c, [])]
     out = {}
     for name in method_names:
         mine = [s for s in samples if s.method == name]
-        ref = reference if reference is not None and name != "none" else None
+        ours = name.partition("@")[0].partition(":")[0] in OUR_FAMILIES
+        plain = plain_of(name) if ours else (plains[0] if plains else "none")
+        baselines = {"hf": tps.get("hf"), "none": tps.get(plain), "llamacpp": tps.get("llamacpp")}
+        ref = outputs.get(plain) if identity and name != plain else None
         overall = figures(mine, tps.get(name, {}), baselines, all_ids, ref)
         by_category = {}
         for c in categories:
@@ -201,7 +206,7 @@ def gamma_comparison(methods: Sequence[dict[str, Any]], tps: dict[str, dict[str,
         return f["speedup_vs_none"] if f["speedup_vs_none"] is not None else float("-inf")
 
     def held_out(a: str, fixed: Sequence[str], ids: Sequence[str]) -> float | None:
-        none = tps.get("none", {})
+        none = tps.get(plain_of(a), {})
         ids = [p for p in ids if none.get(p) and p in tps.get(a, {}) and all(tps.get(f, {}).get(p) for f in fixed)]
         if len(ids) < 2:
             return None
@@ -214,15 +219,16 @@ def gamma_comparison(methods: Sequence[dict[str, Any]], tps: dict[str, dict[str,
 
     out = []
     all_ids = [p for ids in prompts_by_category.values() for p in ids]
-    for family in dict.fromkeys(e["family"] for e in methods):
-        ok = [e for e in methods if e["family"] == family and e["status"] == "ok" and e["overall"]["samples"]]
+    for family, weights in dict.fromkeys((e["family"], e["name"].partition("@")[2]) for e in methods):
+        ok = [e for e in methods if e["family"] == family and e["name"].partition("@")[2] == weights
+              and e["status"] == "ok" and e["overall"]["samples"]]
         fixed = [e for e in ok if isinstance(e["gamma"], int) and e["gamma"] > 0]
         controllers = [e for e in ok if isinstance(e["gamma"], str)]
         if len(fixed) < 2 or not controllers or not any(vs_none(e) > float("-inf") for e in fixed):
             continue
         best = max(fixed, key=vs_none)
         best_by_category = {c: max(fixed, key=lambda e, c=c: vs_none(e, c))["name"] for c in prompts_by_category}
-        out.append({"family": family, "best_fixed": best["name"], "best_fixed_by_category": best_by_category,
+        out.append({"family": family + (f"@{weights}" if weights else ""), "best_fixed": best["name"], "best_fixed_by_category": best_by_category,
                     "controllers": [{"name": e["name"], "vs_best_fixed": paired(e["name"], best["name"], all_ids),
                                      "by_category": {c: paired(e["name"], best_by_category[c], ids)
                                                      for c, ids in prompts_by_category.items()},
@@ -243,7 +249,8 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
         by_category.setdefault(p.category, []).append(p.id)
     names = [m.name for m in result.methods]
     greedy = result.config.temperature == 0.0
-    figs = aggregate(result.samples, names, categories, by_category, identity=greedy and "none" in names)
+    has_plain = any(m.family == "none" for m in result.methods)
+    figs = aggregate(result.samples, names, categories, by_category, identity=greedy and has_plain)
     methods = []
     for m in result.methods:
         f = figs[m.name]
@@ -255,7 +262,8 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
                  "compared_to_none": f["overall"]["compared_to_none"],
                  "rss_mb": _r(result.rss_mb.get(m.name)),
                  "memory_mb": {k: _r(v / 2**20) for k, v in m.memory().items()} if m.memory else None,
-                 "kernel": m.kernel, "dtype": m.dtype, "draft_kernel": m.draft_kernel, "draft_dtype": m.draft_dtype}
+                 "kernel": m.kernel, "dtype": m.dtype, "draft_kernel": m.draft_kernel, "draft_dtype": m.draft_dtype,
+                 "weights": m.weights, "weight_mb": _r(m.weight_bytes / 2**20) if m.weight_bytes else None}
         methods.append(entry)
     built = {m.name for m in result.methods}
     for name, error in result.failed.items():  # peers that could not even be built
@@ -265,9 +273,9 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
                             "overall": empty_figures(), "by_category": {c: empty_figures() for c in categories},
                             "identical_to_none": None, "compared_to_none": None, "rss_mb": None,
                             "memory_mb": None, "kernel": None, "dtype": None, "draft_kernel": None,
-                            "draft_dtype": None})
-    identity_checked = greedy and "none" in names
-    ours_compared = [e for e in methods if e["kind"] == "ours" and e["name"] != "none" and e["compared_to_none"]]
+                            "draft_dtype": None, "weights": None, "weight_mb": None})
+    identity_checked = greedy and has_plain
+    ours_compared = [e for e in methods if e["kind"] == "ours" and e["family"] != "none" and e["compared_to_none"]]
     identical = sum(e["identical_to_none"] for e in ours_compared) if identity_checked else None
     compared = sum(e["compared_to_none"] for e in ours_compared) if identity_checked else None
     mismatches = [{"method": mm.method, "prompt_id": mm.prompt_id, "repeat": mm.repeat,
@@ -322,7 +330,7 @@ def _range(f: dict[str, Any], key: str) -> str:
 
 def _identity_cell(entry: dict[str, Any]) -> str:
     if entry["compared_to_none"] is None:
-        return "ref" if entry["name"] == "none" else "-"
+        return "ref" if entry["family"] == "none" else "-"
     mark = "" if entry["identical_to_none"] == entry["compared_to_none"] or entry["kind"] == "peer" else " !!"
     return f"{entry['identical_to_none']}/{entry['compared_to_none']}{mark}"
 
@@ -338,7 +346,9 @@ def runs_on(entry: dict[str, Any]) -> str:
     """A method's kernel and dtype, and its draft model's: "onednn bfloat16; draft int8 bfloat16" ("-": unknown)."""
     if not entry.get("kernel"):  # failed to build, or a document older than the per-method record
         return "-"
-    out = f"{entry['kernel']} {entry['dtype']}"
+    weights = entry.get("weights")  # documents before weight formats lack it; shown where the blocks are quantized
+    quantized = weights and any(f in weights for f in ("q8_0", "q4_0", "q4_1"))
+    out = f"{entry['kernel']} {entry['dtype']}" + (f" ({weights} weights)" if quantized else "")
     return out + (f"; draft {entry['draft_kernel']} {entry['draft_dtype']}" if entry.get("draft_kernel") else "")
 
 
@@ -356,13 +366,14 @@ def cost_curve_line(curve: dict[str, Any]) -> str:
 
 def format_table(doc: dict[str, Any]) -> str:
     """The human summary printed on stdout."""
-    rows = [("method", "tok/s", "vs hf (min-max)", "vs none (min-max)", "tau", "accept", "pred", "same", "KV B/tok",
-             "mem MB",
-             "RSS MB")]
+    llama = any(e["overall"].get("speedup_vs_llamacpp") is not None for e in doc["methods"])
+    rows = [("method", "tok/s", "vs hf (min-max)", "vs none (min-max)", *(("vs llamacpp (min-max)",) if llama else ()),
+             "tau", "accept", "pred", "same", "KV B/tok", "mem MB", "RSS MB")]
     for e in doc["methods"]:
         f = e["overall"]
         name = e["name"] + (" [FAILED]" if e["status"] == "failed" else "")
         rows.append((name, _x(f["tokens_per_s"]), _range(f, "speedup_vs_hf"), _range(f, "speedup_vs_none"),
+                     *((_range(f, "speedup_vs_llamacpp"),) if llama else ()),
                      _x(f["mean_accepted_length"]), _x(f["acceptance_rate"]), _x(f["predicted_speedup"]),
                      _identity_cell(e), _x(f["kv_bytes_per_token"], 0), _x(memory_total(e), 0), _x(e["rss_mb"], 0)))
     lines = [_columns(rows), ""]
@@ -462,21 +473,33 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
             "tau: tokens per target forward. Predicted: E / (k*c + v(k)) with measured acceptance and costs "
             "(compare with the measured speedup vs `none`).", ""]
     rows = []
+    llama = any(e["overall"].get("speedup_vs_llamacpp") is not None for e in doc["methods"])
     for e in doc["methods"]:
         f = e["overall"]
         rows.append([f"`{e['name']}`" + (" (failed)" if e["status"] == "failed" else ""), _n(f["tokens_per_s"]),
                      f"{_n(f['speedup_vs_hf'])} [{_n(f['speedup_vs_hf_min'])}, {_n(f['speedup_vs_hf_max'])}]",
                      f"{_n(f['speedup_vs_none'])} [{_n(f['speedup_vs_none_min'])}, {_n(f['speedup_vs_none_max'])}]",
+                     *([f"{_n(f.get('speedup_vs_llamacpp'))} [{_n(f.get('speedup_vs_llamacpp_min'))}, "
+                        f"{_n(f.get('speedup_vs_llamacpp_max'))}]"] if llama else []),
                      _n(f["mean_accepted_length"]), _n(f["acceptance_rate"]), _n(f["mean_gamma"]),
                      _n(f["predicted_speedup"]),
                      "-" if e["compared_to_none"] is None else f"{e['identical_to_none']}/{e['compared_to_none']}",
                      _n(f["kv_bytes_per_token"]), _n(memory_total(e)), _n(e["rss_mb"]), _n(f["control_share"]),
                      runs_on(e)])
-    out += [_md_table(["method", "tokens/s", "vs hf", "vs none", "tau", "acceptance", "mean gamma", "predicted",
-                       "identical", "KV bytes/token", "memory MB", "RSS MB", "control share", "runs on"], rows), "",
+    out += [_md_table(["method", "tokens/s", "vs hf", "vs none", *(["vs llamacpp"] if llama else []), "tau",
+                       "acceptance", "mean gamma", "predicted", "identical", "KV bytes/token", "memory MB", "RSS MB",
+                       "control share", "runs on"], rows), "",
             "memory MB: what the configuration holds (weights, packed copies included, and KV caches); "
             "RSS MB: the whole process after the method's calls (every method's weights are loaded at once); "
-            "runs on: the kernel of the projections and the dtype (the draft model's after `draft`).", ""]
+            "runs on: the kernel of the projections, the dtype and the weight formats (the draft model's after "
+            "`draft`).", ""]
+    plains = [e for e in ok if e["family"] == "none" and e.get("weight_mb")]
+    if plains:
+        out += ["## Weights", "", "Resident bytes of the target's weights (packed copies and the embedding table "
+                "included) and plain decoding in each format.", "",
+                _md_table(["method", "weights", "weight MB", "tokens/s", "vs llamacpp"],
+                          ([f"`{e['name']}`", e["weights"], _n(e["weight_mb"]), _n(e["overall"]["tokens_per_s"]),
+                            _n(e["overall"].get("speedup_vs_llamacpp"))] for e in plains)), ""]
     for curve in doc.get("cost_curves", []):
         width = len(curve["v"]) - 1
         out += [f"## Verification cost v(k): {Path(curve['model']).name}", "",
@@ -487,8 +510,9 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
                            ["ms", *(_n(m) for m in curve["verify_ms"][1:])]]), ""]
     for title, key in (("Speedup vs `none` by category", "speedup_vs_none"),
                        ("Speedup vs transformers `generate` by category", "speedup_vs_hf"),
+                       ("Speedup vs llama.cpp's plain decoding by category", "speedup_vs_llamacpp"),
                        ("Tokens/s by category", "tokens_per_s"), ("tau by category", "mean_accepted_length")):
-        if all(e["overall"][key] is None for e in ok):
+        if all(e["overall"].get(key) is None for e in ok):
             continue
         out += [f"## {title}", "", _md_table(["method", *cats, "overall"],
                                              ([f"`{e['name']}`", *(_n(e["by_category"][ct][key]) for ct in cats),
@@ -574,7 +598,7 @@ def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
         groups = cats + ["overall"]
         fig, axes = plt.subplots(len(keys), 1, figsize=(max(8.0, 1.3 * len(groups) + 4), 4.2 * len(keys)), squeeze=False)
         for ax, key in zip(axes[:, 0], keys):
-            shown = [e for e in ok if e["overall"][key] is not None and not (key == "speedup_vs_none" and e["name"] == "none")
+            shown = [e for e in ok if e["overall"][key] is not None and not (key == "speedup_vs_none" and e["family"] == "none")
                      and not (key == "speedup_vs_hf" and e["name"] == "hf")]
             width = 0.8 / max(len(shown), 1)
             for i, e in enumerate(shown):

@@ -24,17 +24,18 @@ from specdecode.control.records import record_json
 from specdecode.engine import MAX_GAMMA
 from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method, method_name,
                                       build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
-                                      llamacpp_method)
+                                      llamacpp_method, plain_of)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
 from specdecode.bench.prompts import Prompt, render
 from specdecode.drafters import HEAD_DRAFTERS, TREE_WIDTH, base_kind
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import shipped_head
 from specdecode.kv.cache import CacheConfig
-from specdecode.models.build import LoadedModel, cpu_has_fast_bf16, from_checkpoint, resolve_dtype
+from specdecode.models.build import LoadedModel, check_weights, cpu_has_fast_bf16, from_checkpoint, resolve_dtype
 from specdecode.models.loader import load_checkpoint
 from specdecode.models.native import cpu_flags, cpu_model
 from specdecode.models.transformer import resolve_linear_kernel
+from specdecode.models.weights import WEIGHT_FORMATS
 from specdecode.sampling import SamplingParams
 
 Log = Callable[[str], None]
@@ -73,6 +74,9 @@ class BenchConfig:
             shipped for the target, and without one those methods are skipped with a note.
         draft_vocab: their draft vocabulary size (0 = all tokens); None = as each head was trained.
         tree_width: children per expanded node of the draft-tree and eagle-tree methods.
+        weights: the target's weight formats (``--weights``); each one runs our methods on its own copy of
+            the target, named ``method@format`` when there is more than one, and checked against its own ``none``.
+        draft_weights: the draft model's weight format.
     """
 
     model: str
@@ -98,6 +102,8 @@ class BenchConfig:
     heads: dict[str, str | None] = field(default_factory=dict)
     draft_vocab: int | None = None
     tree_width: int = TREE_WIDTH
+    weights: tuple[str, ...] = ("auto",)
+    draft_weights: str = "auto"
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES]
@@ -116,6 +122,10 @@ class BenchConfig:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
         if not self.temperature >= 0.0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        bad = [w for w in (*self.weights, self.draft_weights) if w not in WEIGHT_FORMATS]
+        if bad or not self.weights or len(set(self.weights)) != len(self.weights):
+            raise ValueError(f"--weights: expected distinct formats among {', '.join(WEIGHT_FORMATS)}, got "
+                             f"{list(self.weights)} (draft {self.draft_weights})")
         needs_draft = [f for f in self.families if f in DRAFT_MODEL_FAMILIES]
         if needs_draft and not self.draft_model:
             raise ValueError(f"--methods {','.join(needs_draft)} need --draft-model NAME|PATH")
@@ -288,7 +298,8 @@ def transformers_available() -> bool:
 
 @dataclass
 class _Loaded:
-    target: LoadedModel
+    target: LoadedModel  # in the first of config.weights
+    targets: dict[str, LoadedModel]  # by --weights value
     draft: LoadedModel | None
     hf_target: Any
     hf_draft: Any
@@ -317,15 +328,19 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
     """Loads the target (and draft) once; our decoder and transformers get the same tensors."""
     torch_dtype = resolve_dtype(config.dtype)
     hf_dtype = peer_dtype(config.dtype, torch_dtype)
-    resolve_linear_kernel(config.linear, torch_dtype, torch.device("cpu"), log)  # refuse before loading
+    linear = resolve_linear_kernel(config.linear, torch_dtype, torch.device("cpu"), log)  # refuse before loading
+    for weights in (*config.weights, config.draft_weights):
+        check_weights(weights, linear)
     wants_hf = transformers_available() and any(f.startswith("hf") for f in config.families)
     hf_error = None
 
-    def load(source: str, role: str, hf: bool, quantize: str = "none") -> tuple[LoadedModel, Any]:
+    def load(source: str, role: str, hf: bool, formats: Sequence[str],
+             quantize: str = "none") -> tuple[dict[str, LoadedModel], Any]:
         nonlocal hf_error
         log(f"loading {role} {source} ...")
         ckpt = load_checkpoint(source, progress=log)
-        ours = from_checkpoint(ckpt, torch_dtype, linear=config.linear, quantize=quantize, progress=log)
+        ours = {w: from_checkpoint(ckpt, torch_dtype, linear=config.linear, quantize=quantize, progress=log, weights=w)
+                for w in formats}
         peer = None
         if hf and hf_error is None:
             try:
@@ -335,12 +350,14 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
         ckpt.tensors.clear()  # the float32 copy is no longer needed
         return ours, peer
 
-    target, hf_target = load(config.model, "target", wants_hf)
+    targets, hf_target = load(config.model, "target", wants_hf, config.weights)
     draft = hf_draft = None
     if config.draft_model and any(f in DRAFT_MODEL_FAMILIES for f in config.families):
-        draft, hf_draft = load(config.draft_model, "draft model", "hf-assisted" in config.families, config.draft_quant)
-        check_draft_pair(target, draft)
-    return _Loaded(target, draft, hf_target, hf_draft, hf_error, torch_dtype, hf_dtype)
+        drafts, hf_draft = load(config.draft_model, "draft model", "hf-assisted" in config.families,
+                                (config.draft_weights,), config.draft_quant)
+        draft = drafts[config.draft_weights]
+        check_draft_pair(targets[config.weights[0]], draft)
+    return _Loaded(targets[config.weights[0]], targets, draft, hf_target, hf_draft, hf_error, torch_dtype, hf_dtype)
 
 
 def _skip_layers(config: BenchConfig, target: LoadedModel, log: Log) -> tuple[int, ...]:
@@ -374,15 +391,19 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
                 if head is None:
                     skipped.append((family, f"no {kind} head for this model (train-head, then --{kind}-head FILE)"))
                     continue
-            for g in gammas:
-                if family.endswith("-tree") and g == "confidence":
-                    skipped.append((method_name(family, g), "a tree has no per-token signals to stop on"))
-                    continue
-                methods.append(engine_method(family, g, target, sampling, config.max_new_tokens, loaded.draft, skip,
-                                             config.ngram_sizes, config.gamma_max, config.controller_file,
-                                             record=config.record_steps is not None and family != "none",
-                                             cache=config.cache, draft_cache=config.draft_cache, head=head,
-                                             draft_vocab=config.draft_vocab, tree_width=config.tree_width))
+            for weights, model in loaded.targets.items():
+                suffix = f"@{weights}" if len(loaded.targets) > 1 else ""
+                for g in gammas:
+                    if family.endswith("-tree") and g == "confidence":
+                        skipped.append((method_name(family, g) + suffix, "a tree has no per-token signals to stop on"))
+                        continue
+                    method = engine_method(family, g, model, sampling, config.max_new_tokens, loaded.draft, skip,
+                                           config.ngram_sizes, config.gamma_max, config.controller_file,
+                                           record=config.record_steps is not None and family != "none",
+                                           cache=config.cache, draft_cache=config.draft_cache, head=head,
+                                           draft_vocab=config.draft_vocab, tree_width=config.tree_width)
+                    method.name += suffix
+                    methods.append(method)
         elif family.startswith("hf"):
             if not transformers_available():
                 skipped.append((family, "transformers is not installed"))
@@ -512,21 +533,22 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
                     records.write(json.dumps(record_json(
                         record, method.signal_names, model=config.model, method=method.name, drafter=method.family,
                         prompt_id=prompt.id, category=prompt.category, repeat=repeat, step=step)) + "\n")
-            if not config.greedy or "none" not in outputs:
+            if not config.greedy:
                 continue
-            reference = outputs["none"].token_ids
+            first_plain = next((m.name for m in methods if m.family == "none"), "none")
             for method in methods:
-                if method.name == "none" or method.name not in outputs:
+                reference = outputs.get(plain_of(method.name) if method.kind == "ours" else first_plain)
+                if method.family == "none" or method.name not in outputs or reference is None:
                     continue
-                got = outputs[method.name].token_ids
+                got, reference = outputs[method.name].token_ids, reference.token_ids
                 if method.kind == "ours":
                     comparisons += 1
                     if got != reference:
                         m = Mismatch(method.name, prompt.id, repeat, _first_difference(reference, got), reference, got)
                         mismatches.append(m)
                         bar.message(f"!!!! OUTPUT MISMATCH: {method.name} on {prompt.id} (repeat {repeat}) differs from "
-                                    f"'none' at generated token {m.first_difference}: greedy speculative decoding "
-                                    f"must be token-identical !!!!")
+                                    f"plain decoding at generated token {m.first_difference}: greedy speculative "
+                                    f"decoding must be token-identical !!!!")
                 else:
                     same, total = peer_agreement.get(method.name, (0, 0))
                     peer_agreement[method.name] = (same + (got == reference), total + 1)
@@ -542,7 +564,7 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
     return RunResult(
         config=config, prompts=prompts, prompt_tokens={pid: len(ids) for pid, ids in rendered.items()},
         methods=methods, samples=samples, skipped=skipped, failed=failed, notes=notes,
-        identity_checked=config.greedy and any(m.name == "none" for m in methods),
+        identity_checked=config.greedy and any(m.family == "none" for m in methods),
         identity_comparisons=comparisons, identity_mismatches=mismatches, peer_agreement=peer_agreement,
         rss_mb=rss, peak_rss_mb=peak_rss_mb(), rss_after_load_mb=rss_after_load,
         model_source=loaded.target.source, draft_source=loaded.draft.source if loaded.draft else None,

@@ -135,7 +135,8 @@ def _server_flags(method: str, args: argparse.Namespace, max_running: int) -> li
     """The ``serve`` flags of one method's server."""
     drafter, _, gamma = method.partition(":")
     flags = ["--model", args.model, "--served-model-name", "m", "--drafter", drafter, "--max-running", str(max_running),
-             "--max-waiting", "1024", "--log-level", "warning", "--dtype", args.dtype, "--linear", args.linear]
+             "--max-waiting", "1024", "--log-level", "warning", "--dtype", args.dtype, "--linear", args.linear,
+             "--weights", args.weights]
     if gamma:
         flags += ["--gamma", gamma]
     if args.threads:

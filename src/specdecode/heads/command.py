@@ -69,9 +69,10 @@ def run_command(args: argparse.Namespace, log) -> int:
     train_config = TrainConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                                seed=args.seed, draft_vocab=args.draft_vocab, medusa_heads=args.medusa_heads)
     started = time.perf_counter()
-    loaded = load_model(args.model, args.dtype, "cpu", progress=log, linear=args.linear)
+    loaded = load_model(args.model, args.dtype, "cpu", progress=log, linear=args.linear, weights=args.weights)
     identity = target_identity(loaded.model, loaded.source)
-    folder = Path(args.data_dir) if args.data_dir else cache_dir() / "heads" / data_config.key(identity["fingerprint"])
+    key = data_config.key(identity["fingerprint"], loaded.model.weight_format)
+    folder = Path(args.data_dir) if args.data_dir else cache_dir() / "heads" / key
 
     def bar(total: int, unit: str) -> ProgressBar:
         return ProgressBar(total, sys.stderr, enabled=not args.no_progress, unit=unit)

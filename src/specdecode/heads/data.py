@@ -58,9 +58,12 @@ class DataConfig:
     seed: int = 0
     batch: int = 16
 
-    def key(self, fingerprint: str) -> str:
-        """A folder name that changes whenever the data would (model, settings, prompt file contents)."""
+    def key(self, fingerprint: str, weights: str = "bf16") -> str:
+        """A folder name that changes whenever the data would (model and its weight format, settings, prompt
+        file contents)."""
         digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode())
+        if weights != "bf16":  # bf16 folders keep the names they had before other formats existed
+            digest.update(weights.encode())
         digest.update(Path(self.prompts or packaged_prompts()).read_bytes())
         return f"{fingerprint}-{digest.hexdigest()[:12]}"
 

@@ -130,6 +130,13 @@ class Cache(Protocol):
         token i sits at index ``visible(slots[b]) + i`` and ``L = max(visible) + T`` (shorter rows end in
         entries the caller must mask)."""
 
+    def direct_buffers(self, layer: int, slots: Sequence[int], starts: Sequence[int],
+                       counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's key and value buffers ``[slots, kv_heads, max_len, head_dim]`` (bf16) where a fused
+        layer may write the new rows (``counts[i]`` of ``slots[i]`` at ``starts[i]``) itself and read each
+        slot's keys in place, as ``update`` would have; None where the cache must see the write (it
+        compresses, evicts, records or converts). Raises ``CacheFullError`` when the rows do not fit."""
+
     def visible(self, slot: int) -> int:
         """Entries ``update`` returns before a slot's new tokens (== its length unless tokens were evicted)."""
 
@@ -237,6 +244,16 @@ class KVCache:
         if keys.dtype != k.dtype:  # a cache kept in another float type than the model computes in
             keys, values = keys.to(k.dtype), values.to(k.dtype)
         return keys, values
+
+    def direct_buffers(self, layer: int, slots: Sequence[int], starts: Sequence[int],
+                       counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's buffers, where they hold bf16 (the fused layers' dtype); see :class:`Cache`."""
+        if self.k[layer].dtype != torch.bfloat16 or self.k[layer].device.type != "cpu":
+            return None
+        end = max(start + n for start, n in zip(starts, counts))
+        if end > self.max_len:
+            raise CacheFullError(f"KV cache holds {self.max_len} tokens per sequence; a write up to {end} was asked")
+        return self.k[layer], self.v[layer]
 
     def visible(self, slot: int) -> int:
         return self.lengths[slot]

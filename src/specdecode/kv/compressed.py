@@ -120,6 +120,11 @@ class CompressedCache:
             steps.append(s + c.residual + self.group * max(1, (p - s - c.residual) // self.group + 1))
         return min(steps) - p
 
+    def direct_buffers(self, layer: int, slots: Sequence[int], starts: Sequence[int],
+                       counts: Sequence[int]) -> None:
+        """None: every write goes through ``update``, which compresses and evicts (see :class:`Cache`)."""
+        return None
+
     def visible(self, slot: int) -> int:
         p = self.lengths[slot]
         e, _ = self._targets(min(self.committed[slot], p))

@@ -31,6 +31,9 @@ class _Recorder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cache, name)
 
+    def direct_buffers(self, *args: Any) -> None:
+        return None  # every write must pass through update, which records it
+
     def update(self, layer: int, slots: Sequence[int], starts: Sequence[int], k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.written[layer].append((k[0].clone(), v[0].clone()))  # [kv_heads, T, head_dim]

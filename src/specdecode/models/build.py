@@ -16,6 +16,7 @@ from specdecode.models import native
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer, resolve_linear_kernel
+from specdecode.models.weights import BLOCK_FORMATS, WEIGHT_FORMATS
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DRAFT_QUANT = ("none", "int8")  # weight-only quantization offered for draft models
@@ -92,9 +93,24 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def check_weights(weights: str, linear: str) -> None:
+    """Refuses, before any weights are read, a block format (``--weights``) on a path that computes bf16 only.
+
+    Args:
+        weights: one of WEIGHT_FORMATS.
+        linear: the resolved kernel path.
+    """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    if weights in BLOCK_FORMATS and linear not in NATIVE_KERNELS:
+        raise ValueError(f"--weights {weights} needs one of our kernels ({', '.join(NATIVE_KERNELS)}); the projections "
+                         f"would run on {linear}" + ("" if linear != "torch" else
+                                                      " (no AVX2+FMA CPU, another device, or a float32 model)"))
+
+
 def load_model(source: str, dtype: str = "auto", device: str = "cpu",
                progress: Callable[[str], None] | None = None, linear: str = "auto",
-               quantize: str = "none") -> LoadedModel:
+               quantize: str = "none", weights: str = "auto") -> LoadedModel:
     """Loads a model by registry name, ``.gguf`` path, HF folder or hub id.
 
     Args:
@@ -104,19 +120,23 @@ def load_model(source: str, dtype: str = "auto", device: str = "cpu",
         progress: called with one-line status messages (fetching, loading).
         linear: kernel for the projections, see ``Transformer.pack_weights`` ("auto" picks the fastest).
         quantize: "int8" for int8 weight-only projections (draft models; different numbers), or "none".
+        weights: the projections' format (``Transformer.pack_weights``): "auto" (a GGUF's own block formats
+            on our kernels, else bf16), "bf16", "q8_0", "q4_0" or "q4_1".
     """
     device = resolve_device(device)  # a missing GPU is refused before any weights are read
     torch_dtype = resolve_dtype(dtype, device)
     if quantize not in DRAFT_QUANT:
         raise ValueError(f"quantize {quantize!r} is not one of {', '.join(DRAFT_QUANT)}")
-    if quantize == "none":  # a kernel that cannot run is refused before any weights are read
+    if quantize == "none":  # a kernel or format that cannot run is refused before any weights are read
         linear = resolve_linear_kernel(linear, torch_dtype, torch.device(device), progress)
+        check_weights(weights, linear)
     return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, device, linear=linear,
-                           quantize=quantize, progress=progress)
+                           quantize=quantize, progress=progress, weights=weights)
 
 
 def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", linear: str = "auto",
-                    quantize: str = "none", progress: Callable[[str], None] | None = None) -> LoadedModel:
+                    quantize: str = "none", progress: Callable[[str], None] | None = None,
+                    weights: str = "auto") -> LoadedModel:
     """Builds our decoder from loaded weights (the checkpoint's tensors stay usable, e.g. for a peer).
 
     Args:
@@ -124,12 +144,14 @@ def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", l
         dtype: parameter dtype.
         device: torch device string.
         linear: kernel for the projections (see ``Transformer.pack_weights``).
-        quantize: "int8" replaces the projections with int8 weight-only ones (then ``linear`` is ignored).
-        progress: told about a first compile of one of our kernels.
+        quantize: "int8" replaces the projections with int8 weight-only ones (then ``linear`` and
+            ``weights`` are ignored).
+        progress: told about a first compile of one of our kernels, and about quantizing.
+        weights: the projections' format (see ``load_model``).
     """
     model = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=dtype).to(device)
     if quantize == "int8":
         model.quantize_weights()
     else:
-        model.pack_weights(linear, log=progress)
+        model.pack_weights(linear, log=progress, weights=weights, source=ckpt.weights)
     return LoadedModel(model, ckpt.tokenizer, ckpt.source)

@@ -185,8 +185,8 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     return GGUFFile(path, metadata, tensors)
 
 
-def read_gguf_tensor(f: BinaryIO, info: GGUFTensorInfo) -> np.ndarray:
-    """Reads and dequantizes one tensor to a float32 numpy array of ``info.shape``.
+def read_gguf_raw(f: BinaryIO, info: GGUFTensorInfo) -> np.ndarray:
+    """One tensor's stored bytes (uint8 ``[info.nbytes]``), as its type lays them out.
 
     Args:
         f: the GGUF file opened in binary mode.
@@ -196,6 +196,17 @@ def read_gguf_tensor(f: BinaryIO, info: GGUFTensorInfo) -> np.ndarray:
     f.seek(info.offset)
     if f.readinto(raw) != info.nbytes:
         raise GGUFError(f"{f.name}: truncated while reading tensor {info.name}")
+    return raw
+
+
+def read_gguf_tensor(f: BinaryIO, info: GGUFTensorInfo) -> np.ndarray:
+    """Reads and dequantizes one tensor to a float32 numpy array of ``info.shape``.
+
+    Args:
+        f: the GGUF file opened in binary mode.
+        info: the tensor's entry from :func:`read_gguf`.
+    """
+    raw = read_gguf_raw(f, info)
     block, type_size = GGML_QUANT_SIZES[info.qtype]
     row_bytes = info.shape[-1] // block * type_size
     try:

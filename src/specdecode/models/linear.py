@@ -1,8 +1,9 @@
-"""Linear layers for CPU decoding: bf16 weights pre-packed once (our kernels or oneDNN), or int8.
+"""Linear layers for CPU decoding: bf16 weights pre-packed once (our kernels or oneDNN), block-quantized
+weights on our kernels, or int8 weight-only.
 
 ``NativeLinear`` runs one of our compiled kernels (see ``native.py``): ``tiled`` (AVX512-BF16 dot
-products, ``kernels/tiled_bf16.cpp``) or ``avx512`` / ``avx2`` (bf16 widened to fp32 in registers,
-fp32 FMAs, ``kernels/widened_bf16.cpp``). Weights stream once per call whatever the row count, and each
+products, ``kernels/linear_bf16.h``) or ``avx512`` / ``avx2`` (bf16 widened to fp32 in registers,
+fp32 FMAs, the same header). Weights stream once per call whatever the row count, and each
 row's result is bitwise independent of the rows beside it. On an AVX512-BF16 CPU the tiled kernel makes
 a SmolLM2 decode step ~1.4x and a Qwen 1.5B step ~2x cheaper than oneDNN, whose 1-row bf16 path reaches
 about half the memory bandwidth. Their sums run in another order than ``F.linear``'s, so their numbers
@@ -12,6 +13,10 @@ differ from oneDNN's in the last bits (within bf16 rounding); the avx512 and avx
 call; for the 1-17 rows of a decode or verification step that reorder costs more than the product
 itself (a SmolLM2 gate/up projection: 122 us plain, 55 us pre-packed). Packing once at load time
 gives bitwise the same results as ``F.linear`` in bf16 (tests/models/test_linear.py checks it).
+
+``QuantLinear`` keeps weights in llama.cpp's q8_0 / q4_0 / q4_1 blocks (``weights.py``) and multiplies
+int8-quantized rows of x with them (``kernels/linear_quant.h``): each row's integer block sums are exact,
+so rows are bitwise independent of each other, on every build alike.
 
 ``Int8Linear`` stores weights as int8 with one scale per output row and multiplies with torch's
 int8 weight-only kernel: half the bytes of bf16 to stream per step, and different numbers. It is
@@ -28,6 +33,7 @@ import torch
 from torch import nn
 
 from specdecode.models import native
+from specdecode.models.weights import FORMAT_CODES, BlockWeight, pack as pack_blocks, unpack as unpack_blocks
 
 # What --linear offers (see Transformer.pack_weights); the first three are ours (native.BUILDS).
 LINEAR_KERNELS = ("auto", "tiled", "avx512", "avx2", "onednn", "torch")
@@ -96,9 +102,61 @@ class NativeLinear(nn.Module):
         """The bf16 weight rows ``[len(rows), in_features]`` this layer was built from."""
         return native.unpack(self.packed, self.out_features, self.in_features)[rows]
 
+    @property
+    def weight_format(self) -> str:
+        return "bf16"
+
+    def proj(self):
+        """This layer as the fused layer's projection (``kernels/layer.h``): the same packed weight."""
+        bias = None if self.bias is None else self.bias.float().contiguous()
+        return native.kernel(self.path).Proj(self.packed, FORMAT_CODES["bf16"], self.out_features, self.in_features, bias)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self.path}")
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with W in a block format, computed by our kernel of ``path`` on int8-quantized rows.
+
+    Args:
+        weight: the ``[out_features, in_features]`` weight in q8_0, q4_0 or q4_1 (``weights.BlockWeight``).
+        bias: ``[out_features]`` (kept in fp32) or None.
+        path: a build of ``native.BUILDS``: "tiled", "avx512" or "avx2".
+    """
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None, path: str = "avx2") -> None:
+        super().__init__()
+        ops = native.kernel(path)
+        if ops is None:
+            raise RuntimeError(f"the {path} kernel is unavailable: {native.unavailable_reason(path)}")
+        self.path, self.fmt, self._ops = path, weight.fmt, ops
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed", pack_blocks(weight, native.BUILDS[path].quant_tile))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.quant_linear(x, self.packed, FORMAT_CODES[self.fmt], self.out_features, self.bias)
+
+    def blocks(self) -> BlockWeight:
+        """The weight in its block format, as packed."""
+        return unpack_blocks(self.packed, self.fmt, self.out_features, self.in_features, native.BUILDS[self.path].quant_tile)
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The weight rows ``[len(rows), in_features]`` as the kernel computes with them, in float32."""
+        return self.blocks().rows(rows).dequantize()
+
+    @property
+    def weight_format(self) -> str:
+        return self.fmt
+
+    def proj(self):
+        """This layer as the fused layer's projection (``kernels/layer.h``): the same packed weight."""
+        return self._ops.Proj(self.packed, FORMAT_CODES[self.fmt], self.out_features, self.in_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.fmt} on {self.path}")
 
 
 class Int8Linear(nn.Module):

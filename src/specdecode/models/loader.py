@@ -24,8 +24,10 @@ from specdecode.models import registry
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
 from specdecode.models.fetch import fetch
 # GGUFError and LoadError are raised through this module too: importers find them here.
-from specdecode.models.gguf import GGUFError, GGUFFile, LoadError, read_gguf, read_gguf_tensor  # noqa: F401
+from specdecode.models.gguf import (GGUFError, GGUFFile, GGUFTensorInfo, LoadError, read_gguf,  # noqa: F401
+                                    read_gguf_raw, read_gguf_tensor)
 from specdecode.models.tokenizer import Tokenizer
+from specdecode.models.weights import FORMAT_OF, BlockWeight, WeightSource, from_gguf
 
 Progress = Callable[[str], None]
 
@@ -42,12 +44,20 @@ class Checkpoint:
             no ``lm_head.weight`` when embeddings are tied.
         tokenizer: the tokenizer, with chat template when the checkpoint has one.
         source: the file or folder the weights were read from.
+        stored: the formats the file stores its weights in and a reader of their own blocks (GGUF); None
+            for float checkpoints.
     """
 
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str
+    stored: WeightSource | None = None
+
+    @property
+    def weights(self) -> WeightSource:
+        """What ``Transformer.pack_weights`` reads: the float tensors, and the stored blocks where there are some."""
+        return self.stored or WeightSource(self.tensors)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,7 +199,26 @@ def load_gguf(path: str | os.PathLike[str], progress: Progress | None = None) ->
     say(f"dequantized in {time.perf_counter() - start:.1f} s")
     check_tensors(config, tensors, str(gguf.path))
     tokenizer = Tokenizer.from_gguf(gguf.path, metadata=gguf.metadata)
-    return Checkpoint(config, tensors, tokenizer, str(gguf.path))
+    return Checkpoint(config, tensors, tokenizer, str(gguf.path), _stored_blocks(gguf, config, names, tensors))
+
+
+def _stored_blocks(gguf: GGUFFile, config: ModelConfig, names: dict[str, str],
+                   tensors: dict[str, torch.Tensor]) -> WeightSource:
+    """The GGUF's matrices' formats, and a reader of their own blocks (rows unpermuted as the floats are)."""
+    infos = {names[i.name]: i for i in gguf.tensors.values() if len(i.shape) == 2}
+    formats = {name: FORMAT_OF.get(info.qtype, "q8_0") for name, info in infos.items()}
+
+    def read_blocks(name: str) -> BlockWeight | None:
+        info = infos[name]
+        with open(gguf.path, "rb") as f:
+            blocks = from_gguf(read_gguf_raw(f, info), info.qtype, info.shape)
+        heads = {".self_attn.q_proj.": config.num_heads, ".self_attn.k_proj.": config.num_kv_heads}
+        for part, n_heads in heads.items():
+            if blocks is not None and config.arch == "llama" and part in name:
+                blocks = blocks.rows(unpermute_rotary(torch.arange(info.shape[0])[:, None], n_heads)[:, 0])
+        return blocks
+
+    return WeightSource(tensors, formats, read_blocks)
 
 
 # ----------------------------------------------------------------------------------------------

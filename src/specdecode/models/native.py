@@ -1,14 +1,16 @@
 """Builds and loads our compiled CPU kernels on first use, one build per instruction set.
 
-Three builds, each a torch C++ extension compiled once per torch version with the system's C++
-compiler and ninja (about 30 s each; torch caches them under ``~/.cache/torch_extensions``):
+One source, ``kernels/cpu_kernels.cpp`` (with its headers), compiled three ways as torch C++ extensions
+with the system's C++ compiler and ninja (about 30-60 s each, once per source version; torch caches them
+under ``~/.cache/torch_extensions``):
 
-- ``tiled``: ``kernels/tiled_bf16.cpp``, bf16 dot products (AVX512-BF16).
-- ``avx512``: ``kernels/widened_bf16.cpp`` built for AVX512F: bf16 weights widened to fp32 in registers.
-- ``avx2``: the same source built for AVX2 + FMA.
+- ``tiled``: AVX512-BF16 dot products for bf16 weights, AVX512-VNNI for quantized ones.
+- ``avx512``: bf16 weights widened to fp32 in registers (AVX512F), AVX512-VNNI for quantized ones.
+- ``avx2``: the same for AVX2 + FMA (quantized dot products with vpmaddubsw; F16C for their fp16 scales).
 
-The two widened builds also carry our attention kernel (the tiled path uses the ``avx512`` one). Where
-a build cannot run, ``unavailable_reason`` names the missing CPU feature or tool and callers fall back.
+Every build carries the bf16 projections, the quantized projections (``linear_quant.h``), our attention
+and the fused decoder layer (``layer.h``). Where a build cannot run, ``unavailable_reason`` names the
+missing CPU feature or tool and callers fall back. An AVX512 CPU without VNNI (Skylake-SP) runs ``avx2``.
 
 This module does not choose between paths (``transformer.resolve_linear_kernel`` does) and never
 compiles anything at import time.
@@ -16,6 +18,7 @@ compiles anything at import time.
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import shutil
 from dataclasses import dataclass
@@ -27,6 +30,8 @@ from typing import Callable
 import torch
 
 KERNELS = Path(__file__).with_name("kernels")
+SOURCE = KERNELS / "cpu_kernels.cpp"
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-DSPECDECODE_AVX512", "-DSPECDECODE_VNNI")
 
 
 @dataclass(frozen=True)
@@ -36,15 +41,26 @@ class Build:
     source: Path
     needs: tuple[str, ...]
     cflags: tuple[str, ...]
-    tile: int  # outputs per packed weight tile
+    tile: int  # outputs per packed bf16 weight tile
+    quant_tile: int  # outputs per packed quantized weight tile
 
 
 BUILDS: dict[str, Build] = {
-    "tiled": Build(KERNELS / "tiled_bf16.cpp", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), 64),
-    "avx512": Build(KERNELS / "widened_bf16.cpp", ("avx512f",), ("-mavx512f", "-DSPECDECODE_AVX512"), 64),
-    "avx2": Build(KERNELS / "widened_bf16.cpp", ("avx2", "fma"), ("-mavx2", "-mfma"), 32),
+    "tiled": Build(SOURCE, ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
+                   (*_AVX512, "-mavx512bf16", "-DSPECDECODE_TILED"), 64, 32),
+    "avx512": Build(SOURCE, ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"), _AVX512, 64, 32),
+    "avx2": Build(SOURCE, ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), 32, 16),
 }
+# Sums are never reassociated or contracted behind our back: the kernels spell out every FMA they use.
+COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+
+
+def source_digest() -> str:
+    """A short hash of the kernel sources, part of each extension's name: an edited header rebuilds it."""
+    h = hashlib.sha256()
+    for path in sorted(KERNELS.glob("*.[ch]*")):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:10]
 
 
 @lru_cache(maxsize=1)
@@ -104,8 +120,8 @@ def _build(name: str, log: Callable[[str], None] | None) -> tuple[ModuleType | N
     try:
         from torch.utils.cpp_extension import load  # imports setuptools: a dependency of ours
 
-        module = load(f"specdecode_{name}", [str(build.source)], extra_cflags=["-O3", *build.cflags, "-fopenmp"],
-                      extra_ldflags=["-fopenmp"])
+        module = load(f"specdecode_{name}_{source_digest()}", [str(build.source)],
+                      extra_cflags=[*COMMON_FLAGS, *build.cflags], extra_ldflags=["-fopenmp"])
         _built[name] = (module, None)
     except Exception as exc:  # a compiler (or import) error: keep its last line; callers fall back
         last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]

@@ -5,6 +5,10 @@ verify), writes their keys/values into the cache by index and can run a subset o
 (self-speculation). Projections are fused (q/k/v in one matmul, gate/up in another) because on a
 CPU the per-call overhead of small matmuls dominates small models.
 
+On our kernels (``pack_weights``) each layer of a row-invariant forward runs as one fused C++ call
+(``kernels/layer.h``): RMSNorm, projections (bf16 or block-quantized weights), RoPE, the cache write,
+attention and the MLP, with an fp32 residual stream; the modules' own ops remain for the other paths.
+
 It does not load files (see ``loader.py``), sample, or decide what to keep in the cache: callers
 trim the cache after a forward when draft tokens are rejected.
 """
@@ -25,8 +29,10 @@ from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.factory import make_cache
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
 from specdecode.models import native
-from specdecode.models.linear import (LINEAR_KERNELS, NATIVE_KERNELS, Int8Linear, NativeLinear, PackedLinear, can_pack,
-                                      packed_linear)
+from specdecode.models.linear import (LINEAR_KERNELS, NATIVE_KERNELS, Int8Linear, NativeLinear, PackedLinear, QuantLinear,
+                                      can_pack, packed_linear)
+from specdecode.models.weights import (BLOCK_FORMATS, WEIGHT_FORMATS, WeightSource, as_format, choose_format, concat,
+                                       quantize)
 
 Logits = Literal["all", "last", "none"]
 
@@ -223,6 +229,19 @@ def attention_ops(kernel: str, log: Callable[[str], None] | None = None):
     return native.kernel("avx512" if kernel == "tiled" else kernel, log)
 
 
+def projection_parts(layer: int) -> dict[str, list[str]]:
+    """Each fused projection of layer ``layer`` and the checkpoint tensors (HF names, without ``.weight``)
+    stacked into it, in order."""
+    p = f"model.layers.{layer}."
+    return {"wqkv": [f"{p}self_attn.{n}_proj" for n in "qkv"], "wo": [f"{p}self_attn.o_proj"],
+            "w_gate_up": [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"], "w_down": [f"{p}mlp.down_proj"]}
+
+
+def head_part(config: ModelConfig) -> str:
+    """The checkpoint tensor the output head computes with (the embedding table when tied)."""
+    return "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
+
+
 class _HeadView(NamedTuple):
     """A tied output head seen as a bias-free linear layer over the embedding table."""
 
@@ -246,6 +265,7 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.attention_ops = None  # our compiled attention (``native``), set by Transformer.pack_weights
+        self.fused = None  # the whole layer as one kernel call (``native`` Layer), set by Transformer.pack_weights
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Row-invariant attention of the T newest tokens (``[B, H, T, D]``) over the keys (``[B, Hkv, L, D]``):
@@ -313,6 +333,27 @@ class Block(nn.Module):
         return self.finish(x, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
 
 
+    def forward_fused(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
+                      counts: Sequence[int], rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      trees: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
+        """``forward_rows`` as one kernel call per layer: ``x [N, hidden]`` fp32 -> fp32; ``rope`` is the fp32
+        tables ``cos``/``sin [P, D/2]`` and the rows' positions ``[N]``. A plain cache's buffers are written
+        in the kernel; other caches take the new keys/values through ``update`` (same numbers either way)."""
+        ops, window = self.fused_ops, self.window or 0
+        buffers = cache.direct_buffers(layer, slots, starts, counts)
+        if buffers is not None:
+            return ops.layer_rows(self.fused, x, *rope, *buffers, list(slots), list(starts), list(counts), window,
+                                  [None if seen is None else list(seen) for seen in trees])
+        q, k, v = ops.layer_qkv(self.fused, x, *rope)  # q [N, H, D] fp32, k/v [1, Hkv, N, D] bf16
+        attn = x.new_empty(x.shape[0], self.heads * self.head_dim)
+        offset = 0
+        for slot, start, n, seen in zip(slots, starts, counts, trees):
+            keys, values = cache.update(layer, (slot,), (start,), k[:, :, offset:offset + n], v[:, :, offset:offset + n])
+            ops.layer_attend(self.fused, q, offset, n, keys, values, window, *(seen or (None, None)), attn)
+            offset += n
+        return ops.layer_finish(self.fused, x, attn)
+
+
 class Transformer(nn.Module):
     """Decoder-only transformer with fused projections.
 
@@ -331,6 +372,10 @@ class Transformer(nn.Module):
         self.head_layer: NativeLinear | PackedLinear | Int8Linear | None = None
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._rope_fp32: tuple[torch.Tensor, torch.Tensor] | None = None  # the fused layers' cos/sin [P, D/2]
+        self.fused_head = None  # the output head as a fused-kernel projection (pack_weights), with its kernels:
+        self.fused_ops = None
+        self._packed_as = "bf16"  # the weights pack_weights was asked for
 
     @property
     def dtype(self) -> torch.dtype:
@@ -351,6 +396,19 @@ class Transformer(nn.Module):
             n = max(length, 2 * self._rope_cache[0] if self._rope_cache else 256)
             self._rope_cache = (n, *rope_tables(self.inv_freq, n, self.dtype))
         return self._rope_cache[1], self._rope_cache[2]
+
+    def _rope_rows(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``cos``, ``sin`` ``[>= length, D/2]`` for the fused layers (one frequency per pair of halves)."""
+        if self._rope_fp32 is None or self._rope_fp32[0].shape[0] < length:
+            n = max(length, 2 * self._rope_fp32[0].shape[0] if self._rope_fp32 else 256)
+            angles = torch.outer(torch.arange(n, dtype=torch.float64), self.inv_freq.double())
+            self._rope_fp32 = (angles.cos().float().contiguous(), angles.sin().float().contiguous())
+        return self._rope_fp32
+
+    @property
+    def fused(self) -> bool:
+        """Whether row-invariant forwards run each layer as one kernel call (our kernels; ``pack_weights``)."""
+        return self.fused_head is not None
 
     def forward(self, tokens: torch.Tensor, cache: Cache, slots: Sequence[int] = (0,),
                 layers: Sequence[int] | None = None, logits: Logits = "all",
@@ -377,7 +435,7 @@ class Transformer(nn.Module):
             ``[B, T, len(features) * hidden]``, the asked layers side by side in the order given).
         """
         b, t = tokens.shape
-        if invariant_rows:
+        if invariant_rows or self.fused:  # fused layers have only the row-invariant form
             out = self.forward_rows(tokens.reshape(-1), cache, slots, [t] * b, layers,
                                     "none" if logits == "none" else "all", features)
             logit_rows, hidden = out if features else (out, None)
@@ -450,16 +508,25 @@ class Transformer(nn.Module):
             at, seen = tree.place_rows(rows, n, start, cache.visible(slot), self.config.sliding_window)
             positions += at
             trees.append(None if seen is None else (seen[0].to(self.device), seen[1].to(self.device)))
-        cos_table, sin_table = self._rope(max(positions) + 1)
         pos = torch.tensor(positions, device=self.device)  # [N]
-        cos, sin = cos_table[pos][None, :, None], sin_table[pos][None, :, None]  # [1, N, 1, D]
         run = self._check_run(layers, features)
         kept: dict[int, torch.Tensor] = {}
-        x = self.embed(tokens)[None]  # [1, N, hidden]
-        for i in run:
-            x = self.layers[i].forward_rows(x, i, cache, slots, starts, counts, cos, sin, trees)
-            if i in features:
-                kept[i] = x
+        if self.fused:
+            x = self.embed(tokens).float()  # [N, hidden]: the fused layers keep the residual stream in fp32
+            rope = (*self._rope_rows(max(positions) + 1), pos)
+            for i in run:
+                x = self.layers[i].forward_fused(x, i, cache, slots, starts, counts, rope, trees)
+                if i in features:
+                    kept[i] = x[None]
+            x = x[None]
+        else:
+            cos_table, sin_table = self._rope(max(positions) + 1)
+            cos, sin = cos_table[pos][None, :, None], sin_table[pos][None, :, None]  # [1, N, 1, D]
+            x = self.embed(tokens)[None]  # [1, N, hidden]
+            for i in run:
+                x = self.layers[i].forward_rows(x, i, cache, slots, starts, counts, cos, sin, trees)
+                if i in features:
+                    kept[i] = x
         for slot, n in zip(slots, counts):
             cache.advance((slot,), n)
         if isinstance(logits, torch.Tensor):
@@ -489,9 +556,17 @@ class Transformer(nn.Module):
                  kept: dict[int, torch.Tensor]):
         """Logits of the rows ``x[:, pick]`` (unless "none") and, with ``features``, the kept layers side by side."""
         normed = self.config.num_layers in features
-        if normed:
-            kept[self.config.num_layers] = x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
-        out = None if logits == "none" else self._logits(x[:, pick], normed=normed)
+        if self.fused:  # fp32 rows [1, N, hidden]; features are handed out in the model dtype
+            if normed or logits != "none":
+                x = self.fused_ops.rms_norm_rows(x[0], self.norm, self.config.rms_norm_eps)[None]
+            if normed:
+                kept[self.config.num_layers] = x
+            out = None if logits == "none" else self.fused_ops.project_rows(self.fused_head, x[0, pick].contiguous())[None]
+            kept = {i: v.to(self.dtype) for i, v in kept.items()}
+        else:
+            if normed:
+                kept[self.config.num_layers] = x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+            out = None if logits == "none" else self._logits(x[:, pick], normed=normed)
         return (out, torch.cat([kept[i] for i in features], dim=-1)) if features else out
 
     def _logits(self, x: torch.Tensor, normed: bool) -> torch.Tensor:
@@ -511,8 +586,8 @@ class Transformer(nn.Module):
             return self.embed.weight[ids]
         if self.lm_head is not None:
             return self.lm_head.weight[ids]
-        if isinstance(self.head_layer, NativeLinear):
-            return self.head_layer.weight_rows(ids)
+        if isinstance(self.head_layer, (NativeLinear, QuantLinear)):
+            return self.head_layer.weight_rows(ids).to(self.dtype)
         if isinstance(self.head_layer, Int8Linear):
             return self.head_layer.dequantized()[ids].to(self.dtype)
         raise ValueError("the output head is packed for oneDNN, which keeps no readable copy of its weights; "
@@ -524,40 +599,103 @@ class Transformer(nn.Module):
             return self.head_layer(x)
         return F.linear(x, self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
-    def pack_weights(self, kernel: str = "auto", log: Callable[[str], None] | None = None) -> str:
-        """Swaps every projection for a pre-packed bf16 copy run by a faster kernel.
+    def pack_weights(self, kernel: str = "auto", log: Callable[[str], None] | None = None, weights: str = "auto",
+                     source: WeightSource | None = None, fuse: bool = True) -> str:
+        """Swaps every projection for a pre-packed copy run by a faster kernel: bf16, or a block format.
 
-        On our paths (tiled, avx512, avx2) attention runs on our compiled kernel too (the avx512 build's
-        for tiled); elsewhere on ``rowwise_attention``. A tied output head keeps the embedding table for
-        lookups and gains a packed copy, which costs ``vocab_size * hidden_size`` elements more (see
-        ``weight_nbytes``). Packing twice is a no-op.
+        On our paths (tiled, avx512, avx2) attention runs on our compiled kernel too, and with ``fuse``
+        each layer of a row-invariant forward runs as one kernel call (``Block.forward_fused``); elsewhere
+        attention runs on ``rowwise_attention``. A tied output head keeps the embedding table for lookups
+        and gains a packed copy (see ``weight_nbytes``). Packing twice is a no-op.
 
         Args:
             kernel: one of LINEAR_KERNELS (see ``resolve_linear_kernel``).
             log: told about a first compile of one of our kernels.
+            weights: one of WEIGHT_FORMATS: "bf16", a block format for every projection (the output head
+                at least q8_0, see ``weights.choose_format``), or "auto": as ``source`` stores them where our
+                kernels run (the GGUF's own blocks), else bf16.
+            source: the checkpoint's float weights and stored formats (``Checkpoint.weights``); without it,
+                block formats are quantized from the model's own weights.
+            fuse: run layers as single kernel calls on our paths (False keeps one torch op per step, to
+                measure the difference).
 
         Returns:
             The path the projections now run on: "tiled", "avx512", "avx2", "onednn" or "torch".
 
         Raises:
-            ValueError: an unknown kernel, or one that cannot run this model here (the reason is named).
+            ValueError: an unknown kernel or format, or one that cannot run this model here (the reason is named).
         """
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
         if self.head_layer is not None:
             current = self.linear_kernel
-            if kernel in ("auto", current):
+            if kernel in ("auto", current) and weights in ("auto", self._packed_as):
                 return current
-            raise ValueError(f"the projections already run on {current}; cannot switch to {kernel}")
+            asked = "" if weights in ("auto", self._packed_as) else f" ({self._packed_as} weights; {weights} asked)"
+            raise ValueError(f"the projections already run on {current}; cannot switch to {kernel}{asked}")
         kernel = resolve_linear_kernel(kernel, self.dtype, self.device, log)
+        if weights in BLOCK_FORMATS and kernel not in NATIVE_KERNELS:
+            raise ValueError(f"{weights} weights need one of our kernels ({', '.join(NATIVE_KERNELS)}); the projections "
+                             f"of this model run on {kernel}")
+        if kernel not in NATIVE_KERNELS:
+            weights = "bf16"  # "auto" off our kernels: no block formats there
+        self._packed_as = weights
         if kernel in ("onednn", *NATIVE_KERNELS):
-            self._swap_projections(lambda layer: packed_linear(layer.weight, layer.bias, kernel))
+            self._swap_projections(lambda layer, parts, head: self._projection(layer, parts, head, kernel, weights, source))
+        if kernel in NATIVE_KERNELS:
+            ops = native.kernel(kernel)
+            c = self.config
+            for block in self.layers:
+                block.attention_ops = attention_ops(kernel, log)
+                if fuse:
+                    block.fused_ops = ops
+                    block.fused = ops.Layer(block.wqkv.proj(), block.wo.proj(), block.w_gate_up.proj(), block.w_down.proj(),
+                                            block.attn_norm, block.mlp_norm, c.rms_norm_eps, c.num_heads,
+                                            c.num_kv_heads, c.head_dim)
+            if fuse:
+                self.fused_ops, self.fused_head = ops, self.head_layer.proj()
+        elif kernel == "onednn":
             for block in self.layers:
                 block.attention_ops = attention_ops(kernel, log)
         return kernel
 
+    @staticmethod
+    def _projection(layer: nn.Module, parts: list[str], head: bool, kernel: str, weights: str,
+                    source: WeightSource | None) -> nn.Module:
+        """One packed projection: bf16, or the format ``weights`` asks for, from ``source``'s stored blocks
+        where they already are in that format (no round trip), else quantized from the float weights."""
+        fmt = choose_format(weights, [source.format(f"{p}.weight") for p in parts] if source else ["bf16"], head)
+        if fmt == "bf16":
+            return packed_linear(layer.weight, layer.bias, kernel)
+        if source is None:
+            blocks = quantize(layer.weight, fmt)
+        else:
+            blocks = concat([as_format(source.blocks(f"{p}.weight"), source.tensors[f"{p}.weight"], fmt) for p in parts])
+        bias = layer.bias
+        if bias is not None and source is not None:  # the checkpoint's fp32 biases, not the bf16 copies
+            bias = torch.cat([source.tensors[f"{p}.bias"] for p in parts])
+        return QuantLinear(blocks, bias, kernel)
+
+    @property
+    def weight_format(self) -> str:
+        """The projections' formats, e.g. "bf16", "q4_1" or "q4_1+q8_0, head q8_0" (the head named where it
+        differs); "int8" for ``quantize_weights``; the model dtype ("float32", ...) for unpacked weights."""
+        dtype = {torch.bfloat16: "bf16"}.get(self.dtype, str(self.dtype).replace("torch.", ""))
+
+        def fmt(m: nn.Module | None) -> str:
+            if isinstance(m, Int8Linear):
+                return "int8"
+            return m.weight_format if isinstance(m, (NativeLinear, QuantLinear)) else dtype
+
+        layers = sorted({fmt(getattr(b, n)) for b in self.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")})
+        head = fmt(self.head_layer)
+        text = "+".join(layers) or head
+        return text if layers == [head] or not layers else f"{text}, head {head}"
+
     @property
     def linear_kernel(self) -> str:
         """What the projections run on: "tiled", "avx512", "avx2", "onednn", "int8" or "torch"."""
-        if isinstance(self.head_layer, NativeLinear):
+        if isinstance(self.head_layer, (NativeLinear, QuantLinear)):
             return self.head_layer.path
         kinds = {PackedLinear: "onednn", Int8Linear: "int8"}
         return kinds.get(type(self.head_layer), "torch")
@@ -567,7 +705,7 @@ class Transformer(nn.Module):
         """Whether every projection computes a row the same at any row count (our kernels): then one
         forward's rows equal what separate forwards give, whatever the split. oneDNN and F.linear round a
         one-row matmul (GEMV) differently from a multi-row one (GEMM)."""
-        return isinstance(self.head_layer, NativeLinear)
+        return isinstance(self.head_layer, (NativeLinear, QuantLinear))
 
     def quantize_weights(self) -> None:
         """Replaces every projection (and the output head) with int8 weight-only copies.
@@ -577,13 +715,15 @@ class Transformer(nn.Module):
         """
         if self.head_layer is not None:
             raise ValueError("quantize_weights() needs plain weights (this model is already packed or quantized)")
-        self._swap_projections(lambda layer: Int8Linear(layer.weight, layer.bias, self.dtype))
+        self._swap_projections(lambda layer, parts, head: Int8Linear(layer.weight, layer.bias, self.dtype))
 
-    def _swap_projections(self, make: Callable[[nn.Linear], nn.Module]) -> None:
-        for block in self.layers:
-            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                setattr(block, name, make(getattr(block, name)))
-        self.head_layer, self.lm_head = make(self.lm_head or _HeadView(self.embed.weight)), None
+    def _swap_projections(self, make: Callable[[nn.Module, list[str], bool], nn.Module]) -> None:
+        """Replaces each projection by ``make(layer, its checkpoint names, is the output head)``."""
+        for i, block in enumerate(self.layers):
+            for name, parts in projection_parts(i).items():
+                setattr(block, name, make(getattr(block, name), parts, False))
+        head = self.lm_head or _HeadView(self.embed.weight)
+        self.head_layer, self.lm_head = make(head, [head_part(self.config)], True), None
 
     @property
     def weight_nbytes(self) -> int:
@@ -622,17 +762,13 @@ class Transformer(nn.Module):
         if not config.tie_word_embeddings:
             state["lm_head.weight"] = tensors["lm_head.weight"]
         for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            attn = [tensors[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
-            state[f"layers.{i}.wqkv.weight"] = torch.cat(attn)
+            for name, parts in projection_parts(i).items():
+                state[f"layers.{i}.{name}.weight"] = torch.cat([tensors[f"{p}.weight"] for p in parts])
             if config.attention_bias:
-                state[f"layers.{i}.wqkv.bias"] = torch.cat([tensors[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"])
-            state[f"layers.{i}.wo.weight"] = tensors[f"{p}self_attn.o_proj.weight"]
+                state[f"layers.{i}.wqkv.bias"] = torch.cat([tensors[f"{p}.bias"] for p in projection_parts(i)["wqkv"]])
+            p = f"model.layers.{i}."
             state[f"layers.{i}.attn_norm"] = tensors[f"{p}input_layernorm.weight"]
             state[f"layers.{i}.mlp_norm"] = tensors[f"{p}post_attention_layernorm.weight"]
-            state[f"layers.{i}.w_gate_up.weight"] = torch.cat([tensors[f"{p}mlp.gate_proj.weight"],
-                                                               tensors[f"{p}mlp.up_proj.weight"]])
-            state[f"layers.{i}.w_down.weight"] = tensors[f"{p}mlp.down_proj.weight"]
         state = {k: v.to(dtype) for k, v in state.items()}
         model.load_state_dict(state, strict=True, assign=True)
         model.inv_freq = rope_inv_freq(config)

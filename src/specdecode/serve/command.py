@@ -66,7 +66,7 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)
     kind = drafter_kind(args)
     cache, draft_cache = cache_configs(args, draft=base_kind(kind) in ("draft", "eagle"))
-    loaded = load_model(args.model, args.dtype, args.device, progress=log, linear=args.linear)
+    loaded = load_model(args.model, args.dtype, args.device, progress=log, linear=args.linear, weights=args.weights)
     new_drafter = drafter_factory(args, loaded, draft_cache, log)
     name = args.served_model_name or args.model
     metrics = ServeMetrics(name)

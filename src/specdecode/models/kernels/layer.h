@@ -1,0 +1,478 @@
+// One decoder layer in one call: RMSNorm, the q/k/v projection, RoPE, attention over the sequence's cached
+// keys, the output projection and residual, RMSNorm, gate/up, SiLU, down and residual, with no torch op in
+// between (a decode step of a small model otherwise spends as long dispatching ~25 small ops per layer as
+// it does in its projections). The residual stream and every intermediate stay in fp32; keys and values
+// are rounded to bf16 for the cache, and projections of bf16 weights read bf16-rounded inputs.
+//
+// Rows are independent: every row's numbers come from its own inputs and its own keys in a fixed order, so
+// the layer is row-invariant like the kernels it calls. Two forms give the same bits: `layer_rows` writes new
+// keys/values straight into a plain cache's buffers; `layer_qkv` + `layer_attend` + `layer_finish` leave the
+// cache write to Python (compressing caches, recorders).
+//
+// It does not compress, evict or check cache room (Python does), or compute anything off the CPU.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <pybind11/stl.h>
+
+#include <vector>
+
+#include "attention.h"
+#include "linear_bf16.h"
+#include "linear_quant.h"
+
+namespace sd {
+
+constexpr int64_t kBF16 = 3;  // a projection's format code beside kQ8_0, kQ4_0, kQ4_1
+
+// One projection: its packed weight (this build's bf16 layout, or a quantized one), shapes and fp32 bias.
+struct Proj {
+  torch::Tensor packed;
+  int64_t fmt, n_out, k_in;
+  torch::Tensor bias;  // fp32 [n_out], or undefined
+
+  Proj(torch::Tensor packed_, int64_t fmt_, int64_t n_out_, int64_t k_in_, c10::optional<torch::Tensor> bias_)
+      : packed(std::move(packed_)), fmt(fmt_), n_out(n_out_), k_in(k_in_) {
+    if (fmt == kBF16) {
+#ifdef SPECDECODE_TILED
+      check_packed_bf16(packed, kTiledTile, n_out, k_in);
+#else
+      check_packed_bf16(packed, kTile, n_out, k_in);
+#endif
+    } else {
+      check_packed_quant(packed, fmt, n_out, k_in);
+    }
+    if (bias_.has_value()) {
+      TORCH_CHECK(bias_->scalar_type() == at::kFloat && bias_->is_contiguous() && bias_->numel() == n_out,
+                  "bias must be a contiguous fp32 vector of ", n_out);
+      bias = *bias_;
+    }
+  }
+};
+
+// A projection's inputs, prepared once per set of rows: int8 blocks (block formats) or bf16-rounded values
+// (bf16 weights: bf16 halves for the tiled kernel, their fp32 values for the widened one).
+struct Prepared {
+  QuantRows quant;
+  std::vector<float> rounded;
+  std::vector<uint16_t> halves;
+  int64_t rows = 0;
+};
+
+inline void prepare(const Proj& p, const float* x, int64_t ldx, int64_t rows, Prepared& in) {
+  in.rows = rows;
+  if (p.fmt != kBF16) {
+    quantize_rows(x, ldx, rows, p.k_in, in.quant);
+    return;
+  }
+  const int64_t k2 = 2 * p.packed.size(1);
+#ifdef SPECDECODE_TILED
+  in.halves.assign(rows * k2, 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < p.k_in; ++i) in.halves[r * k2 + i] = float_to_bf16(x[r * ldx + i]);
+#else
+  in.rounded.assign(rows * k2, 0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < p.k_in; ++i) in.rounded[r * k2 + i] = bf16_to_float(float_to_bf16(x[r * ldx + i]));
+#endif
+}
+
+// Output tiles t0..t1 of y [rows, n_out] fp32 = prepared x W^T + b, on the calling thread.
+inline void project_tiles(const Proj& p, const Prepared& in, float* y, int64_t t0, int64_t t1) {
+  const float* bias = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+  if (p.fmt != kBF16) {
+    const uint8_t* w = p.packed.data_ptr<uint8_t>();
+    const int64_t stride = in.quant.blocks * q_record_bytes(p.fmt);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (p.fmt == kQ8_0) q_tile<kQ8_0>(in.quant, w + t * stride, stride, bias, y, p.n_out, t * kQTile);
+      else if (p.fmt == kQ4_0) q_tile<kQ4_0>(in.quant, w + t * stride, stride, bias, y, p.n_out, t * kQTile);
+      else q_tile<kQ4_1>(in.quant, w + t * stride, stride, bias, y, p.n_out, t * kQTile);
+    }
+    return;
+  }
+  const int64_t pairs = p.packed.size(1), k2 = 2 * pairs;
+  const uint16_t* w = bf16_ptr(p.packed);
+#ifdef SPECDECODE_TILED
+  for (int64_t t = t0; t < t1; ++t)
+    tiled_tile(in.halves.data(), k2, in.rows, w + t * pairs * 2 * kTiledTile, pairs, nullptr, y, p.n_out, p.n_out,
+               t * kTiledTile);
+  const int64_t tile = kTiledTile;
+#else
+  for (int64_t t = t0; t < t1; ++t)
+    widened_tile(in.rounded.data(), k2, in.rows, w + t * pairs * 2 * kTile, pairs, nullptr, y, p.n_out, p.n_out, t * kTile);
+  const int64_t tile = kTile;
+#endif
+  if (bias) {  // fp32 adds, as the kernels add a bias before rounding
+    const int64_t n0 = t0 * tile, n1 = std::min(p.n_out, t1 * tile);
+    for (int64_t r = 0; r < in.rows; ++r)
+      for (int64_t n = n0; n < n1; ++n) y[r * p.n_out + n] += bias[n];
+  }
+}
+
+inline int64_t tiles_of(const Proj& p) { return p.packed.size(0); }
+
+// y [rows, n_out] fp32 = x [rows, k_in] fp32 (row stride ldx) W^T + b, tiles split across threads.
+inline void project(const Proj& p, const float* x, int64_t ldx, int64_t rows, float* y) {
+  Prepared in;
+  prepare(p, x, ldx, rows, in);
+  at::parallel_for(0, tiles_of(p), 1, [&](int64_t t0, int64_t t1) { project_tiles(p, in, y, t0, t1); });
+}
+
+// The share [a, b) of n work items that thread tid of nt takes.
+inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
+  a = n * tid / nt;
+  b = n * (tid + 1) / nt;
+}
+
+// out[i] = x[i] / rms(x) * w[i] over one row of h features.
+inline void rms_norm_row(const float* x, const float* w, int64_t h, float eps, float* out) {
+  const int64_t h_vec = h / kLanes * kLanes;
+  vf acc = vzero();
+  for (int64_t i = 0; i < h_vec; i += kLanes) acc = vfma(vload(x + i), vload(x + i), acc);
+  float ss = hsum(acc);
+  for (int64_t i = h_vec; i < h; ++i) ss = std::fma(x[i], x[i], ss);
+  const float r = 1.0f / std::sqrt(ss / float(h) + eps);
+  for (int64_t i = 0; i < h; ++i) out[i] = (x[i] * r) * w[i];
+}
+
+// silu(g) * u per element: g * sigmoid(g) with e^-|g| from vexp (its domain is x <= 0).
+inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
+  const int64_t n_vec = n / kLanes * kLanes;
+  const vf one = vset(1.0f);
+  for (int64_t i = 0; i < n_vec; i += kLanes) {
+    const vf x = vload(g + i);
+    const vf e = vexp(vsub(vzero(), vabs(x)));
+    const vf sig = select_ge0(x, vdiv(one, vadd(one, e)), vdiv(e, vadd(one, e)));
+    vstore(out + i, vmul(vmul(x, sig), vload(u + i)));
+  }
+  if (n_vec < n) {  // the tail through the same vector code, zero-padded
+    alignas(64) float gl[kLanes] = {}, ul[kLanes] = {}, ol[kLanes];
+    std::memcpy(gl, g + n_vec, sizeof(float) * (n - n_vec));
+    std::memcpy(ul, u + n_vec, sizeof(float) * (n - n_vec));
+    silu_mul(gl, ul, kLanes, ol);
+    std::memcpy(out + n_vec, ol, sizeof(float) * (n - n_vec));
+  }
+}
+
+struct Layer {
+  Proj qkv, o, gate_up, down;
+  std::vector<float> ln1, ln2;
+  float eps;
+  int64_t heads, kv_heads, head_dim, hidden, inter;
+
+  Layer(Proj qkv_, Proj o_, Proj gate_up_, Proj down_, const torch::Tensor& ln1_, const torch::Tensor& ln2_, double eps_,
+        int64_t heads_, int64_t kv_heads_, int64_t head_dim_)
+      : qkv(std::move(qkv_)), o(std::move(o_)), gate_up(std::move(gate_up_)), down(std::move(down_)), eps(float(eps_)),
+        heads(heads_), kv_heads(kv_heads_), head_dim(head_dim_) {
+    hidden = ln1_.numel();
+    inter = down.k_in;
+    auto f1 = ln1_.to(at::kFloat).contiguous(), f2 = ln2_.to(at::kFloat).contiguous();
+    ln1.assign(f1.data_ptr<float>(), f1.data_ptr<float>() + hidden);
+    ln2.assign(f2.data_ptr<float>(), f2.data_ptr<float>() + hidden);
+    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
+    TORCH_CHECK(qkv.k_in == hidden && qkv.n_out == (heads + 2 * kv_heads) * head_dim && o.k_in == heads * head_dim &&
+                o.n_out == hidden && gate_up.k_in == hidden && gate_up.n_out == 2 * inter && down.n_out == hidden,
+                "the layer's projections do not fit together");
+  }
+};
+
+// RoPE and routing of the projected rows proj [N, (H + 2 Hkv) * D] for the (row, head) units u0..u1: queries
+// to q fp32 [N, H, D], keys and values (bf16) to k/v [Hkv, N, D].
+inline void rope_units(const Layer& L, float* proj, int64_t n, const float* cos, const float* sin, const int64_t* pos,
+                       float* q, uint16_t* k, uint16_t* v, int64_t u0, int64_t u1) {
+  const int64_t d = L.head_dim, half = d / 2, heads = L.heads + 2 * L.kv_heads, width = heads * d;
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t r = u / heads, head = u % heads;
+    const float* c = cos + pos[r] * half;
+    const float* s = sin + pos[r] * half;
+    float* src = proj + r * width + head * d;
+    if (head < L.heads + L.kv_heads) {  // rotate-half RoPE on queries and keys
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = src[i], b = src[i + half];
+        src[i] = a * c[i] - b * s[i];
+        src[i + half] = b * c[i] + a * s[i];
+      }
+    }
+    if (head < L.heads) {
+      std::memcpy(q + (r * L.heads + head) * d, src, sizeof(float) * d);
+    } else {
+      const bool is_key = head < L.heads + L.kv_heads;
+      const int64_t kh = is_key ? head - L.heads : head - L.heads - L.kv_heads;
+      uint16_t* dst = (is_key ? k : v) + (kh * n + r) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = float_to_bf16(src[i]);
+    }
+  }
+}
+
+// One sequence's keys as attention reads them: [Hkv, L, D] with strides, the rows' first position, a window,
+// and for a token tree each row's key index.
+struct KeyView {
+  const uint16_t* keys;
+  const uint16_t* values;
+  int64_t head_stride_k, head_stride_v, row_stride_k, row_stride_v;
+  int64_t first, window, length;
+  const int64_t* index = nullptr;
+  const int64_t* counts = nullptr;
+  int64_t width = 0;
+};
+
+// Attention units i0..i1 (unit = row i of the sequence, query head) of rows row0.. into out fp32 [N, H * D].
+inline void attend_units(const Layer& L, const float* q, int64_t row0, const KeyView& kv, float* out, int64_t i0,
+                         int64_t i1, AttendScratch& s) {
+  const int64_t d = L.head_dim, group = L.heads / L.kv_heads;
+  const float scale = 1.0f / std::sqrt(float(d));
+  for (int64_t u = i0; u < i1; ++u) {
+    const int64_t i = u / L.heads, hi = u % L.heads, kh = hi / group, row = row0 + i;
+    const uint16_t* kp = kv.keys + kh * kv.head_stride_k;
+    const uint16_t* vp = kv.values + kh * kv.head_stride_v;
+    float* dst = out + row * L.heads * d + hi * d;
+    const float* qr = q + (row * L.heads + hi) * d;
+    if (kv.index) {
+      attend_row(qr, kp, vp, kv.row_stride_k, kv.row_stride_v, 0, kv.counts[i], kv.index + i * kv.width, d, scale, dst, s);
+    } else {
+      const int64_t end = kv.first + i + 1, start = kv.window > 0 ? std::max<int64_t>(0, end - kv.window) : 0;
+      attend_row(qr, kp, vp, kv.row_stride_k, kv.row_stride_v, start, end - start, nullptr, d, scale, dst, s);
+    }
+  }
+}
+
+// Per-thread buffers of the layer: its own copies of what every thread computes alike (norms, activations,
+// prepared inputs), so that threads meet only where one needs another's output.
+struct ThreadBuffers {
+  std::vector<float> normed, mid, act;
+  Prepared in;
+};
+
+// The first half of the layer for n rows: queries and new keys/values (see rope_units).
+inline void qkv_part(const Layer& L, const float* x, int64_t n, const float* cos, const float* sin, const int64_t* pos,
+                     float* proj, float* q, uint16_t* k, uint16_t* v, ThreadBuffers& tb, int tid, int nt) {
+  const int64_t h = L.hidden;
+  tb.normed.resize(n * h);
+  for (int64_t r = 0; r < n; ++r) rms_norm_row(x + r * h, L.ln1.data(), h, L.eps, tb.normed.data() + r * h);
+  prepare(L.qkv, tb.normed.data(), h, n, tb.in);
+  int64_t a, b;
+  share(tiles_of(L.qkv), tid, nt, a, b);
+  project_tiles(L.qkv, tb.in, proj, a, b);
+#pragma omp barrier
+  share(n * (L.heads + 2 * L.kv_heads), tid, nt, a, b);
+  rope_units(L, proj, n, cos, sin, pos, q, k, v, a, b);
+}
+
+// The second half: x [N, hidden] -> out = x + o(attn), then + down(silu(gate) * up) of its norm.
+inline void finish_part(const Layer& L, const float* x, const float* attn, int64_t n, float* o_out, float* gu_out,
+                        float* down_out, float* out, ThreadBuffers& tb, int tid, int nt) {
+  const int64_t h = L.hidden, inter = L.inter;
+  int64_t a, b;
+  prepare(L.o, attn, L.heads * L.head_dim, n, tb.in);
+  share(tiles_of(L.o), tid, nt, a, b);
+  project_tiles(L.o, tb.in, o_out, a, b);
+#pragma omp barrier
+  tb.mid.resize(n * h);
+  tb.normed.resize(n * h);
+  for (int64_t i = 0; i < n * h; ++i) tb.mid[i] = x[i] + o_out[i];
+  for (int64_t r = 0; r < n; ++r) rms_norm_row(tb.mid.data() + r * h, L.ln2.data(), h, L.eps, tb.normed.data() + r * h);
+  prepare(L.gate_up, tb.normed.data(), h, n, tb.in);
+  share(tiles_of(L.gate_up), tid, nt, a, b);
+  project_tiles(L.gate_up, tb.in, gu_out, a, b);
+#pragma omp barrier
+  tb.act.resize(n * inter);
+  for (int64_t r = 0; r < n; ++r)
+    silu_mul(gu_out + r * 2 * inter, gu_out + r * 2 * inter + inter, inter, tb.act.data() + r * inter);
+  prepare(L.down, tb.act.data(), inter, n, tb.in);
+  share(tiles_of(L.down), tid, nt, a, b);
+  project_tiles(L.down, tb.in, down_out, a, b);
+#pragma omp barrier
+  share(n * h, tid, nt, a, b);
+  for (int64_t i = a; i < b; ++i) out[i] = tb.mid[i] + down_out[i];
+}
+
+// Runs body(tid, nt) on torch's intra-op threads (one parallel region; body may use omp barriers), or inline.
+template <typename F>
+inline void on_threads(F&& body) {
+  const int nt = at::get_num_threads();
+  if (nt <= 1 || at::in_parallel_region()) {
+    body(0, 1);
+    return;
+  }
+#pragma omp parallel num_threads(nt)
+  body(omp_get_thread_num(), omp_get_num_threads());
+}
+
+inline void check_rows(const Layer& L, const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == L.hidden && x.is_contiguous(),
+              "x must be contiguous fp32 [N, ", L.hidden, "]");
+}
+
+inline void check_rope(const Layer& L, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& pos,
+                       int64_t n) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == L.head_dim / 2 && sin.sizes() == cos.sizes(),
+              "RoPE tables must be contiguous fp32 [P, head_dim / 2]");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 1 && pos.size(0) == n && pos.is_contiguous(),
+              "positions must be int64 [N]");
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(p[r] >= 0 && p[r] < cos.size(0), "position ", p[r], " is beyond the RoPE table");
+}
+
+}  // namespace sd
+
+using sd::Layer;
+using sd::Proj;
+
+// The generic form, step 1: (q fp32 [N, H, D], k bf16 [1, Hkv, N, D], v bf16 [1, Hkv, N, D]).
+inline std::vector<torch::Tensor> layer_qkv(const Layer& L, const torch::Tensor& x, const torch::Tensor& cos,
+                                            const torch::Tensor& sin, const torch::Tensor& pos) {
+  sd::check_rows(L, x);
+  const int64_t n = x.size(0);
+  sd::check_rope(L, cos, sin, pos, n);
+  auto q = torch::empty({n, L.heads, L.head_dim}, x.options());
+  auto bf = x.options().dtype(at::kBFloat16);
+  auto k = torch::empty({1, L.kv_heads, n, L.head_dim}, bf), v = torch::empty({1, L.kv_heads, n, L.head_dim}, bf);
+  std::vector<float> proj(n * L.qkv.n_out);
+  sd::on_threads([&](int tid, int nt) {
+    sd::ThreadBuffers tb;
+    sd::qkv_part(L, x.data_ptr<float>(), n, cos.data_ptr<float>(), sin.data_ptr<float>(), pos.data_ptr<int64_t>(),
+                 proj.data(), q.data_ptr<float>(), sd::bf16_ptr_mut(k), sd::bf16_ptr_mut(v), tb, tid, nt);
+  });
+  return {q, k, v};
+}
+
+// Step 2, per sequence: rows row0..row0+n-1 of q over keys/values [1, Hkv, L, D] as a cache's update returns
+// them (the new rows last), into out fp32 [N, H * D]; with index/counts, a token tree's rows.
+inline void layer_attend(const Layer& L, const torch::Tensor& q, int64_t row0, int64_t n, const torch::Tensor& keys,
+                         const torch::Tensor& values, int64_t window, const c10::optional<torch::Tensor>& index,
+                         const c10::optional<torch::Tensor>& counts, torch::Tensor out) {
+  TORCH_CHECK(keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16 && keys.dim() == 4 &&
+              keys.size(0) == 1 && keys.size(1) == L.kv_heads && keys.size(3) == L.head_dim && keys.stride(3) == 1 &&
+              values.sizes() == keys.sizes() && values.stride(3) == 1, "layer_attend: keys/values bf16 [1, Hkv, L, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3 && row0 >= 0 && row0 + n <= q.size(0) &&
+              out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == q.size(0) &&
+              out.size(1) == L.heads * L.head_dim, "layer_attend: q fp32 [N, H, D], out fp32 [N, H * D]");
+  const int64_t length = keys.size(2);
+  TORCH_CHECK(n <= length, "layer_attend: more rows than keys");
+  sd::KeyView kv{sd::bf16_ptr(keys), sd::bf16_ptr(values), keys.stride(1), values.stride(1), keys.stride(2),
+                 values.stride(2), length - n, window, length};
+  if (index.has_value()) {
+    TORCH_CHECK(counts.has_value(), "layer_attend: an index needs counts");
+    check_key_index(*index, *counts, n, length);
+    kv.index = index->data_ptr<int64_t>();
+    kv.counts = counts->data_ptr<int64_t>();
+    kv.width = index->size(1);
+  }
+  at::parallel_for(0, n * L.heads, sd::attention_grain(length, L.head_dim), [&](int64_t u0, int64_t u1) {
+    sd::AttendScratch s(L.head_dim);
+    sd::attend_units(L, q.data_ptr<float>(), row0, kv, out.data_ptr<float>(), u0, u1, s);
+  });
+}
+
+// Step 3: x [N, hidden] fp32 after the output projection, the MLP and both residuals (a new tensor).
+inline torch::Tensor layer_finish(const Layer& L, const torch::Tensor& x, const torch::Tensor& attn) {
+  sd::check_rows(L, x);
+  TORCH_CHECK(attn.scalar_type() == at::kFloat && attn.is_contiguous() && attn.dim() == 2 && attn.size(0) == x.size(0) &&
+              attn.size(1) == L.heads * L.head_dim, "layer_finish: attn fp32 [N, H * D]");
+  const int64_t n = x.size(0);
+  auto out = torch::empty_like(x);
+  std::vector<float> o(n * L.hidden), gu(n * 2 * L.inter), down(n * L.hidden);
+  sd::on_threads([&](int tid, int nt) {
+    sd::ThreadBuffers tb;
+    sd::finish_part(L, x.data_ptr<float>(), attn.data_ptr<float>(), n, o.data(), gu.data(), down.data(),
+                    out.data_ptr<float>(), tb, tid, nt);
+  });
+  return out;
+}
+
+// The whole layer over ragged rows of several sequences whose keys/values live in plain buffers [S, Hkv, M, D]
+// (bf16): sequence j's counts[j] rows continue slot slots[j] at starts[j] (written there); trees[j], if
+// given, is (index [n, W], counts [n]) over that slot's keys. Returns the new x. One parallel region: the
+// threads meet at a barrier only where one needs another's output.
+inline torch::Tensor layer_rows(const Layer& L, const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                const torch::Tensor& pos, torch::Tensor kbuf, torch::Tensor vbuf,
+                                const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
+                                const std::vector<int64_t>& counts, int64_t window,
+                                const std::vector<c10::optional<std::vector<torch::Tensor>>>& trees) {
+  sd::check_rows(L, x);
+  const int64_t n = x.size(0);
+  sd::check_rope(L, cos, sin, pos, n);
+  TORCH_CHECK(kbuf.scalar_type() == at::kBFloat16 && vbuf.scalar_type() == at::kBFloat16 && kbuf.is_contiguous() &&
+              vbuf.is_contiguous() && kbuf.dim() == 4 && kbuf.size(1) == L.kv_heads && kbuf.size(3) == L.head_dim &&
+              vbuf.sizes() == kbuf.sizes(), "layer_rows: cache buffers bf16 [S, Hkv, M, D], contiguous");
+  TORCH_CHECK(slots.size() == starts.size() && slots.size() == counts.size() && trees.size() == slots.size(),
+              "layer_rows: one start, count and tree entry per slot");
+  const int64_t max_len = kbuf.size(2), d = L.head_dim;
+  const int64_t slot_stride = L.kv_heads * max_len * d, head_stride = max_len * d;
+  std::vector<sd::KeyView> views;
+  std::vector<int64_t> first_row;
+  int64_t total = 0;
+  for (size_t j = 0; j < slots.size(); ++j) {
+    TORCH_CHECK(slots[j] >= 0 && slots[j] < kbuf.size(0) && counts[j] >= 1 && starts[j] >= 0 &&
+                starts[j] + counts[j] <= max_len, "layer_rows: slot ", slots[j], " rows out of range");
+    const int64_t length = starts[j] + counts[j];
+    sd::KeyView kv{sd::bf16_ptr(kbuf) + slots[j] * slot_stride, sd::bf16_ptr(vbuf) + slots[j] * slot_stride, head_stride,
+                   head_stride, d, d, starts[j], window, length};
+    if (trees[j].has_value()) {
+      const auto& t = *trees[j];
+      TORCH_CHECK(t.size() == 2, "layer_rows: a tree is (index, counts)");
+      check_key_index(t[0], t[1], counts[j], length);
+      kv.index = t[0].data_ptr<int64_t>();
+      kv.counts = t[1].data_ptr<int64_t>();
+      kv.width = t[0].size(1);
+    }
+    views.push_back(kv);
+    first_row.push_back(total);
+    total += counts[j];
+  }
+  TORCH_CHECK(total == n, "layer_rows: counts sum to ", total, ", x has ", n, " rows");
+  auto out = torch::empty_like(x);
+  std::vector<float> proj(n * L.qkv.n_out), q(n * L.heads * d), attn(n * L.heads * d);
+  std::vector<float> o(n * L.hidden), gu(n * 2 * L.inter), down(n * L.hidden);
+  std::vector<uint16_t> k(L.kv_heads * n * d), v(L.kv_heads * n * d);
+  uint16_t* kb = sd::bf16_ptr_mut(kbuf);
+  uint16_t* vb = sd::bf16_ptr_mut(vbuf);
+  sd::on_threads([&](int tid, int nt) {
+    sd::ThreadBuffers tb;
+    sd::qkv_part(L, x.data_ptr<float>(), n, cos.data_ptr<float>(), sin.data_ptr<float>(), pos.data_ptr<int64_t>(),
+                 proj.data(), q.data(), k.data(), v.data(), tb, tid, nt);
+#pragma omp barrier
+    int64_t a, b;
+    sd::share(n * L.kv_heads, tid, nt, a, b);
+    for (int64_t u = a; u < b; ++u) {  // the new keys/values into their slots' buffers
+      const int64_t kh = u / n, r = u % n;
+      const size_t j = std::upper_bound(first_row.begin(), first_row.end(), r) - first_row.begin() - 1;
+      const int64_t at = slots[j] * slot_stride + kh * head_stride + (starts[j] + r - first_row[j]) * d;
+      std::memcpy(kb + at, k.data() + (kh * n + r) * d, sizeof(uint16_t) * d);
+      std::memcpy(vb + at, v.data() + (kh * n + r) * d, sizeof(uint16_t) * d);
+    }
+#pragma omp barrier
+    sd::AttendScratch s(d);
+    for (size_t j = 0; j < views.size(); ++j) {
+      sd::share(counts[j] * L.heads, tid, nt, a, b);
+      sd::attend_units(L, q.data(), first_row[j], views[j], attn.data(), a, b, s);
+    }
+#pragma omp barrier
+    sd::finish_part(L, x.data_ptr<float>(), attn.data(), n, o.data(), gu.data(), down.data(), out.data_ptr<float>(), tb,
+                    tid, nt);
+  });
+  return out;
+}
+
+// fp32 [N, F] -> fp32 [N, N_out]: one projection on its own (the output head).
+inline torch::Tensor project_rows(const Proj& p, const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == p.k_in && x.is_contiguous(),
+              "project_rows: x must be contiguous fp32 [N, ", p.k_in, "]");
+  auto y = torch::empty({x.size(0), p.n_out}, x.options());
+  if (x.size(0)) sd::project(p, x.data_ptr<float>(), p.k_in, x.size(0), y.data_ptr<float>());
+  return y;
+}
+
+// fp32 [N, h] -> fp32 [N, h]: RMSNorm with weight w (any float dtype).
+inline torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && w.numel() == x.size(1),
+              "rms_norm_rows: x contiguous fp32 [N, h], w [h]");
+  auto wf = w.to(at::kFloat).contiguous();
+  auto y = torch::empty_like(x);
+  for (int64_t r = 0; r < x.size(0); ++r)
+    sd::rms_norm_row(x.data_ptr<float>() + r * x.size(1), wf.data_ptr<float>(), x.size(1), float(eps),
+                     y.data_ptr<float>() + r * x.size(1));
+  return y;
+}

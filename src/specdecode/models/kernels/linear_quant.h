@@ -1,0 +1,287 @@
+// y = x W^T (+ b) with W in llama.cpp's block formats (q8_0, q4_0, q4_1: blocks of 32 weights along the
+// input, an fp16 scale each, q4_1 an fp16 minimum too) and x quantized per row to int8 blocks of 32 with
+// an fp32 scale (llama.cpp's q8_0 / q8_1 activations).
+//
+// Per block, a row's dot product with an output is an exact integer (VNNI vpdpbusd, or AVX2 vpmaddubsw +
+// vpmaddwd, which give the same integers), scaled in fp32: y += float(isum) * (d_w * d_x), plus m_w * s_x
+// for q4_1 (s_x = d_x * sum of the row's block codes). The blocks are summed in order and nothing depends
+// on other rows, so each row is bitwise what it is alone, and the AVX2 and AVX512 builds give the same bits.
+//
+// Packed layout (models/weights.py packs it): [ceil(N/T), K/32, record] bytes, T = 2 vectors of outputs. A
+// record holds one block of T outputs: the codes, then T fp16 scales d (then T fp16 minimums m for q4_1).
+// q8_0 codes are stored as w + 128 (unsigned): vector (quad q, vector v) holds, per output lane, the 4 codes
+// of inputs 4q..4q+3. q4 codes are nibbles: vector (p, v) holds inputs 4p..4p+3 in its low nibbles and
+// 16+4p..16+4p+3 in its high ones.
+//
+// It does not quantize weights (Python does, once) or handle K-quants (mapped at load, models/weights.py).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "simd.h"
+
+#if defined(SPECDECODE_AVX512) && !defined(SPECDECODE_VNNI)
+#error "the AVX512 builds of the quantized kernels need AVX512-VNNI"
+#endif
+
+namespace sd {
+
+enum : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+constexpr int64_t kQBlock = 32;
+constexpr int kQVecs = 2;                    // output vectors per tile
+constexpr int64_t kQTile = kQVecs * kLanes;  // outputs per tile: 32 (AVX512) or 16 (AVX2)
+#ifdef SPECDECODE_AVX512
+constexpr int kQRows = 4;  // 8 int + 8 fp32 accumulators, weights and scales within the 32 registers (6 measured no faster)
+#else
+constexpr int kQRows = 2;
+#endif
+
+constexpr int64_t q_code_bytes(int64_t fmt) { return kQTile * (fmt == kQ8_0 ? 32 : 16); }
+constexpr int64_t q_scale_count(int64_t fmt) { return kQTile * (fmt == kQ4_1 ? 2 : 1); }
+constexpr int64_t q_record_bytes(int64_t fmt) { return q_code_bytes(fmt) + 2 * q_scale_count(fmt); }
+
+// Rows of x quantized to int8 blocks: codes [rows, blocks * 32], scale d, code sum sx and s = d * sx per block.
+struct QuantRows {
+  int64_t rows = 0, blocks = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sx;
+};
+
+// Quantizes rows of fp32 x (row stride ldx, k features; zero beyond k up to a whole block) with llama.cpp's
+// q8_0 scale, d = amax / 127, and codes x * (1 / d) rounded to nearest (ties to even).
+inline void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, QuantRows& out) {
+  const int64_t blocks = (k + kQBlock - 1) / kQBlock;
+  out.rows = rows;
+  out.blocks = blocks;
+  out.q.resize(rows * blocks * kQBlock);
+  out.d.resize(rows * blocks);
+  out.s.resize(rows * blocks);
+  out.sx.resize(rows * blocks);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      alignas(64) float v[kQBlock] = {};
+      const int64_t n = std::min<int64_t>(kQBlock, k - b * kQBlock);
+      std::memcpy(v, x + r * ldx + b * kQBlock, sizeof(float) * n);
+      vf amax = vzero();
+      for (int i = 0; i < kQBlock; i += kLanes) amax = vmax(amax, vabs(vload(v + i)));
+      alignas(64) float lanes[kLanes];
+      vstore(lanes, amax);
+      float m = 0.0f;
+      for (int i = 0; i < kLanes; ++i) m = std::max(m, lanes[i]);  // a max: exact in any order
+      const float d = m / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      int8_t* q = out.q.data() + (r * blocks + b) * kQBlock;
+      int32_t sum = 0;
+      for (int i = 0; i < kQBlock; i += kLanes) {
+        alignas(64) float scaled[kLanes];
+        vstore(scaled, vround(vmul(vload(v + i), vset(id))));
+        for (int j = 0; j < kLanes; ++j) {
+          q[i + j] = static_cast<int8_t>(scaled[j]);
+          sum += q[i + j];
+        }
+      }
+      out.d[r * blocks + b] = d;
+      out.sx[r * blocks + b] = sum;
+      out.s[r * blocks + b] = d * float(sum);
+    }
+  }
+}
+
+inline vi bcast4(const int8_t* p) {  // 4 consecutive codes in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return vset_i(v);
+}
+
+#ifdef SPECDECODE_AVX512
+inline vi low_nibbles(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline vi high_nibbles(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+#else
+inline vi low_nibbles(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline vi high_nibbles(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+#endif
+
+// acc + per lane sum of 4 products u8 w x s8 x, for w <= 15 (no 16-bit saturation on AVX2).
+inline vi dot_u4(vi acc, vi w, vi x) {
+#ifdef SPECDECODE_VNNI
+  return _mm512_dpbusd_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+#ifdef SPECDECODE_VNNI
+constexpr bool kQ8Offset = true;  // VNNI sums (w + 128) x; the block's 128 * sum(x) is taken off once
+#else
+constexpr bool kQ8Offset = false;  // AVX2 sums w x directly: |x| times w with x's sign, within 16 bits
+#endif
+
+// R rows of the quantized activations (from row r0) against one tile of format F. With `ahead`, the same
+// block of the next tile is prefetched: a pass over a tile already in cache would otherwise leave memory idle.
+template <int R, int64_t F, typename Out>
+void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias, Out* y, int64_t ldy, int64_t n_out,
+            int64_t n0, const uint8_t* ahead = nullptr) {
+  constexpr int64_t kRecord = q_record_bytes(F), kCodes = q_code_bytes(F);
+  constexpr int kVecBytes = kLanes * 4;
+  const int64_t blocks = a.blocks;
+  vf facc[R][kQVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kQVecs; ++v) facc[r][v] = vzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* rec = w + b * kRecord;
+    if (ahead)
+      for (int64_t line = 0; line < kRecord; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + b * kRecord + line), _MM_HINT_T0);
+    vi acc[R][kQVecs];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kQVecs; ++v) acc[r][v] = vzero_i();
+    const int8_t* xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = a.q.data() + ((r0 + r) * blocks + b) * kQBlock;
+    if constexpr (F == kQ8_0) {
+      for (int q = 0; q < 8; ++q) {
+        vi wv[kQVecs];
+        for (int v = 0; v < kQVecs; ++v) wv[v] = vload_i(rec + (q * kQVecs + v) * kVecBytes);
+#ifndef SPECDECODE_VNNI
+        for (int v = 0; v < kQVecs; ++v) wv[v] = _mm256_xor_si256(wv[v], _mm256_set1_epi8(char(0x80)));  // back to s8
+#endif
+        for (int r = 0; r < R; ++r) {
+          const vi x = bcast4(xb[r] + 4 * q);
+#ifdef SPECDECODE_VNNI
+          for (int v = 0; v < kQVecs; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], wv[v], x);
+#else
+          const vi ax = _mm256_abs_epi8(x);
+          for (int v = 0; v < kQVecs; ++v)
+            acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[v], x)),
+                                                                      _mm256_set1_epi16(1)));
+#endif
+        }
+      }
+    } else {
+      for (int p = 0; p < 4; ++p) {
+        vi lo[kQVecs], hi[kQVecs];
+        for (int v = 0; v < kQVecs; ++v) {
+          const vi raw = vload_i(rec + (p * kQVecs + v) * kVecBytes);
+          lo[v] = low_nibbles(raw);
+          hi[v] = high_nibbles(raw);
+        }
+        for (int r = 0; r < R; ++r) {
+          const vi xlo = bcast4(xb[r] + 4 * p), xhi = bcast4(xb[r] + 16 + 4 * p);
+          for (int v = 0; v < kQVecs; ++v) acc[r][v] = dot_u4(dot_u4(acc[r][v], lo[v], xlo), hi[v], xhi);
+        }
+      }
+    }
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec + kCodes);
+    vf dw[kQVecs], mw[kQVecs];
+    for (int v = 0; v < kQVecs; ++v) {
+      dw[v] = load_half(scales + v * kLanes);
+      if constexpr (F == kQ4_1) mw[v] = load_half(scales + kQTile + v * kLanes);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * blocks + b;
+      const vf dx = vset(a.d[at]);
+      int32_t offset = 0;  // what the integer sums hold beyond sum(w x): the codes' offset times sum(x)
+      if constexpr (F == kQ8_0) offset = kQ8Offset ? 128 * a.sx[at] : 0;
+      if constexpr (F == kQ4_0) offset = 8 * a.sx[at];
+      for (int v = 0; v < kQVecs; ++v) {
+        const vi exact = offset ? vsub_i(acc[r][v], vset_i(offset)) : acc[r][v];
+        facc[r][v] = vfma(vcvt_i(exact), vmul(dw[v], dx), facc[r][v]);
+        if constexpr (F == kQ4_1) facc[r][v] = vfma(mw[v], vset(a.s[at]), facc[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < kQVecs; ++v) {
+    const int64_t n = n0 + v * kLanes;
+    if (n >= n_out) break;
+    const int valid = int(std::min<int64_t>(kLanes, n_out - n));
+    vf b = vzero();
+    if (bias) {
+      alignas(64) float lanes[kLanes] = {};
+      std::memcpy(lanes, bias + n, sizeof(float) * valid);
+      b = vload(lanes);
+    }
+    for (int r = 0; r < R; ++r) {
+      const vf out = bias ? vadd(facc[r][v], b) : facc[r][v];
+      if constexpr (std::is_same_v<Out, float>) {
+        alignas(64) float lanes[kLanes];
+        vstore(lanes, out);
+        std::memcpy(y + r * ldy + n, lanes, sizeof(float) * valid);
+      } else {
+        store_bf16(y + r * ldy + n, out, valid);
+      }
+    }
+  }
+}
+
+// Every row against one tile (stride bytes long; the next tile follows it), in passes of up to kQRows rows.
+template <int64_t F, typename Out>
+void q_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t n_out, int64_t n0) {
+  int64_t m = 0;
+  for (; m + kQRows <= a.rows; m += kQRows)
+    q_pass<kQRows, F>(a, m, w, bias, y + m * n_out, n_out, n_out, n0, m ? w + stride : nullptr);
+  Out* ym = y + m * n_out;
+  const uint8_t* ahead = m ? w + stride : nullptr;
+  switch (a.rows - m) {
+#ifdef SPECDECODE_AVX512
+    case 3: q_pass<3, F>(a, m, w, bias, ym, n_out, n_out, n0, ahead); break;
+    case 2: q_pass<2, F>(a, m, w, bias, ym, n_out, n_out, n0, ahead); break;
+#endif
+    case 1: q_pass<1, F>(a, m, w, bias, ym, n_out, n_out, n0, ahead); break;
+    default: break;
+  }
+}
+
+// All tiles of a quantized projection, split across threads: y [a.rows, n_out].
+template <typename Out>
+void quant_rows(const QuantRows& a, const uint8_t* w, int64_t fmt, int64_t tiles, const float* bias, Out* y,
+                int64_t n_out) {
+  const int64_t stride = a.blocks * q_record_bytes(fmt);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* wt = w + t * stride;
+      if (fmt == kQ8_0) q_tile<kQ8_0>(a, wt, stride, bias, y, n_out, t * kQTile);
+      else if (fmt == kQ4_0) q_tile<kQ4_0>(a, wt, stride, bias, y, n_out, t * kQTile);
+      else q_tile<kQ4_1>(a, wt, stride, bias, y, n_out, t * kQTile);
+    }
+  });
+}
+
+inline void check_packed_quant(const torch::Tensor& packed, int64_t fmt, int64_t n_out, int64_t k) {
+  TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1, "unknown weight format code ", fmt);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+              packed.size(2) == q_record_bytes(fmt),
+              "packed quantized weight has the wrong layout (record ", packed.size(2), " bytes, this build's is ",
+              q_record_bytes(fmt), ")");
+  TORCH_CHECK(packed.size(1) * kQBlock >= k && packed.size(1) * kQBlock - k < kQBlock, "x has ", k,
+              " features, the weight ", packed.size(1) * kQBlock);
+  TORCH_CHECK(packed.size(0) * kQTile >= n_out, "the packed weight has fewer than ", n_out, " outputs");
+}
+
+}  // namespace sd
+
+inline int64_t quant_tile_outputs() { return sd::kQTile; }
+inline int64_t quant_record_bytes(int64_t fmt) { return sd::q_record_bytes(fmt); }
+
+// x: [..., K] bf16 or fp32; packed: [ceil(N/T), ceil(K/32), record] uint8; bias: [N] fp32 or None.
+// Returns [..., N] in x's dtype.
+inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t fmt, int64_t n_out,
+                                  const c10::optional<torch::Tensor>& bias) {
+  using namespace sd;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "quant_linear needs bf16 or fp32 x");
+  const int64_t k = x.size(-1);
+  check_packed_quant(packed, fmt, n_out, k);
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out),
+              "bias must be a contiguous fp32 vector of ", n_out);
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto xf = x.reshape({-1, k}).to(at::kFloat).contiguous();
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n_out;
+  auto y = torch::empty(out_shape, x.options());
+  if (xf.size(0) == 0) return y;
+  QuantRows a;
+  quantize_rows(xf.data_ptr<float>(), k, xf.size(0), k, a);
+  if (x.scalar_type() == at::kFloat) quant_rows(a, packed.data_ptr<uint8_t>(), fmt, packed.size(0), bp, y.data_ptr<float>(), n_out);
+  else quant_rows(a, packed.data_ptr<uint8_t>(), fmt, packed.size(0), bp, bf16_ptr_mut(y), n_out);
+  return y;
+}

@@ -1,0 +1,163 @@
+// The vector type of one build, and the bf16 / exp helpers every kernel of that build shares.
+//
+// Built with SPECDECODE_AVX512 (16 fp32 lanes, AVX512F) or without (8 lanes, AVX2 + FMA). SPECDECODE_VNNI
+// marks builds with AVX512-VNNI (int8 dot products in one instruction); SPECDECODE_TILED, builds with
+// AVX512-BF16. Nothing here allocates, threads or knows about torch beyond its bf16 type.
+#pragma once
+
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace sd {
+
+#ifdef SPECDECODE_AVX512
+using vf = __m512;
+using vi = __m512i;
+constexpr int kLanes = 16;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float a) { return _mm512_set1_ps(a); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+inline vi vload_i(const void* p) { return _mm512_loadu_si512(p); }
+inline vi vzero_i() { return _mm512_setzero_si512(); }
+inline vi vset_i(int32_t a) { return _mm512_set1_epi32(a); }
+inline vi vsub_i(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+inline vf vcvt_i(vi a) { return _mm512_cvtepi32_ps(a); }
+inline vf even_half(vi v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline vf odd_half(vi v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u)))); }
+inline vf load_bf16(const uint16_t* p) {  // kLanes consecutive bf16 -> fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline vf load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) {  // 2^n for integral n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+inline vf zero_below(vf value, vf x, float limit) {  // value where x >= limit, else 0
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset(limit), _CMP_GE_OQ), value);
+}
+inline vf select_ge0(vf x, vf if_ge, vf if_lt) {  // per lane: x >= 0 ? if_ge : if_lt
+  return _mm512_mask_mov_ps(if_lt, _mm512_cmp_ps_mask(x, vzero(), _CMP_GE_OQ), if_ge);
+}
+inline void store_bf16(uint16_t* p, vf a, int n) {  // round to nearest even (NaN -> quiet NaN), store n lanes
+  const vi u = _mm512_castps_si512(a);
+  vi r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                               _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  r = _mm512_srli_epi32(r, 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  alignas(32) uint16_t tmp[kLanes];
+  _mm256_store_si256((__m256i*)tmp, _mm512_cvtepi32_epi16(r));
+  std::memcpy(p, tmp, sizeof(uint16_t) * n);
+}
+#else
+using vf = __m256;
+using vi = __m256i;
+constexpr int kLanes = 8;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float a) { return _mm256_set1_ps(a); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+inline vi vload_i(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline vi vzero_i() { return _mm256_setzero_si256(); }
+inline vi vset_i(int32_t a) { return _mm256_set1_epi32(a); }
+inline vi vsub_i(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+inline vf vcvt_i(vi a) { return _mm256_cvtepi32_ps(a); }
+inline vf even_half(vi v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline vf odd_half(vi v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xFFFF0000u)))); }
+inline vf load_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline vf load_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline vf zero_below(vf value, vf x, float limit) {
+  return _mm256_and_ps(value, _mm256_cmp_ps(x, vset(limit), _CMP_GE_OQ));
+}
+inline vf select_ge0(vf x, vf if_ge, vf if_lt) {
+  return _mm256_blendv_ps(if_lt, if_ge, _mm256_cmp_ps(x, vzero(), _CMP_GE_OQ));
+}
+inline void store_bf16(uint16_t* p, vf a, int n) {
+  const vi u = _mm256_castps_si256(a);
+  vi r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                               _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+  r = _mm256_srli_epi32(r, 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+  alignas(32) int32_t wide[kLanes];
+  _mm256_store_si256((__m256i*)wide, r);
+  for (int i = 0; i < n; ++i) p[i] = static_cast<uint16_t>(wide[i]);
+}
+#endif
+
+// A horizontal sum in a fixed tree order (halves added, then their halves, ...), the same for every call.
+inline float hsum(vf a) {
+#ifdef SPECDECODE_AVX512
+  const __m256 lo = _mm512_castps512_ps256(a);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+  const __m256 h = _mm256_add_ps(lo, hi);
+#else
+  const __m256 h = a;
+#endif
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+
+// e^x for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction and a degree-6
+// polynomial, about 2 ulp; below -87 (e^x under the smallest normal float) the result is 0.
+inline vf vexp(vf x) {
+  const vf n = vround(vmul(x, vset(1.44269504088896341f)));
+  vf r = vfma(n, vset(-0.693359375f), x);
+  r = vfma(n, vset(2.12194440e-4f), r);
+  vf p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vfma(vmul(p, r), r, vadd(r, vset(1.0f)));
+  return zero_below(vmul(p, vpow2i(vmax(n, vset(-126.0f)))), x, -87.0f);
+}
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN -> quiet NaN (as store_bf16)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if (std::isnan(f)) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+inline const uint16_t* bf16_ptr(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+inline uint16_t* bf16_ptr_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+}  // namespace sd

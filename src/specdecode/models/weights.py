@@ -1,0 +1,236 @@
+"""Weight formats: bf16, or llama.cpp's block formats q8_0, q4_0 and q4_1 kept quantized in memory.
+
+A block format holds, per output row and per block of 32 inputs, integer codes and an fp16 scale ``d`` (and
+for q4_1 an fp16 minimum ``m``): q8_0 ``w = d * q`` (q in -127..127), q4_0 ``w = d * (q - 8)`` and q4_1
+``w = d * q + m`` (q in 0..15). :class:`BlockWeight` is that form, unpacked: codes, scales and minimums as
+tensors. It comes from a GGUF file's own blocks without a round trip (``from_gguf``), or from float weights
+through the ``gguf`` package's quantizers, which are llama.cpp's reference ones (``quantize``). ``pack`` lays it
+out for the kernels (``kernels/linear_quant.h``), ``unpack`` reads it back.
+
+GGUF types other than these three are mapped (``FORMAT_OF``): Q4_K keeps its 4-bit codes and becomes q4_1,
+one block per 32-weight sub-block, with the sub-block's scale ``d * sc`` and minimum ``-dmin * m`` rounded to
+fp16 (a relative error of at most 2^-11 of a block's scale, against a 4-bit step of 1/15 of its range);
+Q5_0, Q5_1, Q5_K, Q6_K and Q8_K become q8_0, requantized from their dequantized values; F32, F16 and BF16
+tensors stay bf16.
+
+This module does not compute products (the kernels do) or choose the format of a model (``Transformer
+.pack_weights`` does, with ``choose_format``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from gguf.constants import GGMLQuantizationType as QT
+from gguf.quants import Q4_K, quantize as gguf_quantize
+
+WEIGHT_FORMATS = ("auto", "bf16", "q8_0", "q4_0", "q4_1")  # what --weights offers
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")
+FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "bf16": 3}  # the kernels' codes (linear_quant.h, layer.h)
+BLOCK = 32
+BITS = {"q4_0": 4.5, "q4_1": 5.0, "q8_0": 8.5, "bf16": 16.0}  # stored bits per weight, scales included
+_QTYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1}
+
+# Our format for each GGUF tensor type (those read as stored, and those mapped; see the module docstring).
+FORMAT_OF = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_1", QT.Q5_0: "q8_0",
+             QT.Q5_1: "q8_0", QT.Q5_K: "q8_0", QT.Q6_K: "q8_0", QT.Q8_K: "q8_0", QT.F32: "bf16", QT.F16: "bf16",
+             QT.BF16: "bf16"}
+_WIDTH = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "bf16": 3}  # which format can hold which: wider holds narrower
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A ``[N, K]`` weight in a block format, unpacked.
+
+    Args:
+        fmt: "q8_0", "q4_0" or "q4_1".
+        codes: uint8 ``[N, B * 32]``, B = ceil(K / 32): q8_0 as ``q + 128``, q4 as the nibble value 0..15
+            (inputs past K are zero-weighted padding).
+        d: float16 ``[N, B]`` scales.
+        m: float16 ``[N, B]`` minimums (q4_1), else None.
+        k: input features.
+    """
+
+    fmt: str
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.k
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[N, K]`` weights the codes stand for (what the kernels compute with)."""
+        q = self.codes.float().view(self.codes.shape[0], -1, BLOCK)
+        d = self.d.float()[..., None]
+        if self.fmt == "q8_0":
+            w = (q - 128) * d
+        elif self.fmt == "q4_0":
+            w = (q - 8) * d
+        else:
+            w = q * d + self.m.float()[..., None]
+        return w.reshape(self.codes.shape[0], -1)[:, :self.k]
+
+    def rows(self, index: torch.Tensor | slice) -> "BlockWeight":
+        """The output rows ``index`` (a permutation or a subset), in their order."""
+        return BlockWeight(self.fmt, self.codes[index], self.d[index], None if self.m is None else self.m[index], self.k)
+
+
+@dataclass
+class WeightSource:
+    """A checkpoint's weights as ``Transformer.pack_weights`` reads them.
+
+    Args:
+        tensors: float32 tensors by HF name (dequantized where the file stores blocks).
+        formats: our format of each stored tensor (``FORMAT_OF``); a name not in it is "bf16".
+        read_blocks: a stored tensor's own blocks by HF name (``from_gguf``), or None where it is not in a
+            block format read as stored.
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    formats: Mapping[str, str] = field(default_factory=dict)
+    read_blocks: Callable[[str], "BlockWeight | None"] = lambda name: None
+
+    def format(self, name: str) -> str:
+        return self.formats.get(name, "bf16")
+
+    def blocks(self, name: str) -> "BlockWeight | None":
+        return self.read_blocks(name) if self.format(name) != "bf16" else None
+
+
+def concat(parts: Sequence[BlockWeight]) -> BlockWeight:
+    """Parts of one format and width stacked along the outputs (q/k/v into one projection)."""
+    fmt, k = parts[0].fmt, parts[0].k
+    if any(p.fmt != fmt or p.k != k for p in parts):
+        raise ValueError(f"cannot stack {[(p.fmt, p.k) for p in parts]}: one format and input width needed")
+    m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+    return BlockWeight(fmt, torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]), m, k)
+
+
+def _halves(raw: np.ndarray) -> torch.Tensor:
+    """fp16 values from their little-endian bytes ``[..., 2]``."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].copy())
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """``[..., 16]`` bytes -> ``[..., 32]`` codes: llama.cpp keeps input j in byte j's low nibble, 16 + j in its high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> BlockWeight | None:
+    """A GGUF tensor's own blocks as a BlockWeight, for the types read as stored or mapped code for code
+    (Q8_0, Q4_0, Q4_1, Q4_K); None for the others (requantize them from their float values).
+
+    Args:
+        raw: the tensor's bytes, uint8 (any shape holding ``N * row_bytes`` bytes).
+        qtype: its GGUF type.
+        shape: ``(N, K)``.
+    """
+    n, k = shape
+    blocks = raw.reshape(n, -1)
+    if qtype == QT.Q8_0:
+        b = blocks.reshape(n, k // BLOCK, 34)
+        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k)
+        return BlockWeight("q8_0", torch.from_numpy(codes), _halves(b[..., :2]), None, k)
+    if qtype == QT.Q4_0:
+        b = blocks.reshape(n, k // BLOCK, 18)
+        return BlockWeight("q4_0", torch.from_numpy(_nibbles(b[..., 2:]).reshape(n, k)), _halves(b[..., :2]), None, k)
+    if qtype == QT.Q4_1:
+        b = blocks.reshape(n, k // BLOCK, 20)
+        codes = _nibbles(b[..., 4:]).reshape(n, k)
+        return BlockWeight("q4_1", torch.from_numpy(codes), _halves(b[..., :2]), _halves(b[..., 2:4]), k)
+    if qtype == QT.Q4_K:  # 256-weight super-blocks: fp16 d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+        b = blocks.reshape(-1, 144)
+        d = np.ascontiguousarray(b[:, :2]).view(np.float16).astype(np.float32)  # [S, 1]
+        dmin = np.ascontiguousarray(b[:, 2:4]).view(np.float16).astype(np.float32)
+        sc, mins = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))  # [S, 8] each
+        qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 weights: low nibbles then high nibbles
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+        scale = torch.from_numpy((d * sc.astype(np.float32)).reshape(n, -1)).to(torch.float16)
+        minimum = torch.from_numpy((-dmin * mins.astype(np.float32)).reshape(n, -1)).to(torch.float16)
+        if not (scale.isfinite().all() and minimum.isfinite().all()):
+            return None  # a scale beyond fp16's range: requantize from the float values instead
+        return BlockWeight("q4_1", torch.from_numpy(codes), scale, minimum, k)
+    return None
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> BlockWeight:
+    """``weight`` (``[N, K]``, any float dtype) in block format ``fmt``, by llama.cpp's reference quantizer
+    (the ``gguf`` package's); K is zero-padded to whole blocks."""
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"weight format {fmt!r} is not one of {', '.join(BLOCK_FORMATS)}")
+    n, k = weight.shape
+    w = torch.nn.functional.pad(weight.detach().float().cpu(), (0, -k % BLOCK)).numpy()
+    raw = gguf_quantize(np.ascontiguousarray(w), _QTYPES[fmt])
+    out = from_gguf(raw, _QTYPES[fmt], (n, w.shape[1]))
+    return BlockWeight(out.fmt, out.codes, out.d, out.m, k)
+
+
+def as_format(weight: BlockWeight | None, fallback: torch.Tensor, fmt: str) -> BlockWeight:
+    """``weight`` itself where it already is in ``fmt`` (no round trip), else ``fallback`` (its float values)
+    quantized to ``fmt``."""
+    if weight is not None and weight.fmt == fmt:
+        return weight
+    return quantize(fallback, fmt)
+
+
+def choose_format(requested: str, stored: Sequence[str], head: bool = False) -> str:
+    """The format of one projection (its parts stored as ``stored``, e.g. q, k and v) under ``--weights``.
+
+    "auto" takes the parts' own formats, the widest where they differ (a projection has one format);
+    an explicit block format applies as asked, except that the output head (``head``) is kept at least
+    q8_0 under q4 formats, as llama.cpp's quantizer keeps it wider.
+    """
+    if requested == "auto":
+        return max(stored, key=_WIDTH.__getitem__)
+    if requested in ("q4_0", "q4_1") and head:
+        return "q8_0"
+    return requested
+
+
+def pack(weight: BlockWeight, tile: int) -> torch.Tensor:
+    """The kernels' layout: uint8 ``[ceil(N / tile), B, record]``, record = a block of ``tile`` outputs: codes
+    (q8_0: per group of 4 inputs, ``tile`` lanes of 4 bytes; q4: inputs 4p..4p+3 in the low nibbles and
+    16+4p.. in the high ones), then ``tile`` fp16 scales, then ``tile`` fp16 minimums for q4_1."""
+    n, width = weight.codes.shape
+    blocks, pad = width // BLOCK, -n % tile
+    codes = torch.nn.functional.pad(weight.codes, (0, 0, 0, pad))  # padded outputs: zero codes and scales
+    tiles = codes.shape[0] // tile
+    c = codes.view(tiles, tile, blocks, BLOCK).permute(0, 2, 1, 3)  # [tiles, B, tile, 32]
+    if weight.fmt == "q8_0":
+        body = c.reshape(tiles, blocks, tile, 8, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, quad, tile, 4]
+    else:
+        low, high = c[..., :16], c[..., 16:]
+        packed = low | (high << 4)  # [tiles, B, tile, 16]: byte 4p + j holds inputs 4p + j and 16 + 4p + j
+        body = packed.reshape(tiles, blocks, tile, 4, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, p, tile, 4]
+    parts = [body.reshape(tiles, blocks, -1)]
+    for scales in (weight.d, weight.m):
+        if scales is not None:
+            s = torch.nn.functional.pad(scales, (0, 0, 0, pad)).view(tiles, tile, blocks).transpose(1, 2)
+            parts.append(s.contiguous().view(torch.uint8).reshape(tiles, blocks, -1))
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def unpack(packed: torch.Tensor, fmt: str, n: int, k: int, tile: int) -> BlockWeight:
+    """The BlockWeight that ``pack`` turned into ``packed`` (padding dropped)."""
+    tiles, blocks, _ = packed.shape
+    code_bytes = tile * (32 if fmt == "q8_0" else 16)
+    body = packed[..., :code_bytes]
+    if fmt == "q8_0":
+        c = body.reshape(tiles, blocks, 8, tile, 4).permute(0, 1, 3, 2, 4).reshape(tiles, blocks, tile, BLOCK)
+    else:
+        b = body.reshape(tiles, blocks, 4, tile, 4).permute(0, 1, 3, 2, 4).reshape(tiles, blocks, tile, 16)
+        c = torch.cat([b & 0x0F, b >> 4], dim=-1)
+    codes = c.permute(0, 2, 1, 3).reshape(tiles * tile, blocks * BLOCK)[:n]
+
+    def scales(at: int) -> torch.Tensor:
+        s = packed[..., at:at + 2 * tile].contiguous().view(torch.float16)  # [tiles, B, tile]
+        return s.transpose(1, 2).reshape(tiles * tile, blocks)[:n]
+
+    return BlockWeight(fmt, codes.contiguous(), scales(code_bytes),
+                       scales(code_bytes + 2 * tile) if fmt == "q4_1" else None, k)

@@ -1,0 +1,141 @@
+"""The fused decoder layer (``kernels/layer.h``, ``Block.forward_fused``): its maths against a float64 reference
+of the same steps, its two forms (plain cache written in the kernel, other caches through ``update``) giving the
+same bits, thread counts giving the same bits, and what a fused model hands out (features, weight formats)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode.kv.cache import CacheConfig
+from specdecode.kv.prefill import _Recorder
+from specdecode.models.linear import NATIVE_KERNELS, NativeLinear, QuantLinear
+from specdecode.models.weights import BLOCK_FORMATS
+from kernel_paths import path_params
+from tiny_models import tiny_model, varied_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FORMATS = ["bf16", *BLOCK_FORMATS]
+
+
+def _inputs(layer, x: torch.Tensor) -> torch.Tensor:
+    """What a projection reads of fp64 rows x: bf16-rounded values, or int8 blocks of 32 (kernel's scale)."""
+    if isinstance(layer, NativeLinear):
+        return x.to(torch.bfloat16).double()
+    k = x.shape[-1]
+    blocks = F.pad(x.float(), (0, -k % 32)).view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    return (torch.round(blocks * inv).double() * d.double()).view(x.shape[0], -1)[:, :k]
+
+
+def _project(layer, x: torch.Tensor) -> torch.Tensor:
+    w = layer.weight_rows(torch.arange(layer.out_features)).double()
+    y = _inputs(layer, x) @ w.T
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def _reference_layer(block, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, positions: torch.Tensor,
+                     inv_freq: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer in float64 over rows x [T, h] after past keys/values [Hkv, P, D] (bf16 values): (x', k, v)."""
+    t, heads, kv, d = x.shape[0], block.heads, block.kv_heads, block.head_dim
+    qkv = _project(block.wqkv, _rms(x, block.attn_norm, eps)).view(t, heads + 2 * kv, d)
+    angles = positions[:, None].double() * inv_freq.double()[None]  # [T, D/2]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    a, b = qkv[..., :d // 2], qkv[..., d // 2:]
+    rotated = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    q, k = rotated[:, :heads], rotated[:, heads:heads + kv]
+    v = qkv[:, heads + kv:]
+    keys = torch.cat([past_k, k.transpose(0, 1).to(torch.bfloat16).double()], dim=1)  # the cache holds bf16
+    values = torch.cat([past_v, v.transpose(0, 1).to(torch.bfloat16).double()], dim=1)
+    group, start = heads // kv, past_k.shape[1]
+    out = torch.empty(t, heads, d, dtype=torch.float64)
+    for i in range(t):
+        for h in range(heads):
+            scores = keys[h // group, :start + i + 1] @ q[i, h] / math.sqrt(d)
+            out[i, h] = scores.softmax(-1) @ values[h // group, :start + i + 1]
+    x = x + _project(block.wo, out.reshape(t, -1))
+    gate, up = _project(block.w_gate_up, _rms(x, block.mlp_norm, eps)).chunk(2, dim=-1)
+    return x + _project(block.w_down, F.silu(gate) * up), keys, values
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("weights", FORMATS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_fused_layers_compute_the_float64_reference(path, weights, arch):
+    model = tiny_model(arch, seed=3, dtype=torch.bfloat16)
+    model.pack_weights(path, weights=weights)
+    assert model.fused
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, model.config.vocab_size, (11,), generator=g)
+    cache = model.new_cache(CacheConfig(max_len=32))
+    with torch.inference_mode():
+        model.forward_rows(tokens[:7], cache, (0,), (7,), logits="none")
+        x = torch.randn(4, model.config.hidden_size, generator=g)
+        rope = (*model._rope_rows(16), torch.arange(7, 11))
+        for i, block in enumerate(model.layers):
+            past_k = cache.k[i][0, :, :7].double()
+            past_v = cache.v[i][0, :, :7].double()
+            got = block.forward_fused(x, i, cache, (0,), (7,), (4,), rope, [None])
+            want, keys, values = _reference_layer(block, x.double(), past_k, past_v, torch.arange(7, 11),
+                                                  model.inv_freq, model.config.rms_norm_eps)
+            # Seen: ~1e-7 (fp32 arithmetic). The bound leaves room for an activation code (or a bf16 input)
+            # rounded the other way near a tie (~1e-3); a wrong step (RoPE angle, head mapping, bias) is ~1e-1.
+            err = (got.double() - want).abs().max().item()
+            assert err <= 3e-3 * want.abs().max().item(), (i, err)
+            new_k = cache.k[i][0, :, 7:11].double()
+            assert (new_k - keys[:, 7:]).abs().max().item() <= 3e-3 * keys.abs().max().item()
+            x = got
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("weights", ["bf16", "q4_1"])
+def test_a_cache_that_sees_every_write_gives_the_same_bits(path, weights):
+    """layer_rows writes a plain cache's buffers itself; through update (a recorder, a compressing cache) the
+    layer takes its other form: same logits, same cached keys."""
+    model = varied_model(0, dtype=torch.bfloat16)
+    model.pack_weights(path, weights=weights)
+    tokens = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        direct, recorded = model.new_cache(CacheConfig(max_len=32)), model.new_cache(CacheConfig(max_len=32))
+        recorder = _Recorder(recorded)
+        assert direct.direct_buffers(0, (0,), (0,), (20,)) is not None and recorder.direct_buffers(0) is None
+        a = model.forward_rows(tokens, direct, (0,), (20,))
+        b = model.forward_rows(tokens, recorder, (0,), (20,))
+        assert torch.equal(a, b)
+        assert all(torch.equal(x, y) for x, y in zip(direct.k, recorded.k))
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+def test_fused_forwards_give_the_same_bits_on_one_and_two_threads(path):
+    model = varied_model(0, dtype=torch.bfloat16)
+    model.pack_weights(path, weights="q8_0")
+    tokens = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            outs.append(model.forward_rows(tokens, model.new_cache(CacheConfig(max_len=16)), (0,), (13,)))
+    torch.set_num_threads(1)
+    assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+def test_a_fused_model_hands_out_features_in_its_dtype_and_unfused_packing_stays_available(path):
+    fused, plain = varied_model(0, dtype=torch.bfloat16), varied_model(0, dtype=torch.bfloat16)
+    fused.pack_weights(path, weights="q4_1")
+    plain.pack_weights(path, weights="q4_1", fuse=False)
+    assert fused.fused and not plain.fused and isinstance(plain.layers[0].wqkv, QuantLinear)
+    tokens = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        logits, feats = fused(tokens, fused.new_cache(CacheConfig(max_len=16)), features=(1, 4))
+        unfused = plain(tokens, plain.new_cache(CacheConfig(max_len=16)), invariant_rows=True)
+    assert logits.dtype == torch.float32 and feats.dtype == torch.bfloat16 and feats.shape == (1, 9, 2 * 64)
+    assert (logits.argmax(-1) == unfused.argmax(-1)).float().mean() > 0.8  # same model, other rounding steps
