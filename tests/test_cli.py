@@ -25,6 +25,7 @@ from specdecode.models import fetch as fetch_mod
 from specdecode.models import loader as loader_mod
 from specdecode.models.fetch import cached_path
 from specdecode.models.registry import DEFAULT_MODEL, get, list_models
+from kernel_paths import path_problem
 from tiny_models import WORDS, write_tiny_hf_model
 
 STATS_KEYS = {"tokens_generated", "target_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate",
@@ -207,6 +208,9 @@ def test_a_budget_too_small_for_the_request_is_a_clean_error(tiny, capsys):
     (["--draft-kv-dtype", "int8"], ["--draft-kv-dtype is only used with a draft model"]),
     (["--linear", "tiled", "--dtype", "float32"], ["the tiled kernel needs a bf16 model", "float32"]),
     (["--linear", "fast"], ["--linear", "'fast'", "tiled"]),
+    (["--weights", "q5"], ["--weights", "'q5'", "q4_1"]),
+    (["--weights", "q4_1", "--linear", "torch"], ["--weights q4_1 needs one of our kernels", "torch"]),
+    (["--weights", "q8_0", "--dtype", "float32"], ["--weights q8_0 needs one of our kernels", "float32 model"]),
 ])
 def test_bad_arguments_before_any_loading(tiny, capsys, flags, needles):
     # Tiny target unless the flags name another model; no case may get as far as loading the weights.
@@ -223,6 +227,9 @@ def test_bad_arguments_before_any_loading(tiny, capsys, flags, needles):
     (["--drafter", "draft-tree"], ["--drafter draft-tree needs --draft-model"]),
     (["--drafter", "ngram", "--tree-width", "3"], ["--tree-width is only used by --drafter draft-tree|eagle-tree",
                                                    "ngram"]),
+    (["--drafter", "ngram", "--draft-weights", "q8_0"], ["--draft-weights applies to a draft model", "ngram"]),
+    (["--draft-model", "DRAFT", "--draft-quant", "int8", "--draft-weights", "q8_0"],
+     ["--draft-quant int8 and --draft-weights both"]),
 ])
 def test_contradictory_drafter_flags_fail_before_loading(tiny, capsys, flags, needles):
     flags = [str(tiny["draft"]) if f == "DRAFT" else f for f in flags]
@@ -459,6 +466,17 @@ def test_generate_with_an_int8_draft_model_matches_plain(tiny, capsys):
     assert main(base + ["--gamma", "0", "7 8 9"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main(base + ["--draft-model", str(draft), "--draft-quant", "int8", "--gamma", "3", "7 8 9"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["drafted_tokens"] > 0
+
+
+@pytest.mark.skipif(path_problem("avx2") is not None, reason=f"needs one of our kernels: {path_problem('avx2')}")
+def test_generate_with_block_weights_and_a_q8_0_draft_model_matches_plain_decoding_in_that_format(tiny, capsys):
+    base = ["generate", "--model", str(tiny["target"]), "--dtype", "bfloat16", "--weights", "q4_1",
+            "--max-new-tokens", "12", "--json"]
+    assert main(base + ["--gamma", "0", "7 8 9"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--draft-model", str(tiny["draft"]), "--draft-weights", "q8_0", "--gamma", "3", "7 8 9"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["drafted_tokens"] > 0
 

@@ -325,3 +325,30 @@ def test_kv_usage_errors_come_before_loading(tiny_model_dirs, prompt_file, capsy
     with pytest.raises(SystemExit):
         main(base + ["--kv-budget", "lots"])
     assert "expected a byte count like 1000000, 512M or 2G, got 'lots'" in capsys.readouterr().err
+
+
+def test_several_weight_formats_run_side_by_side_each_checked_against_its_own_plain_decoding(
+        tiny_model_dirs, prompt_file, tmp_path, capsys):
+    from kernel_paths import path_problem
+
+    if path_problem("avx2") is not None:
+        pytest.skip(f"block formats need one of our kernels: {path_problem('avx2')}")
+    out_json, report = tmp_path / "bench.json", tmp_path / "report"
+    args = _base_args(tiny_model_dirs, prompt_file) + [
+        "--dtype", "bfloat16", "--weights", "bf16,q4_1", "--methods", "none,ngram,hf", "--gammas", "3",
+        "--cost-curve", "0", "--json", str(out_json)]
+    if matplotlib_available():
+        args += ["--report", str(report)]
+    assert main(args) == 0
+    doc = json.loads(out_json.read_text())
+    by_name = {m["name"]: m for m in doc["methods"]}
+    assert [n for n in by_name if n != "hf"] == ["none@bf16", "none@q4_1", "ngram:g3@bf16", "ngram:agreement@bf16",
+                                                 "ngram:g3@q4_1", "ngram:agreement@q4_1"]
+    assert by_name["none@q4_1"]["weights"] == "q4_1, head q8_0" and by_name["none@bf16"]["weights"] == "bf16"
+    assert by_name["none@q4_1"]["weight_mb"] < by_name["none@bf16"]["weight_mb"]
+    assert by_name["none@q4_1"]["overall"]["speedup_vs_none"] == 1.0  # each format's own reference
+    assert doc["identical_outputs"] == doc["identity_comparisons"] == 4 * 4  # 4 drafting methods x 4 prompts
+    assert by_name["hf"]["compared_to_none"] == 4  # peers count agreement, against the first format's plain
+    if matplotlib_available():
+        md = (report / "report.md").read_text()
+        assert "## Weights" in md and "| `none@q4_1` | q4_1, head q8_0 |" in md

@@ -132,3 +132,15 @@ def _python_includes() -> list[str]:
     import sysconfig
 
     return [sysconfig.get_paths()["include"]]
+
+
+@pytest.mark.parametrize("cpu,weights", [("old", "q4_1"), ("old", "q8_0")])
+def test_a_block_format_on_a_cpu_without_our_kernels_is_refused_with_the_reason(monkeypatch, cpu, weights):
+    _fake_cpu(monkeypatch, FLAGS[cpu])
+    monkeypatch.delenv(LINEAR_ENV, raising=False)
+    path = resolve_linear_kernel("auto", build.resolve_dtype("auto"), CPU)
+    with pytest.raises(ValueError, match=f"--weights {weights} needs one of our kernels .* would run on torch"):
+        build.check_weights(weights, path)
+    build.check_weights("auto", path)  # auto means bf16 there
+    with pytest.raises(ValueError, match="the projections of this model run on torch"):
+        varied_model(0).pack_weights("auto", weights=weights)

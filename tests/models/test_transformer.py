@@ -329,7 +329,7 @@ def _attention_on(path: str):
     """The row-invariant attention a model packed for ``path`` runs (``Block.attend``), as a function."""
     require_path(path)
     block = varied_model(0, dtype=torch.bfloat16).layers[0]
-    ops = native.kernel("avx512" if path == "tiled" else path) if path in NATIVE_KERNELS else None
+    ops = native.kernel(path) if path in NATIVE_KERNELS else None
 
     def attend(q, keys, values, window=None):
         block.attention_ops, block.window, block.head_dim = ops, window, q.shape[-1]
@@ -384,8 +384,9 @@ def test_verification_forward_equals_decode_steps_on_every_path(path):
         config = tiny_config("mistral" if overrides else "llama", tie_word_embeddings=False, **overrides)
         model = Transformer.from_hf_tensors(config, random_hf_tensors(config, seed=4, scale=0.2), dtype=torch.bfloat16)
         assert model.pack_weights(path) == path
-        ours = native.kernel("avx512" if path == "tiled" else path) if path in NATIVE_KERNELS else None
+        ours = native.kernel(path) if path in NATIVE_KERNELS else None
         assert all(block.attention_ops is ours for block in model.layers)  # our attention kernel on our paths
+        assert all(block.fused_ops is ours for block in model.layers)  # and on ours, one call per layer
         ids = torch.randint(0, config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
         with torch.inference_mode():
             cache = model.new_cache(CacheConfig(max_len=32))

@@ -26,7 +26,8 @@ from specdecode.tree import place_rows
 from specdecode.kv.factory import make_cache
 from specdecode.models.config import ModelConfig
 from specdecode.models.linear import NATIVE_KERNELS, packed_linear
-from specdecode.models.transformer import Block, attention_ops, rope_inv_freq, rope_tables
+from specdecode.models import native
+from specdecode.models.transformer import Block, attention_ops, rope_inv_freq, rope_rows, rope_tables
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class EagleHead(nn.Module):
         self.block = Block(config.layer)
         self.register_buffer("inv_freq", rope_inv_freq(config.layer), persistent=False)
         self._rope: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._rope_fp32: tuple[torch.Tensor, torch.Tensor] | None = None  # the fused layer's tables
 
     @property
     def dtype(self) -> torch.dtype:
@@ -82,6 +84,8 @@ class EagleHead(nn.Module):
             layer = getattr(self.block, name)
             setattr(self.block, name, packed_linear(layer.weight, layer.bias, kernel))
         self.block.attention_ops = attention_ops(kernel)
+        if kernel in NATIVE_KERNELS:  # the layer as one kernel call, as the target's (fp32 inside)
+            self.block.fuse(native.kernel(kernel))
 
     def new_cache(self, config: CacheConfig) -> Cache:
         c = self.config
@@ -107,15 +111,19 @@ class EagleHead(nn.Module):
         """
         start, t = cache.lengths[0], embedded.shape[1]
         seen = None
-        if parents is None:
-            cos, sin = self._angles(start, t)
-        else:
+        positions = list(range(start, start + t))
+        if parents is not None:
             positions, seen = place_rows(parents, t, start, cache.visible(0))
             seen = None if seen is None else (seen[0].to(self.device), seen[1].to(self.device))
-            cos, sin = self._angles(0, max(positions) + 1)
-            cos, sin = cos[:, positions], sin[:, positions]  # [1, T, 1, D]
         x = self.fc(torch.cat((embedded, features), dim=-1))  # [1, T, h]
-        x = self.block.forward_rows(x, 0, cache, (0,), (start,), (t,), cos, sin, [seen])
+        if self.block.fused is not None:
+            if self._rope_fp32 is None or self._rope_fp32[0].shape[0] <= max(positions):
+                self._rope_fp32 = rope_rows(self.inv_freq, max(2 * max(positions), 256))
+            rope = (*self._rope_fp32, torch.tensor(positions))
+            x = self.block.forward_fused(x[0].float(), 0, cache, (0,), (start,), (t,), rope, [seen]).to(self.dtype)[None]
+        else:
+            cos, sin = self._angles(0, max(positions) + 1)
+            x = self.block.forward_rows(x, 0, cache, (0,), (start,), (t,), cos[:, positions], sin[:, positions], [seen])
         cache.advance((0,), t)
         return x
 

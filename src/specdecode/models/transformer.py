@@ -67,6 +67,13 @@ def rope_tables(inv_freq: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[tor
     return torch.cat((angles, angles), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
+def rope_rows(inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``cos``, ``sin`` ``[n, D/2]`` of positions 0..n-1, one frequency per pair of halves: the fused
+    layers' tables (angles computed in float64)."""
+    angles = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq.double().cpu())
+    return angles.cos().float().contiguous(), angles.sin().float().contiguous()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates ``x [B, T, H, D]`` by angles given as ``cos``/``sin [B, T, 1, D]`` (rotate-half layout).
 
@@ -222,11 +229,11 @@ def resolve_linear_kernel(kernel: str, dtype: torch.dtype, device: torch.device,
 
 
 def attention_ops(kernel: str, log: Callable[[str], None] | None = None):
-    """Our compiled attention for a model whose projections run on ``kernel`` (the avx512 build's for
-    tiled), or None off our paths (``Block.attend`` then uses ``rowwise_attention``)."""
+    """Our compiled attention for a model whose projections run on ``kernel`` (the same build's), or None
+    off our paths (``Block.attend`` then uses ``rowwise_attention``)."""
     if kernel not in NATIVE_KERNELS:
         return None
-    return native.kernel("avx512" if kernel == "tiled" else kernel, log)
+    return native.kernel(kernel, log)
 
 
 def projection_parts(layer: int) -> dict[str, list[str]]:
@@ -265,7 +272,8 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.attention_ops = None  # our compiled attention (``native``), set by Transformer.pack_weights
-        self.fused = None  # the whole layer as one kernel call (``native`` Layer), set by Transformer.pack_weights
+        self.fused = None  # the whole layer as one kernel call (``native`` Layer), set by fuse()
+        self.fused_ops = None
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Row-invariant attention of the T newest tokens (``[B, H, T, D]``) over the keys (``[B, Hkv, L, D]``):
@@ -332,6 +340,13 @@ class Block(nn.Module):
             offset += n
         return self.finish(x, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
 
+
+    def fuse(self, ops) -> None:
+        """Runs this layer as one kernel call (``forward_fused``) with ``ops``, our kernels of its projections'
+        path; its projections must be packed for them (``NativeLinear`` or ``QuantLinear``)."""
+        self.fused_ops = ops
+        self.fused = ops.Layer(self.wqkv.proj(), self.wo.proj(), self.w_gate_up.proj(), self.w_down.proj(),
+                               self.attn_norm, self.mlp_norm, self.eps, self.heads, self.kv_heads, self.head_dim)
 
     def forward_fused(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
                       counts: Sequence[int], rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -400,9 +415,8 @@ class Transformer(nn.Module):
     def _rope_rows(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``cos``, ``sin`` ``[>= length, D/2]`` for the fused layers (one frequency per pair of halves)."""
         if self._rope_fp32 is None or self._rope_fp32[0].shape[0] < length:
-            n = max(length, 2 * self._rope_fp32[0].shape[0] if self._rope_fp32 else 256)
-            angles = torch.outer(torch.arange(n, dtype=torch.float64), self.inv_freq.double())
-            self._rope_fp32 = (angles.cos().float().contiguous(), angles.sin().float().contiguous())
+            self._rope_fp32 = rope_rows(self.inv_freq, max(length, 2 * self._rope_fp32[0].shape[0]
+                                                           if self._rope_fp32 else 256))
         return self._rope_fp32
 
     @property
@@ -436,11 +450,10 @@ class Transformer(nn.Module):
         """
         b, t = tokens.shape
         if invariant_rows or self.fused:  # fused layers have only the row-invariant form
-            out = self.forward_rows(tokens.reshape(-1), cache, slots, [t] * b, layers,
-                                    "none" if logits == "none" else "all", features)
+            out = self.forward_rows(tokens.reshape(-1), cache, slots, [t] * b, layers, logits, features)
             logit_rows, hidden = out if features else (out, None)
             if logit_rows is not None:
-                logit_rows = logit_rows.view(b, t, -1)[:, -1:] if logits == "last" else logit_rows.view(b, t, -1)
+                logit_rows = logit_rows.view(b, 1 if logits == "last" else t, -1)
             return (logit_rows, hidden.view(b, t, -1)) if features else logit_rows
         starts = [cache.lengths[s] for s in slots]
         cos_table, sin_table = self._rope(max(starts) + t)
@@ -644,14 +657,10 @@ class Transformer(nn.Module):
             self._swap_projections(lambda layer, parts, head: self._projection(layer, parts, head, kernel, weights, source))
         if kernel in NATIVE_KERNELS:
             ops = native.kernel(kernel)
-            c = self.config
             for block in self.layers:
                 block.attention_ops = attention_ops(kernel, log)
                 if fuse:
-                    block.fused_ops = ops
-                    block.fused = ops.Layer(block.wqkv.proj(), block.wo.proj(), block.w_gate_up.proj(), block.w_down.proj(),
-                                            block.attn_norm, block.mlp_norm, c.rms_norm_eps, c.num_heads,
-                                            c.num_kv_heads, c.head_dim)
+                    block.fuse(ops)
             if fuse:
                 self.fused_ops, self.fused_head = ops, self.head_layer.proj()
         elif kernel == "onednn":

@@ -62,9 +62,13 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, 
   out.sx.resize(rows * blocks);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      alignas(64) float v[kQBlock] = {};
+      alignas(64) float tail[kQBlock] = {};
       const int64_t n = std::min<int64_t>(kQBlock, k - b * kQBlock);
-      std::memcpy(v, x + r * ldx + b * kQBlock, sizeof(float) * n);
+      const float* v = x + r * ldx + b * kQBlock;
+      if (n < kQBlock) {  // the last block of a row whose length is not a whole number of blocks
+        std::memcpy(tail, v, sizeof(float) * n);
+        v = tail;
+      }
       vf amax = vzero();
       for (int i = 0; i < kQBlock; i += kLanes) amax = vmax(amax, vabs(vload(v + i)));
       alignas(64) float lanes[kLanes];
@@ -73,18 +77,19 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, 
       for (int i = 0; i < kLanes; ++i) m = std::max(m, lanes[i]);  // a max: exact in any order
       const float d = m / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
       int8_t* q = out.q.data() + (r * blocks + b) * kQBlock;
-      int32_t sum = 0;
-      for (int i = 0; i < kQBlock; i += kLanes) {
-        alignas(64) float scaled[kLanes];
-        vstore(scaled, vround(vmul(vload(v + i), vset(id))));
-        for (int j = 0; j < kLanes; ++j) {
-          q[i + j] = static_cast<int8_t>(scaled[j]);
-          sum += q[i + j];
-        }
+      vi sum = vzero_i();
+      for (int i = 0; i < kQBlock; i += kLanes) {  // codes: rounded to nearest even, then narrowed (|c| <= 127)
+        const vi c = vcvt_f(vround(vmul(vload(v + i), vset(id))));
+        sum = vadd_i(sum, c);
+        store_i8(q + i, c);
       }
+      alignas(64) int32_t parts[kLanes];
+      vstore_i(parts, sum);
+      int32_t total = 0;
+      for (int i = 0; i < kLanes; ++i) total += parts[i];  // integers: exact in any order
       out.d[r * blocks + b] = d;
-      out.sx[r * blocks + b] = sum;
-      out.s[r * blocks + b] = d * float(sum);
+      out.sx[r * blocks + b] = total;
+      out.s[r * blocks + b] = d * float(total);
     }
   }
 }
