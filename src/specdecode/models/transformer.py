@@ -527,10 +527,18 @@ class Transformer(nn.Module):
         if self.fused:
             x = self.embed(tokens).float()  # [N, hidden]: the fused layers keep the residual stream in fp32
             rope = (*self._rope_rows(max(positions) + 1), pos)
-            for i in run:
-                x = self.layers[i].forward_fused(x, i, cache, slots, starts, counts, rope, trees)
-                if i in features:
-                    kept[i] = x[None]
+            buffers = [cache.direct_buffers(i, slots, starts, counts) for i in run]
+            if all(b is not None for b in buffers) and not any(i in features for i in run):
+                # every layer in one kernel call: no return to Python (and no idle threads) between layers
+                x = self.fused_ops.layers_rows([self.layers[i].fused for i in run], x, *rope, [b[0] for b in buffers],
+                                               [b[1] for b in buffers], list(slots), list(starts), list(counts),
+                                               self.config.sliding_window or 0,
+                                               [None if seen is None else list(seen) for seen in trees])
+            else:
+                for i in run:
+                    x = self.layers[i].forward_fused(x, i, cache, slots, starts, counts, rope, trees)
+                    if i in features:
+                        kept[i] = x[None]
             x = x[None]
         else:
             cos_table, sin_table = self._rope(max(positions) + 1)

@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_attend", &layer_attend);
   m.def("layer_finish", &layer_finish);
   m.def("layer_rows", &layer_rows);
+  m.def("layers_rows", &layers_rows);
   m.def("project_rows", &project_rows);
   m.def("rms_norm_rows", &rms_norm_rows);
 }

@@ -382,78 +382,106 @@ inline torch::Tensor layer_finish(const Layer& L, const torch::Tensor& x, const 
   return out;
 }
 
-// The whole layer over ragged rows of several sequences whose keys/values live in plain buffers [S, Hkv, M, D]
-// (bf16): sequence j's counts[j] rows continue slot slots[j] at starts[j] (written there); trees[j], if
-// given, is (index [n, W], counts [n]) over that slot's keys. Returns the new x. One parallel region: the
-// threads meet at a barrier only where one needs another's output.
+// Layers over ragged rows of several sequences whose keys/values live in plain buffers [S, Hkv, M, D] (bf16,
+// one pair per layer): sequence j's counts[j] rows continue slot slots[j] at starts[j] (written there);
+// trees[j], if given, is (index [n, W], counts [n]) over that slot's keys. Returns x after the last layer.
+// One parallel region for all of them: the threads meet at a barrier only where one needs another's output.
+inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const torch::Tensor& x,
+                                 const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& pos,
+                                 const std::vector<torch::Tensor>& kbufs, const std::vector<torch::Tensor>& vbufs,
+                                 const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
+                                 const std::vector<int64_t>& counts, int64_t window,
+                                 const std::vector<c10::optional<std::vector<torch::Tensor>>>& trees) {
+  TORCH_CHECK(!layers.empty() && kbufs.size() == layers.size() && vbufs.size() == layers.size(),
+              "layers_rows: one key and one value buffer per layer");
+  TORCH_CHECK(slots.size() == starts.size() && slots.size() == counts.size() && trees.size() == slots.size(),
+              "layers_rows: one start, count and tree entry per slot");
+  const int64_t n = x.size(0);
+  std::vector<int64_t> first_row;
+  int64_t total = 0;
+  for (size_t j = 0; j < slots.size(); ++j) {
+    TORCH_CHECK(counts[j] >= 1 && starts[j] >= 0, "layers_rows: slot ", slots[j], " rows out of range");
+    first_row.push_back(total);
+    total += counts[j];
+  }
+  TORCH_CHECK(total == n, "layers_rows: counts sum to ", total, ", x has ", n, " rows");
+  std::vector<std::vector<sd::KeyView>> views(layers.size());
+  int64_t width = 0, kv_width = 0, hidden = 0, inter = 0;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const Layer& L = *layers[l];
+    const torch::Tensor &kbuf = kbufs[l], &vbuf = vbufs[l];
+    sd::check_rows(L, x);
+    sd::check_rope(L, cos, sin, pos, n);
+    TORCH_CHECK(kbuf.scalar_type() == at::kBFloat16 && vbuf.scalar_type() == at::kBFloat16 && kbuf.is_contiguous() &&
+                vbuf.is_contiguous() && kbuf.dim() == 4 && kbuf.size(1) == L.kv_heads && kbuf.size(3) == L.head_dim &&
+                vbuf.sizes() == kbuf.sizes(), "layers_rows: cache buffers bf16 [S, Hkv, M, D], contiguous");
+    const int64_t max_len = kbuf.size(2), d = L.head_dim, slot_stride = L.kv_heads * max_len * d;
+    for (size_t j = 0; j < slots.size(); ++j) {
+      TORCH_CHECK(slots[j] >= 0 && slots[j] < kbuf.size(0) && starts[j] + counts[j] <= max_len,
+                  "layers_rows: slot ", slots[j], " rows out of range");
+      const int64_t length = starts[j] + counts[j];
+      sd::KeyView kv{sd::bf16_ptr(kbuf) + slots[j] * slot_stride, sd::bf16_ptr(vbuf) + slots[j] * slot_stride,
+                     max_len * d, max_len * d, d, d, starts[j], window, length};
+      if (trees[j].has_value()) {
+        const auto& t = *trees[j];
+        TORCH_CHECK(t.size() == 2, "layers_rows: a tree is (index, counts)");
+        check_key_index(t[0], t[1], counts[j], length);
+        kv.index = t[0].data_ptr<int64_t>();
+        kv.counts = t[1].data_ptr<int64_t>();
+        kv.width = t[0].size(1);
+      }
+      views[l].push_back(kv);
+    }
+    width = std::max(width, L.qkv.n_out);
+    kv_width = std::max(kv_width, L.kv_heads * L.head_dim);
+    hidden = std::max(hidden, std::max(L.hidden, L.heads * L.head_dim));
+    inter = std::max(inter, L.inter);
+  }
+  auto current = x.clone(), next = torch::empty_like(x);
+  std::vector<float> proj(n * width), q(n * hidden), attn(n * hidden);
+  std::vector<float> o(n * hidden), gu(n * 2 * inter), down(n * hidden);
+  std::vector<uint16_t> k(n * kv_width), v(n * kv_width);
+  sd::on_threads([&](int tid, int nt) {
+    sd::ThreadBuffers tb;
+    sd::AttendScratch s(hidden);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const Layer& L = *layers[l];
+      const int64_t d = L.head_dim;
+      const float* xin = (l % 2 ? next : current).data_ptr<float>();
+      float* xout = (l % 2 ? current : next).data_ptr<float>();
+      sd::qkv_part(L, xin, n, cos.data_ptr<float>(), sin.data_ptr<float>(), pos.data_ptr<int64_t>(), proj.data(),
+                   q.data(), k.data(), v.data(), tb, tid, nt);
+#pragma omp barrier
+      int64_t a, b;
+      sd::share(n * L.kv_heads, tid, nt, a, b);
+      for (int64_t u = a; u < b; ++u) {  // the new keys/values into their slots' buffers
+        const int64_t kh = u / n, r = u % n;
+        const size_t j = std::upper_bound(first_row.begin(), first_row.end(), r) - first_row.begin() - 1;
+        const sd::KeyView& kv = views[l][j];
+        const int64_t at = kh * kv.head_stride_k + (starts[j] + r - first_row[j]) * d;
+        std::memcpy(const_cast<uint16_t*>(kv.keys) + at, k.data() + (kh * n + r) * d, sizeof(uint16_t) * d);
+        std::memcpy(const_cast<uint16_t*>(kv.values) + at, v.data() + (kh * n + r) * d, sizeof(uint16_t) * d);
+      }
+#pragma omp barrier
+      for (size_t j = 0; j < views[l].size(); ++j) {
+        sd::share(counts[j] * L.heads, tid, nt, a, b);
+        sd::attend_units(L, q.data(), first_row[j], views[l][j], attn.data(), a, b, s);
+      }
+#pragma omp barrier
+      sd::finish_part(L, xin, attn.data(), n, o.data(), gu.data(), down.data(), xout, tb, tid, nt);
+#pragma omp barrier
+    }
+  });
+  return layers.size() % 2 ? next : current;
+}
+
+// One layer of layers_rows.
 inline torch::Tensor layer_rows(const Layer& L, const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                 const torch::Tensor& pos, torch::Tensor kbuf, torch::Tensor vbuf,
                                 const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
                                 const std::vector<int64_t>& counts, int64_t window,
                                 const std::vector<c10::optional<std::vector<torch::Tensor>>>& trees) {
-  sd::check_rows(L, x);
-  const int64_t n = x.size(0);
-  sd::check_rope(L, cos, sin, pos, n);
-  TORCH_CHECK(kbuf.scalar_type() == at::kBFloat16 && vbuf.scalar_type() == at::kBFloat16 && kbuf.is_contiguous() &&
-              vbuf.is_contiguous() && kbuf.dim() == 4 && kbuf.size(1) == L.kv_heads && kbuf.size(3) == L.head_dim &&
-              vbuf.sizes() == kbuf.sizes(), "layer_rows: cache buffers bf16 [S, Hkv, M, D], contiguous");
-  TORCH_CHECK(slots.size() == starts.size() && slots.size() == counts.size() && trees.size() == slots.size(),
-              "layer_rows: one start, count and tree entry per slot");
-  const int64_t max_len = kbuf.size(2), d = L.head_dim;
-  const int64_t slot_stride = L.kv_heads * max_len * d, head_stride = max_len * d;
-  std::vector<sd::KeyView> views;
-  std::vector<int64_t> first_row;
-  int64_t total = 0;
-  for (size_t j = 0; j < slots.size(); ++j) {
-    TORCH_CHECK(slots[j] >= 0 && slots[j] < kbuf.size(0) && counts[j] >= 1 && starts[j] >= 0 &&
-                starts[j] + counts[j] <= max_len, "layer_rows: slot ", slots[j], " rows out of range");
-    const int64_t length = starts[j] + counts[j];
-    sd::KeyView kv{sd::bf16_ptr(kbuf) + slots[j] * slot_stride, sd::bf16_ptr(vbuf) + slots[j] * slot_stride, head_stride,
-                   head_stride, d, d, starts[j], window, length};
-    if (trees[j].has_value()) {
-      const auto& t = *trees[j];
-      TORCH_CHECK(t.size() == 2, "layer_rows: a tree is (index, counts)");
-      check_key_index(t[0], t[1], counts[j], length);
-      kv.index = t[0].data_ptr<int64_t>();
-      kv.counts = t[1].data_ptr<int64_t>();
-      kv.width = t[0].size(1);
-    }
-    views.push_back(kv);
-    first_row.push_back(total);
-    total += counts[j];
-  }
-  TORCH_CHECK(total == n, "layer_rows: counts sum to ", total, ", x has ", n, " rows");
-  auto out = torch::empty_like(x);
-  std::vector<float> proj(n * L.qkv.n_out), q(n * L.heads * d), attn(n * L.heads * d);
-  std::vector<float> o(n * L.hidden), gu(n * 2 * L.inter), down(n * L.hidden);
-  std::vector<uint16_t> k(L.kv_heads * n * d), v(L.kv_heads * n * d);
-  uint16_t* kb = sd::bf16_ptr_mut(kbuf);
-  uint16_t* vb = sd::bf16_ptr_mut(vbuf);
-  sd::on_threads([&](int tid, int nt) {
-    sd::ThreadBuffers tb;
-    sd::qkv_part(L, x.data_ptr<float>(), n, cos.data_ptr<float>(), sin.data_ptr<float>(), pos.data_ptr<int64_t>(),
-                 proj.data(), q.data(), k.data(), v.data(), tb, tid, nt);
-#pragma omp barrier
-    int64_t a, b;
-    sd::share(n * L.kv_heads, tid, nt, a, b);
-    for (int64_t u = a; u < b; ++u) {  // the new keys/values into their slots' buffers
-      const int64_t kh = u / n, r = u % n;
-      const size_t j = std::upper_bound(first_row.begin(), first_row.end(), r) - first_row.begin() - 1;
-      const int64_t at = slots[j] * slot_stride + kh * head_stride + (starts[j] + r - first_row[j]) * d;
-      std::memcpy(kb + at, k.data() + (kh * n + r) * d, sizeof(uint16_t) * d);
-      std::memcpy(vb + at, v.data() + (kh * n + r) * d, sizeof(uint16_t) * d);
-    }
-#pragma omp barrier
-    sd::AttendScratch s(d);
-    for (size_t j = 0; j < views.size(); ++j) {
-      sd::share(counts[j] * L.heads, tid, nt, a, b);
-      sd::attend_units(L, q.data(), first_row[j], views[j], attn.data(), a, b, s);
-    }
-#pragma omp barrier
-    sd::finish_part(L, x.data_ptr<float>(), attn.data(), n, o.data(), gu.data(), down.data(), out.data_ptr<float>(), tb,
-                    tid, nt);
-  });
-  return out;
+  return layers_rows({&L}, x, cos, sin, pos, {kbuf}, {vbuf}, slots, starts, counts, window, trees);
 }
 
 // fp32 [N, F] -> fp32 [N, N_out]: one projection on its own (the output head).
