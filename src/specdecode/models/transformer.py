@@ -340,7 +340,6 @@ class Block(nn.Module):
             offset += n
         return self.finish(x, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
 
-
     def fuse(self, ops) -> None:
         """Runs this layer as one kernel call (``forward_fused``) with ``ops``, our kernels of its projections'
         path; its projections must be packed for them (``NativeLinear`` or ``QuantLinear``)."""
@@ -384,7 +383,7 @@ class Transformer(nn.Module):
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Set by pack_weights() / quantize_weights(); a tied head then gets its own copy.
-        self.head_layer: NativeLinear | PackedLinear | Int8Linear | None = None
+        self.head_layer: NativeLinear | QuantLinear | PackedLinear | Int8Linear | None = None
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._rope_fp32: tuple[torch.Tensor, torch.Tensor] | None = None  # the fused layers' cos/sin [P, D/2]
