@@ -74,6 +74,7 @@ class Method:
         draft_dtype: the separate draft model's dtype, else None.
         weights: the target's weight formats (``Transformer.weight_format``), "gguf" for llama.cpp.
         weight_bytes: the target's resident weight bytes (ours; packed copies included).
+        draft_weights: the separate draft model's weight formats, else None.
     """
 
     name: str
@@ -89,6 +90,7 @@ class Method:
     draft_dtype: str | None = None
     weights: str | None = None
     weight_bytes: int | None = None
+    draft_weights: str | None = None
 
     @property
     def kind(self) -> str:
@@ -174,7 +176,8 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
                   kernel=target.model.linear_kernel, dtype=dtype_name(target.model.dtype),
                   draft_kernel=drafts_with.linear_kernel if drafts_with else None,
                   draft_dtype=dtype_name(drafts_with.dtype) if drafts_with else None,
-                  weights=target.model.weight_format, weight_bytes=target.model.weight_nbytes)
+                  weights=target.model.weight_format, weight_bytes=target.model.weight_nbytes,
+                  draft_weights=drafts_with.weight_format if drafts_with else None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -263,7 +263,8 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
                  "rss_mb": _r(result.rss_mb.get(m.name)),
                  "memory_mb": {k: _r(v / 2**20) for k, v in m.memory().items()} if m.memory else None,
                  "kernel": m.kernel, "dtype": m.dtype, "draft_kernel": m.draft_kernel, "draft_dtype": m.draft_dtype,
-                 "weights": m.weights, "weight_mb": _r(m.weight_bytes / 2**20) if m.weight_bytes else None}
+                 "weights": m.weights, "weight_mb": _r(m.weight_bytes / 2**20) if m.weight_bytes else None,
+                 "draft_weights": m.draft_weights}
         methods.append(entry)
     built = {m.name for m in result.methods}
     for name, error in result.failed.items():  # peers that could not even be built
@@ -273,7 +274,7 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
                             "overall": empty_figures(), "by_category": {c: empty_figures() for c in categories},
                             "identical_to_none": None, "compared_to_none": None, "rss_mb": None,
                             "memory_mb": None, "kernel": None, "dtype": None, "draft_kernel": None,
-                            "draft_dtype": None, "weights": None, "weight_mb": None})
+                            "draft_dtype": None, "weights": None, "weight_mb": None, "draft_weights": None})
     identity_checked = greedy and has_plain
     ours_compared = [e for e in methods if e["kind"] == "ours" and e["family"] != "none" and e["compared_to_none"]]
     identical = sum(e["identical_to_none"] for e in ours_compared) if identity_checked else None
@@ -346,10 +347,13 @@ def runs_on(entry: dict[str, Any]) -> str:
     """A method's kernel and dtype, and its draft model's: "onednn bfloat16; draft int8 bfloat16" ("-": unknown)."""
     if not entry.get("kernel"):  # failed to build, or a document older than the per-method record
         return "-"
-    weights = entry.get("weights")  # documents before weight formats lack it; shown where the blocks are quantized
-    quantized = weights and any(f in weights for f in ("q8_0", "q4_0", "q4_1"))
-    out = f"{entry['kernel']} {entry['dtype']}" + (f" ({weights} weights)" if quantized else "")
-    return out + (f"; draft {entry['draft_kernel']} {entry['draft_dtype']}" if entry.get("draft_kernel") else "")
+    def formats(weights: str | None) -> str:  # shown where blocks are quantized (older documents lack it)
+        return f" ({weights} weights)" if weights and any(f in weights for f in ("q8_0", "q4_0", "q4_1")) else ""
+
+    out = f"{entry['kernel']} {entry['dtype']}{formats(entry.get('weights'))}"
+    if entry.get("draft_kernel"):
+        out += f"; draft {entry['draft_kernel']} {entry['draft_dtype']}{formats(entry.get('draft_weights'))}"
+    return out
 
 
 def memory_total(entry: dict[str, Any]) -> float | None:
