@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import linear_kernel_problem
@@ -29,3 +30,13 @@ def path_params(paths=PATHS) -> list:
     return [pytest.param(p, id=p, marks=pytest.mark.skipif(path_problem(p) is not None,
                                                              reason=f"path {p} cannot run here: {path_problem(p)}"))
             for p in paths]
+
+
+def block_activations(x: torch.Tensor) -> torch.Tensor:
+    """Rows of x as the block-format kernels quantize them (int8 per 32 inputs, fp32 scale amax / 127, codes
+    rounded to nearest even), dequantized to float64: what their products multiply the weights with."""
+    k = x.shape[-1]
+    blocks = F.pad(x.float(), (0, -k % 32)).view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    return (torch.round(blocks * inv).double() * d.double()).view(x.shape[0], -1)[:, :k]

@@ -267,6 +267,15 @@ def test_usage_errors(tiny_model_dirs, prompt_file, capsys):
     assert "expected an integer >= 0 or one of agreement, confidence, cost, adaptive, got 'fastest'" in capsys.readouterr().err
     assert main(base + ["--gammas", "confidence", "--controller-file", str(prompt_file)]) == 2
     assert "is not valid JSON (truncated or corrupt?)" in capsys.readouterr().err
+    assert main(base + ["--draft-weights", "q8_0"]) == 2
+    assert "--draft-weights q8_0 needs --draft-model" in capsys.readouterr().err
+    assert main(base + ["--draft-model", str(tiny_model_dirs[1]), "--draft-quant", "int8", "--draft-weights", "q8_0"]) == 2
+    assert "--draft-quant int8 and --draft-weights both" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--weights", "auto,q3_k"])
+    assert "expected a comma list of auto, bf16, q8_0, q4_0, q4_1, got 'auto,q3_k'" in capsys.readouterr().err
+    assert main(base + ["--weights", "q4_1"]) == 2  # a float32 model: the projections would run on torch
+    assert "--weights q4_1 needs one of our kernels" in capsys.readouterr().err
 
 
 def test_report_without_matplotlib_says_so_before_running(tiny_model_dirs, prompt_file, tmp_path, capsys, monkeypatch):

@@ -14,7 +14,7 @@ from specdecode.kv.cache import CacheConfig
 from specdecode.kv.prefill import _Recorder
 from specdecode.models.linear import NATIVE_KERNELS, NativeLinear, QuantLinear
 from specdecode.models.weights import BLOCK_FORMATS
-from kernel_paths import path_params
+from kernel_paths import block_activations, path_params
 from tiny_models import tiny_model, varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,13 +23,7 @@ FORMATS = ["bf16", *BLOCK_FORMATS]
 
 def _inputs(layer, x: torch.Tensor) -> torch.Tensor:
     """What a projection reads of fp64 rows x: bf16-rounded values, or int8 blocks of 32 (kernel's scale)."""
-    if isinstance(layer, NativeLinear):
-        return x.to(torch.bfloat16).double()
-    k = x.shape[-1]
-    blocks = F.pad(x.float(), (0, -k % 32)).view(x.shape[0], -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    return (torch.round(blocks * inv).double() * d.double()).view(x.shape[0], -1)[:, :k]
+    return x.to(torch.bfloat16).double() if isinstance(layer, NativeLinear) else block_activations(x)
 
 
 def _project(layer, x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +105,29 @@ def test_a_cache_that_sees_every_write_gives_the_same_bits(path, weights):
         b = model.forward_rows(tokens, recorder, (0,), (20,))
         assert torch.equal(a, b)
         assert all(torch.equal(x, y) for x, y in zip(direct.k, recorded.k))
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("weights", ["bf16", "q8_0"])
+def test_ragged_slots_and_a_tree_give_the_same_bits_in_both_forms(path, weights):
+    """Two sequences in one forward, one of them a token tree: the all-layers call over a plain cache and the
+    per-layer ``update`` form agree on every logit and every cached key."""
+    model = varied_model(0, dtype=torch.bfloat16)
+    model.pack_weights(path, weights=weights)
+    g = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        outs, caches = [], []
+        for recorded in (False, True):
+            cache = model.new_cache(CacheConfig(max_len=48, slots=2))
+            target = _Recorder(cache) if recorded else cache
+            g.manual_seed(4)
+            for slot, n in ((0, 11), (1, 17)):
+                model.forward_rows(torch.randint(0, 97, (n,), generator=g), target, (slot,), (n,), logits="none")
+            tokens = torch.randint(0, 97, (3 + 5,), generator=g)
+            outs.append(model.forward_rows(tokens, target, (0, 1), (3, 5), parents=[None, [-1, 0, 0, 1, 2]]))
+            caches.append(cache)
+        assert torch.equal(*outs)
+        assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
 
 
 @pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))

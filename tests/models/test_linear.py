@@ -17,7 +17,7 @@ from specdecode.models import native
 from specdecode.models.linear import NATIVE_KERNELS, Int8Linear, NativeLinear, PackedLinear, QuantLinear, can_pack
 from specdecode.models.weights import BLOCK_FORMATS, quantize
 from specdecode.models.transformer import Transformer
-from kernel_paths import path_params, path_problem
+from kernel_paths import block_activations, path_params, path_problem
 from tiny_models import random_hf_tensors, tiny_config, tiny_model, varied_model
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="needs oneDNN bf16 on CPU")
@@ -66,16 +66,6 @@ def test_the_widened_builds_agree_bitwise_and_with_a_sequential_fp32_sum():
         assert torch.equal(out, want)
 
 
-def _kernel_activations(x: torch.Tensor) -> torch.Tensor:
-    """Rows of x as the block kernels quantize them (int8 per 32 inputs, fp32 scale amax / 127, codes rounded
-    to nearest even), dequantized to float64."""
-    k = x.shape[-1]
-    blocks = F.pad(x.float(), (0, -k % 32)).view(x.shape[0], -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    return (torch.round(blocks * inv).double() * d.double()).view(x.shape[0], -1)[:, :k]
-
-
 @pytest.mark.parametrize("path", OURS)
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 @pytest.mark.parametrize("out_features,in_features,bias", [(5, 32, False), (160, 96, True), (70, 100, True),
@@ -88,7 +78,7 @@ def test_block_formats_are_close_to_float64_and_row_invariant(path, fmt, out_fea
     x = torch.randn(32, in_features, generator=g)
     with torch.inference_mode():
         got = layer(x)
-        xq, w = _kernel_activations(x), blocks.dequantize().double()
+        xq, w = block_activations(x), blocks.dequantize().double()
         exact = xq @ w.T + (0 if b is None else b.double())
         # Exact integer block sums, then fp32 scaling and one fp32 add per block (and the bias).
         bound = (in_features / 32 + 2) * 2**-23 * (xq.abs() @ w.abs().T + (0 if b is None else b.abs().double()))

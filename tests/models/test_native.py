@@ -144,3 +144,16 @@ def test_a_block_format_on_a_cpu_without_our_kernels_is_refused_with_the_reason(
     build.check_weights("auto", path)  # auto means bf16 there
     with pytest.raises(ValueError, match="the projections of this model run on torch"):
         varied_model(0).pack_weights("auto", weights=weights)
+
+
+@pytest.mark.parametrize("name", list(native.BUILDS))
+def test_each_builds_tiles_are_what_the_packing_lays_out(name):
+    """native.BUILDS' tile sizes and record sizes agree with what the compiled build reads."""
+    if path_problem(name) is not None:
+        pytest.skip(f"build {name} cannot run here: {path_problem(name)}")
+    from specdecode.models.weights import FORMAT_CODES, BLOCK_FORMATS, pack, quantize
+
+    ops, b = native.kernel(name), native.BUILDS[name]
+    assert ops.tile_outputs() == b.tile and ops.quant_tile_outputs() == b.quant_tile
+    for fmt in BLOCK_FORMATS:
+        assert pack(quantize(torch.randn(3, 64), fmt), b.quant_tile).shape[-1] == ops.quant_record_bytes(FORMAT_CODES[fmt])

@@ -63,6 +63,14 @@ def test_q4_k_maps_to_q4_1_code_for_code_with_fp16_scales():
     assert not torch.equal(got, reference)  # the rounding is real, so the bound above is what is tested
 
 
+def test_a_q8_0_tensor_holding_code_minus_128_is_not_read_as_stored():
+    """llama.cpp never writes -128 (AVX2's sign trick could not multiply it); such a tensor is requantized."""
+    raw = gguf_quantize(_weight(4, 64).numpy(), QT.Q8_0).reshape(4, -1, 34).copy()
+    assert from_gguf(raw, QT.Q8_0, (4, 64)) is not None
+    raw[1, 0, 5] = 0x80  # code -128
+    assert from_gguf(raw, QT.Q8_0, (4, 64)) is None
+
+
 def test_formats_that_are_not_read_as_stored_return_none():
     assert from_gguf(np.zeros(4 * 32 * 2, dtype=np.uint8), QT.F16, (4, 32)) is None
     assert from_gguf(np.zeros(210, dtype=np.uint8), QT.Q6_K, (1, 256)) is None

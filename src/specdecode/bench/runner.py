@@ -113,6 +113,10 @@ class BenchConfig:
             raise ValueError("--gammas: give at least one gamma")
         if self.draft_quant != "none" and not self.draft_model:
             raise ValueError(f"--draft-quant {self.draft_quant} needs --draft-model NAME|PATH")
+        if self.draft_weights != "auto" and not self.draft_model:
+            raise ValueError(f"--draft-weights {self.draft_weights} needs --draft-model NAME|PATH")
+        if self.draft_quant != "none" and self.draft_weights != "auto":
+            raise ValueError("--draft-quant int8 and --draft-weights both set the draft model's weights; give one")
         for g in self.gammas:
             if g not in GAMMA_POLICIES and not (isinstance(g, int) and 1 <= g <= MAX_GAMMA):
                 raise ValueError(f"--gammas: {g!r} is not an integer in 1..{MAX_GAMMA} or one of {GAMMA_POLICIES}")
@@ -329,7 +333,7 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
     torch_dtype = resolve_dtype(config.dtype)
     hf_dtype = peer_dtype(config.dtype, torch_dtype)
     linear = resolve_linear_kernel(config.linear, torch_dtype, torch.device("cpu"), log)  # refuse before loading
-    for weights in (*config.weights, config.draft_weights):
+    for weights in (*config.weights, *((config.draft_weights,) if config.draft_model else ())):
         check_weights(weights, linear)
     wants_hf = transformers_available() and any(f.startswith("hf") for f in config.families)
     hf_error = None

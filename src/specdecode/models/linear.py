@@ -16,7 +16,7 @@ gives bitwise the same results as ``F.linear`` in bf16 (tests/models/test_linear
 
 ``QuantLinear`` keeps weights in llama.cpp's q8_0 / q4_0 / q4_1 blocks (``weights.py``) and multiplies
 int8-quantized rows of x with them (``kernels/linear_quant.h``): each row's integer block sums are exact,
-so rows are bitwise independent of each other, on every build alike.
+so rows are bitwise independent of each other, and every build gives the same bits.
 
 ``Int8Linear`` stores weights as int8 with one scale per output row and multiplies with torch's
 int8 weight-only kernel: half the bytes of bf16 to stream per step, and different numbers. It is

@@ -24,8 +24,8 @@ from specdecode.models import registry
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
 from specdecode.models.fetch import fetch
 # GGUFError and LoadError are raised through this module too: importers find them here.
-from specdecode.models.gguf import (GGUFError, GGUFFile, GGUFTensorInfo, LoadError, read_gguf,  # noqa: F401
-                                    read_gguf_raw, read_gguf_tensor)
+from specdecode.models.gguf import (GGUFError, GGUFFile, LoadError, read_gguf, read_gguf_raw,  # noqa: F401
+                                    read_gguf_tensor)
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.weights import FORMAT_OF, BlockWeight, WeightSource, from_gguf
 

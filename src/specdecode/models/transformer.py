@@ -577,11 +577,14 @@ class Transformer(nn.Module):
         """Logits of the rows ``x[:, pick]`` (unless "none") and, with ``features``, the kept layers side by side."""
         normed = self.config.num_layers in features
         if self.fused:  # fp32 rows [1, N, hidden]; features are handed out in the model dtype
-            if normed or logits != "none":
-                x = self.fused_ops.rms_norm_rows(x[0], self.norm, self.config.rms_norm_eps)[None]
+            eps = self.config.rms_norm_eps
             if normed:
-                kept[self.config.num_layers] = x
-            out = None if logits == "none" else self.fused_ops.project_rows(self.fused_head, x[0, pick].contiguous())[None]
+                kept[self.config.num_layers] = x = self.fused_ops.rms_norm_rows(x[0], self.norm, eps)[None]
+            out = None
+            if logits != "none":
+                rows = x[0, pick].contiguous()
+                out = self.fused_ops.project_rows(self.fused_head, rows if normed else
+                                                  self.fused_ops.rms_norm_rows(rows, self.norm, eps))[None]
             kept = {i: v.to(self.dtype) for i, v in kept.items()}
         else:
             if normed:
@@ -649,10 +652,13 @@ class Transformer(nn.Module):
             raise ValueError(f"weight format {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
         if self.head_layer is not None:
             current = self.linear_kernel
-            if kernel in ("auto", current) and weights in ("auto", self._packed_as):
+            same_weights = weights in ("auto", self._packed_as, self.weight_format)
+            if kernel in ("auto", current) and same_weights:
                 return current
-            asked = "" if weights in ("auto", self._packed_as) else f" ({self._packed_as} weights; {weights} asked)"
-            raise ValueError(f"the projections already run on {current}; cannot switch to {kernel}{asked}")
+            if not same_weights:
+                raise ValueError(f"the projections are already packed with {self.weight_format} weights on {current}; "
+                                 f"cannot repack them as {weights}")
+            raise ValueError(f"the projections already run on {current}; cannot switch to {kernel}")
         kernel = resolve_linear_kernel(kernel, self.dtype, self.device, log)
         if weights in BLOCK_FORMATS and kernel not in NATIVE_KERNELS:
             raise ValueError(f"{weights} weights need one of our kernels ({', '.join(NATIVE_KERNELS)}); the projections "
@@ -685,8 +691,9 @@ class Transformer(nn.Module):
             return packed_linear(layer.weight, layer.bias, kernel)
         if source is None:
             blocks = quantize(layer.weight, fmt)
-        else:
-            blocks = concat([as_format(source.blocks(f"{p}.weight"), source.tensors[f"{p}.weight"], fmt) for p in parts])
+        else:  # stored blocks are read only where they can be kept
+            blocks = concat([as_format(source.blocks(f"{p}.weight") if source.format(f"{p}.weight") == fmt else None,
+                                       source.tensors[f"{p}.weight"], fmt) for p in parts])
         bias = layer.bias
         if bias is not None and source is not None:  # the checkpoint's fp32 biases, not the bf16 copies
             bias = torch.cat([source.tensors[f"{p}.bias"] for p in parts])

@@ -9,9 +9,11 @@ out for the kernels (``kernels/linear_quant.h``), ``unpack`` reads it back.
 
 GGUF types other than these three are mapped (``FORMAT_OF``): Q4_K keeps its 4-bit codes and becomes q4_1,
 one block per 32-weight sub-block, with the sub-block's scale ``d * sc`` and minimum ``-dmin * m`` rounded to
-fp16 (a relative error of at most 2^-11 of a block's scale, against a 4-bit step of 1/15 of its range);
-Q5_0, Q5_1, Q5_K, Q6_K and Q8_K become q8_0, requantized from their dequantized values; F32, F16 and BF16
-tensors stay bf16.
+fp16 (a relative error of at most 2^-11 of a block's scale, against a 4-bit step of 1/15 of its range, while
+they stay above fp16's smallest normal, 6.1e-5); Q5_0, Q5_1, Q5_K, Q6_K and Q8_K become q8_0, requantized from
+their dequantized values, and so do the types not listed (Q2_K, Q3_K, IQ*: more bytes than the file's); F32,
+F16 and BF16 tensors stay bf16. A Q8_0 tensor holding the code -128 (llama.cpp's quantizer never writes it)
+is requantized too.
 
 This module does not compute products (the kernels do) or choose the format of a model (``Transformer
 .pack_weights`` does, with ``choose_format``).
@@ -31,14 +33,13 @@ WEIGHT_FORMATS = ("auto", "bf16", "q8_0", "q4_0", "q4_1")  # what --weights offe
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")
 FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "bf16": 3}  # the kernels' codes (linear_quant.h, layer.h)
 BLOCK = 32
-BITS = {"q4_0": 4.5, "q4_1": 5.0, "q8_0": 8.5, "bf16": 16.0}  # stored bits per weight, scales included
 _QTYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1}
 
 # Our format for each GGUF tensor type (those read as stored, and those mapped; see the module docstring).
 FORMAT_OF = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_1", QT.Q5_0: "q8_0",
              QT.Q5_1: "q8_0", QT.Q5_K: "q8_0", QT.Q6_K: "q8_0", QT.Q8_K: "q8_0", QT.F32: "bf16", QT.F16: "bf16",
              QT.BF16: "bf16"}
-_WIDTH = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "bf16": 3}  # which format can hold which: wider holds narrower
+_WIDTH = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "bf16": 3}  # bits per weight, in order: auto's pick where parts differ
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,10 @@ def from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> BlockWeight
     blocks = raw.reshape(n, -1)
     if qtype == QT.Q8_0:
         b = blocks.reshape(n, k // BLOCK, 34)
-        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k)
+        q = b[..., 2:].view(np.int8)
+        if (q == -128).any():  # llama.cpp never writes -128 (|code| <= 127); AVX2's sign trick cannot take it
+            return None
+        codes = (q.astype(np.int16) + 128).astype(np.uint8).reshape(n, k)
         return BlockWeight("q8_0", torch.from_numpy(codes), _halves(b[..., :2]), None, k)
     if qtype == QT.Q4_0:
         b = blocks.reshape(n, k // BLOCK, 18)
@@ -146,13 +150,12 @@ def from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> BlockWeight
         return BlockWeight("q4_1", torch.from_numpy(codes), _halves(b[..., :2]), _halves(b[..., 2:4]), k)
     if qtype == QT.Q4_K:  # 256-weight super-blocks: fp16 d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
         b = blocks.reshape(-1, 144)
-        d = np.ascontiguousarray(b[:, :2]).view(np.float16).astype(np.float32)  # [S, 1]
-        dmin = np.ascontiguousarray(b[:, 2:4]).view(np.float16).astype(np.float32)
+        d, dmin = _halves(b[:, :2]).float()[:, None], _halves(b[:, 2:4]).float()[:, None]  # [S, 1]
         sc, mins = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))  # [S, 8] each
         qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 weights: low nibbles then high nibbles
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
-        scale = torch.from_numpy((d * sc.astype(np.float32)).reshape(n, -1)).to(torch.float16)
-        minimum = torch.from_numpy((-dmin * mins.astype(np.float32)).reshape(n, -1)).to(torch.float16)
+        scale = (d * torch.from_numpy(sc.astype(np.float32))).reshape(n, -1).to(torch.float16)
+        minimum = (-dmin * torch.from_numpy(mins.astype(np.float32))).reshape(n, -1).to(torch.float16)
         if not (scale.isfinite().all() and minimum.isfinite().all()):
             return None  # a scale beyond fp16's range: requantize from the float values instead
         return BlockWeight("q4_1", torch.from_numpy(codes), scale, minimum, k)

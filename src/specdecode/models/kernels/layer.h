@@ -211,7 +211,7 @@ struct KeyView {
   const uint16_t* keys;
   const uint16_t* values;
   int64_t head_stride_k, head_stride_v, row_stride_k, row_stride_v;
-  int64_t first, window, length;
+  int64_t first, window;
   const int64_t* index = nullptr;
   const int64_t* counts = nullptr;
   int64_t width = 0;
@@ -287,14 +287,11 @@ inline void finish_part(const Layer& L, const float* x, const float* attn, int64
   for (int64_t i = a; i < b; ++i) out[i] = tb.mid[i] + down_out[i];
 }
 
-// Runs body(tid, nt) on torch's intra-op threads (one parallel region; body may use omp barriers), or inline.
+// Runs body(tid, nt) on torch's intra-op threads (one parallel region; body may use omp barriers). Inside a
+// parallel region it runs in a team of its own thread, so that its barriers never wait on the outer team.
 template <typename F>
 inline void on_threads(F&& body) {
-  const int nt = at::get_num_threads();
-  if (nt <= 1 || at::in_parallel_region()) {
-    body(0, 1);
-    return;
-  }
+  const int nt = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nt)
   body(omp_get_thread_num(), omp_get_num_threads());
 }
@@ -352,7 +349,7 @@ inline void layer_attend(const Layer& L, const torch::Tensor& q, int64_t row0, i
   const int64_t length = keys.size(2);
   TORCH_CHECK(n <= length, "layer_attend: more rows than keys");
   sd::KeyView kv{sd::bf16_ptr(keys), sd::bf16_ptr(values), keys.stride(1), values.stride(1), keys.stride(2),
-                 values.stride(2), length - n, window, length};
+                 values.stride(2), length - n, window};
   if (index.has_value()) {
     TORCH_CHECK(counts.has_value(), "layer_attend: an index needs counts");
     check_key_index(*index, *counts, n, length);
@@ -421,7 +418,7 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
                   "layers_rows: slot ", slots[j], " rows out of range");
       const int64_t length = starts[j] + counts[j];
       sd::KeyView kv{sd::bf16_ptr(kbuf) + slots[j] * slot_stride, sd::bf16_ptr(vbuf) + slots[j] * slot_stride,
-                     max_len * d, max_len * d, d, d, starts[j], window, length};
+                     max_len * d, max_len * d, d, d, starts[j], window};
       if (trees[j].has_value()) {
         const auto& t = *trees[j];
         TORCH_CHECK(t.size() == 2, "layers_rows: a tree is (index, counts)");
