@@ -7,16 +7,18 @@
 #include "linear_quant.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("widened_linear", &widened_linear);
+  // The compute functions let go of the GIL: a server's event loop keeps running while a step computes.
+  const auto free = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("widened_linear", &widened_linear, free);
 #ifdef SPECDECODE_TILED
-  m.def("tiled_linear", &tiled_linear);
+  m.def("tiled_linear", &tiled_linear, free);
 #endif
   m.def("tile_outputs", &tile_outputs);
-  m.def("quant_linear", &quant_linear);
+  m.def("quant_linear", &quant_linear, free);
   m.def("quant_tile_outputs", &quant_tile_outputs);
   m.def("quant_record_bytes", &quant_record_bytes);
-  m.def("attention", &attention);
-  m.def("attention_indexed", &attention_indexed);
+  m.def("attention", &attention, free);
+  m.def("attention_indexed", &attention_indexed, free);
   pybind11::class_<Proj>(m, "Proj", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>>())
       .def_readonly("fmt", &Proj::fmt)
@@ -25,11 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Layer>(m, "Layer", pybind11::module_local())
       .def(pybind11::init<Proj, Proj, Proj, Proj, const torch::Tensor&, const torch::Tensor&, double, int64_t, int64_t,
                           int64_t>());
-  m.def("layer_qkv", &layer_qkv);
-  m.def("layer_attend", &layer_attend);
-  m.def("layer_finish", &layer_finish);
-  m.def("layer_rows", &layer_rows);
-  m.def("layers_rows", &layers_rows);
-  m.def("project_rows", &project_rows);
-  m.def("rms_norm_rows", &rms_norm_rows);
+  m.def("layer_qkv", &layer_qkv, free);
+  m.def("layer_attend", &layer_attend, free);
+  m.def("layer_finish", &layer_finish, free);
+  m.def("layer_rows", &layer_rows, free);
+  m.def("layers_rows", &layers_rows, free);
+  m.def("project_rows", &project_rows, free);
+  m.def("rms_norm_rows", &rms_norm_rows, free);
 }
