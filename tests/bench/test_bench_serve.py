@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import pytest
 
 from specdecode.bench.load import RequestResult, percentile, summarize
+from specdecode.bench import serve_command
 from specdecode.bench.serve_command import _levels, _methods
 
 
@@ -16,6 +18,17 @@ def test_methods_always_include_plain_decoding_and_name_bad_ones():
     for bad in ("ngram", "none:4", "draft:4", "layerskip:adaptive"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad.split(":")[0]):
             _methods(bad)
+
+
+def test_the_llamacpp_peer_is_a_method_and_needs_its_server_and_a_gguf(monkeypatch, tmp_path):
+    assert _methods("llamacpp,ngram:adaptive") == ["none", "llamacpp", "ngram:adaptive"]
+    args = argparse.Namespace(model=str(tmp_path / "model-folder"), threads=1)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"needs llama-cpp-python's server: pip install 'llama-cpp-python\[server\]'"):
+        serve_command._peer_command(args)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        serve_command._peer_command(args)
 
 
 def test_levels():

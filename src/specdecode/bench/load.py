@@ -2,7 +2,7 @@
 clients (a closed loop: each client sends its next request when the previous one ends).
 
 Per request it records the time to the first content, the gaps between content chunks (one chunk per
-engine step that produced text), the completion tokens (``usage``) and the text. Client threads use
+engine step that produced text), the completion tokens (``usage``, else one per chunk) and the text. Client threads use
 ``http.client`` only, so the generator costs the machine little next to the server it measures.
 
 It does not start servers or write reports (``serve_command.py``).
@@ -26,7 +26,8 @@ class RequestResult:
     Args:
         index: position in the request list.
         text: the streamed content, joined.
-        tokens: completion tokens (from the final usage chunk).
+        tokens: completion tokens (from the final usage chunk; a server that sends none, such as
+            llama-cpp-python's, streams one token per chunk, and the chunks are counted).
         ttft_s: seconds from sending to the first content.
         gaps_s: seconds between successive content chunks.
         latency_s: seconds from sending to the end of the stream.
@@ -76,6 +77,7 @@ def stream_chat(host: str, port: int, body: dict[str, Any], index: int, timeout:
                     last = now
                     pieces.append(content)
         result.text = "".join(pieces)
+        result.tokens = result.tokens or len(pieces)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     finally:

@@ -1,7 +1,8 @@
 """``specdecode bench-serve``: the real server under load, plain decoding vs speculation, side by side.
 
 One ``specdecode serve`` process per method (``none`` = plain decoding, ``ngram:<gamma>``, ``eagle:<gamma>``,
-``medusa:<gamma>`` with the heads shipped for the model), all started
+``medusa:<gamma>`` with the heads shipped for the model), and with ``llamacpp`` llama-cpp-python's
+OpenAI-compatible server on the same GGUF as a peer (it serves one request at a time), all started
 before the first measurement and measured in turns: for each concurrency level and repeat, every method
 in order, so that drift on a noisy machine touches them alike. Each run sends the same greedy chat
 requests (the packaged suites, or ``--prompts``) from ``concurrency`` closed-loop clients on loopback.
@@ -34,6 +35,7 @@ from specdecode.bench.prompts import default_prompts, load_prompts, select
 from specdecode.models.native import cpu_flags, cpu_model
 
 SERVED_DRAFTERS = ("ngram", "eagle", "medusa")  # batched drafters that need no other model (the heads: the shipped ones)
+PEERS = ("llamacpp",)  # llama-cpp-python's server (`pip install 'llama-cpp-python[server]'`), a GGUF model only
 METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
 
 
@@ -51,9 +53,12 @@ def _methods(value: str) -> list[str]:
     methods = [m.strip() for m in value.split(",") if m.strip()]
     for m in methods:
         drafter, _, gamma = m.partition(":")
+        if m in PEERS:
+            continue
         if drafter not in ("none", *SERVED_DRAFTERS) or bool(gamma) != (drafter != "none"):
-            raise argparse.ArgumentTypeError(f"method {m!r}: expected 'none' or DRAFTER:GAMMA with DRAFTER one of "
-                                             f"{', '.join(SERVED_DRAFTERS)} (e.g. ngram:adaptive, eagle:4)")
+            raise argparse.ArgumentTypeError(f"method {m!r}: expected 'none', DRAFTER:GAMMA with DRAFTER one of "
+                                             f"{', '.join(SERVED_DRAFTERS)} (e.g. ngram:adaptive, eagle:4), or a peer: "
+                                             f"{', '.join(PEERS)}")
     if "none" not in methods:
         methods.insert(0, "none")  # the reference every ratio is taken against
     return methods
@@ -61,8 +66,9 @@ def _methods(value: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", type=_methods, default=_methods("none,ngram:adaptive"),
-                   help="comma list: none (plain decoding, always run) and DRAFTER:GAMMA for DRAFTER in "
-                        f"{', '.join(SERVED_DRAFTERS)} (default none,ngram:adaptive)")
+                   help="comma list: none (plain decoding, always run), DRAFTER:GAMMA for DRAFTER in "
+                        f"{', '.join(SERVED_DRAFTERS)}, and the peer llamacpp (llama-cpp-python's server on the same "
+                        "GGUF) (default none,ngram:adaptive)")
     p.add_argument("--concurrency", type=_levels, default=_levels("1,2,4,8"),
                    help="concurrent clients per level (default 1,2,4,8)")
     p.add_argument("--requests", type=positive_int, default=None,
@@ -86,38 +92,41 @@ def _free_port() -> int:
 
 
 class Server:
-    """A ``specdecode serve`` child process on a free loopback port; its output goes to a temporary file (a
-    pipe nobody reads while it serves could fill and block it).
+    """A server child process on a free loopback port (``specdecode serve``, or a peer's command); its output
+    goes to a temporary file (a pipe nobody reads while it serves could fill and block it).
 
     Args:
         name: what the errors call it.
         flags: ``specdecode serve`` flags (``--port`` is added).
+        command: another server's command line instead, ``{port}`` standing for the port.
+        ready: the path that answers 200 once it serves.
     """
 
-    def __init__(self, name: str, flags: list[str]) -> None:
-        self.name, self.port = name, _free_port()
+    def __init__(self, name: str, flags: list[str], command: list[str] | None = None, ready: str = "/health") -> None:
+        self.name, self.port, self.ready = name, _free_port(), ready
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        argv = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), *flags] if command is None \
+            else [a.replace("{port}", str(self.port)) for a in command]
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, text=True)
 
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read()
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        """Returns once ``/health`` answers 200; raises RuntimeError if the process exits or time runs out."""
+        """Returns once the ready path answers 200; raises RuntimeError if the process exits or time runs out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the {self.name} server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                with urllib.request.urlopen(f"{self.url}{self.ready}", timeout=1) as r:
                     if r.status == 200:
                         return
             except OSError:
                 time.sleep(0.5)
-        raise RuntimeError(f"the {self.name} server did not answer /health within {timeout:.0f} s")
+        raise RuntimeError(f"the {self.name} server did not answer {self.ready} within {timeout:.0f} s")
 
     def stop(self) -> None:
         """SIGTERM (the server finishes what runs), then a kill after 60 s."""
@@ -147,6 +156,27 @@ def _server_flags(method: str, args: argparse.Namespace, max_running: int) -> li
     return flags
 
 
+def _peer_command(args: argparse.Namespace) -> list[str]:
+    """The command line of llama-cpp-python's OpenAI server on the GGUF ``--model`` names, with the servers'
+    thread count and context; refused with the reason where it cannot run."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("sse_starlette") is None:
+        raise ValueError("--methods llamacpp needs llama-cpp-python's server: pip install 'llama-cpp-python[server]'")
+    from specdecode.models import registry
+    from specdecode.models.fetch import fetch
+
+    try:
+        path = str(fetch(registry.get(args.model)))
+    except registry.UnknownModelError:
+        path = args.model
+    if not path.endswith(".gguf"):
+        raise ValueError(f"--methods llamacpp needs a GGUF model; {args.model!r} is not one")
+    threads = str(args.threads or os.cpu_count())
+    return [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "m", "--host", "127.0.0.1",
+            "--port", "{port}", "--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads]
+
+
 def _bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, Any]]:
     """``count`` greedy chat requests, cycling through ``prompts``."""
     bodies = []
@@ -161,7 +191,9 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     levels = sorted(set(args.concurrency))
     max_running = args.max_running or max(levels)
     prompts = select(load_prompts(args.prompts) if args.prompts else default_prompts(), limit=args.limit)
-    servers = [Server(m, _server_flags(m, args, max_running)) for m in args.methods]
+    peer = _peer_command(args) if any(m in PEERS for m in args.methods) else None  # checked before any server starts
+    servers = [Server(m, [], peer, ready="/v1/models") if m in PEERS else Server(m, _server_flags(m, args, max_running))
+               for m in args.methods]
     try:
         for s in servers:
             log(f"starting the {s.name} server on port {s.port} ...")
@@ -237,7 +269,10 @@ def _write(report: dict[str, Any], out: Path, log: Callable[[str], None]) -> Non
     lines = [f"# bench-serve: {s['model']}", "", f"`{report['command']}`", "",
              f"CPU: {s['cpu']}, flags {', '.join(s['flags'])}; {os.cpu_count()} cores; {s['max_tokens']} tokens per "
              f"request, greedy, {s['repeats']} repeat(s) (medians). Single-stream plain decoding: "
-             f"{s['single_stream_tokens_per_s']:.1f} tok/s, step (ITL p50) {1e3 * s['single_stream_step_s']:.1f} ms.", "",
+             f"{s['single_stream_tokens_per_s']:.1f} tok/s, step (ITL p50) {1e3 * s['single_stream_step_s']:.1f} ms."
+             + (" The llamacpp row is llama-cpp-python's server on the same GGUF (one request at a time); its answers "
+                "may differ from ours at near-ties, so its identity is informational." if any(
+                    r["method"] in PEERS for r in s["rows"]) else ""), "",
              "| method | concurrency | tok/s | vs plain | vs single-stream plain | TTFT p50 | ITL p50 | ITL p99 | "
              "ITL p99 / step | identical to plain |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:

@@ -9,6 +9,7 @@ server's (``--host``, ``--port``) and the scheduler's (``--max-running``, ``--ma
 from __future__ import annotations
 
 import argparse
+import gc
 from contextlib import asynccontextmanager
 from typing import Callable
 
@@ -85,6 +86,8 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         loop.stop(timeout=SHUTDOWN_GRACE_S)
 
     app = build_app(loop, name, metrics, lifespan=lifespan)
+    gc.collect()
+    gc.freeze()  # the model and engine live as long as the server: keep them out of every collection's scan
     log(f"serving {name} on http://{args.host}:{args.port}/v1 (drafter {kind}, gamma {args.gamma})")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
