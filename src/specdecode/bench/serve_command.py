@@ -174,7 +174,8 @@ def _peer_command(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--methods llamacpp needs a GGUF model; {args.model!r} is not one")
     threads = str(args.threads or os.cpu_count())
     return [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "m", "--host", "127.0.0.1",
-            "--port", "{port}", "--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads]
+            "--port", "{port}", "--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads,
+            "--interrupt_requests", "False"]  # its default cuts a running stream short when the next request comes
 
 
 def _bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, Any]]:
