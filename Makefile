@@ -9,7 +9,7 @@ PROMPT ?= Rewrite this sentence in the passive voice: The committee approved the
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,bench,serve]'
+	$(PY) -m pip install --quiet -e '.[dev,bench,serve,ray]'
 	touch $@
 
 # Fetches SmolLM2 (first run only) and generates with n-gram speculation; stats follow the text.

@@ -23,6 +23,17 @@ def positive_int(value: str) -> int:
     return _int_at_least(value, 1)
 
 
+def positive_float(value: str) -> float:
+    """A number > 0."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return x
+
+
 def nonnegative_int(value: str) -> int:
     """An integer >= 0."""
     return _int_at_least(value, 0)

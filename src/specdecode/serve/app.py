@@ -110,6 +110,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, lifespan
     tokenizer = engine.tokenizer
     created = int(time.time())
     app.state.accepting = True
+    app.state.loop = loop
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

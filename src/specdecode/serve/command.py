@@ -11,15 +11,22 @@ from __future__ import annotations
 import argparse
 import gc
 from contextlib import asynccontextmanager
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, positive_int
+from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, positive_float, positive_int
 from specdecode.batch.executor import BATCHED_DRAFTERS, BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.control import GAMMA_POLICIES
 from specdecode.drafter_setup import add_drafter_arguments, drafter_factory, drafter_kind
 from specdecode.drafters import base_kind
 from specdecode.engine import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from specdecode.serve.loop import EngineLoop
+    from specdecode.serve.metrics import ServeMetrics
 
 SHUTDOWN_GRACE_S = 30  # running requests may finish for this long after SIGTERM, then they are cancelled
 
@@ -49,12 +56,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per request, prompt + completion (default: the model's context, at most 4096)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_kv_arguments(p)
+    r = p.add_argument_group("Ray Serve (pip install 'specdecode[ray]')")
+    r.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve's HTTP proxy on --host/--port: --replicas engine replicas behind one "
+                        "ingress, routed by prompt prefix")
+    r.add_argument("--replicas", type=positive_int, default=1, help="engine replicas with --ray (default 1)")
+    r.add_argument("--cpus-per-replica", type=positive_float, default=1.0,
+                   help="Ray CPUs each replica reserves; its kernels' threads unless --threads (default 1)")
+    r.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to join: auto = the one `ray start` began on this machine, or HOST:PORT "
+                        "(default: $RAY_ADDRESS, else a new local cluster, shut down on exit)")
+    r.add_argument("--routing", choices=["prefix", "pow2"], default="prefix",
+                   help="prefix = requests sharing a prompt prefix go to the replica that served it while its queue "
+                        "is not much longer; pow2 = Ray's power of two choices (default prefix)")
 
 
-def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+@dataclass
+class Served:
+    """What ``specdecode serve`` runs: the application and the loop stepping its engine (not yet started)."""
+
+    app: "FastAPI"
+    loop: "EngineLoop"
+    metrics: "ServeMetrics"
+    name: str
+    kind: str
+
+
+def build_server(args: argparse.Namespace, log: Callable[[str], None], lifespan=None) -> Served:
+    """Loads the model, builds and warms the batch engine and the API over it from ``serve``'s flags; the
+    Ray replicas (``ray_app.py``) build theirs with it too."""
     try:
-        import uvicorn
-
         from specdecode.serve.app import build_app
     except ImportError as exc:
         raise ValueError(f"specdecode serve needs the serve extra ({exc.name} is missing): "
@@ -77,18 +108,30 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     engine.observer = metrics  # the warm-up request is not counted
     loop = EngineLoop(engine, on_step=lambda e: metrics.gauges(len(e.scheduler.running), len(e.scheduler.waiting),
                                                                e.kv_usage))
+    return Served(build_app(loop, name, metrics, lifespan=lifespan), loop, metrics, name, kind)
 
+
+def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    if args.ray:
+        from specdecode.serve.ray_command import run_ray
+
+        return run_ray(args, log)
+    try:
+        import uvicorn
+    except ImportError as exc:
+        raise ValueError(f"specdecode serve needs the serve extra ({exc.name} is missing): "
+                         "pip install 'specdecode[serve]'") from None
     @asynccontextmanager
     async def lifespan(app):
-        loop.start()
+        app.state.loop.start()
         yield
         app.state.accepting = False
-        loop.stop(timeout=SHUTDOWN_GRACE_S)
+        app.state.loop.stop(timeout=SHUTDOWN_GRACE_S)
 
-    app = build_app(loop, name, metrics, lifespan=lifespan)
+    served = build_server(args, log, lifespan=lifespan)
     gc.collect()
     gc.freeze()  # the model and engine live as long as the server: keep them out of every collection's scan
-    log(f"serving {name} on http://{args.host}:{args.port}/v1 (drafter {kind}, gamma {args.gamma})")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+    log(f"serving {served.name} on http://{args.host}:{args.port}/v1 (drafter {served.kind}, gamma {args.gamma})")
+    uvicorn.run(served.app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0

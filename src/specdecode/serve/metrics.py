@@ -3,13 +3,17 @@
 Updated from the thread that steps the engine (``loop.py``): one call per sequence per step, and one
 per step for the gauges. Counters end in ``_total`` as exposed (prometheus_client appends it).
 
-It does not serve HTTP (``app.py`` exposes :meth:`ServeMetrics.render` at ``/metrics``).
+It does not serve HTTP (``app.py`` exposes :meth:`ServeMetrics.render` at ``/metrics``; under Ray,
+:func:`merge_replicas` joins the replicas' texts into one view).
 """
 
 from __future__ import annotations
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+from typing import Mapping
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Metric,
                                disable_created_metrics, generate_latest)
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdecode.batch.sequence import Sequence
 from specdecode.control import StepRecord
@@ -87,3 +91,27 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def merge_replicas(texts: Mapping[str, bytes], label: str = "replica") -> bytes:
+    """One Prometheus exposition from several servers' (``{replica: text}``): each series gets a ``label``
+    naming its replica, and each metric family appears once."""
+    families: dict[str, Metric] = {}
+    for replica, text in texts.items():
+        for family in text_string_to_metric_families(text.decode()):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            for sample in family.samples:
+                merged.add_sample(sample.name, {**sample.labels, label: replica}, sample.value, sample.timestamp)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families:
+    """A collector that yields given metric families (what ``merge_replicas`` renders)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families

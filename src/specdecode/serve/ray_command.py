@@ -1,0 +1,60 @@
+"""``specdecode serve --ray``: join (or start) a Ray cluster, deploy ``ray_app``'s application behind Ray
+Serve's HTTP proxy on ``--host``/``--port``, and serve until SIGINT or SIGTERM.
+
+Without ``--ray-address`` (or ``$RAY_ADDRESS``) it starts a local cluster of this machine's cores and
+shuts it down on exit, leaving no Ray process behind; on a cluster it joined (``--ray-address auto`` for
+one ``ray start`` began here) only its application is deleted. It does not define the deployments (``ray_app.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from typing import Callable
+
+
+def _first_error_line(exc: BaseException) -> str:
+    """The innermost error line of a Ray deployment failure (its message embeds the replica's traceback)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if line.split(":", 1)[0].endswith(("Error", "Exception"))]
+    return (errors or lines or [type(exc).__name__])[-1]
+
+
+def run_ray(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    try:
+        import ray
+        from ray import serve
+
+        from specdecode.serve.ray_app import APP_NAME, build_application
+    except ImportError as exc:
+        raise ValueError(f"specdecode serve --ray needs Ray Serve ({exc.name} is missing): "
+                         "pip install 'specdecode[ray]'") from None
+    application = build_application(args, args.replicas, args.cpus_per_replica, args.routing)
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    own_cluster = address is None
+    if own_cluster:  # a cluster of this machine's cores for this server alone
+        ray.init(address="local", include_dashboard=False, log_to_driver=args.log_level == "debug")
+    else:
+        ray.init(address=address, log_to_driver=args.log_level == "debug")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        log(f"deploying {args.replicas} replica(s) of {args.served_model_name or args.model} on Ray "
+            f"({args.cpus_per_replica:g} CPU each, routing {args.routing}) ...")
+        try:
+            serve.run(application, name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:
+            raise ValueError(f"the Ray deployment failed: {_first_error_line(exc)}") from None
+        log(f"serving on http://{args.host}:{args.port}/v1 through Ray Serve; Ctrl-C or SIGTERM stops")
+        stop.wait()
+        log("stopping ...")
+    finally:
+        serve.delete(APP_NAME)
+        if own_cluster:
+            serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,267 @@
+"""`specdecode serve` on Ray Serve for real: a local Ray cluster started here (2 CPUs, no dashboard), two
+engine replicas of SmolLM2 behind the ingress, driven through Ray's HTTP proxy by the `openai` client.
+Requests reach both replicas; greedy answers equal a solo `generate`; a shared prefix keeps to one replica;
+both replicas' metrics come through one /metrics; a replica that cannot load fails its deployment with the
+load error; shutdown leaves no Ray process behind. Marked slow: a replica killed under load (its requests
+retried or failed with a clear error, none hangs, Ray replaces it) and the `serve --ray` command itself.
+
+The tests share one cluster and run in file order (the shutdown test last among the quick ones).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from specdecode.serve.ray_app import APP_NAME, METRICS_PUSH_S, build_application, serve_flags  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+MODEL = "smollm2"
+PROMPTS = ["def quicksort(items):", "The three primary colors are", "Once upon a time, in a small village,",
+           "import numpy as np\n\ndef normalize(v):", "Q: What is the boiling point of water?\nA:",
+           "List of planets: Mercury, Venus,"]
+SHARED = ("You are a careful assistant for a travel agency. Answer in one short sentence, politely, and never "
+          "invent prices or dates. The customer asks: ")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _flags(model: Path | str, *extra: str) -> list[str]:
+    return ["--model", str(model), "--served-model-name", MODEL, "--drafter", "ngram", "--max-running", "2",
+            "--max-waiting", "8", "--max-len", "1024", "--log-level", "warning", *extra]
+
+
+def _session_processes(session: str) -> list[str]:
+    """Command lines of live processes that belong to Ray session ``session``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    continue  # a zombie is gone, whoever reaps it
+        except OSError:
+            continue
+        if session in cmd and int(pid) != os.getpid():
+            found.append(cmd[:160])
+    return found
+
+
+def _descendants(root: int) -> dict[int, bytes]:
+    """Live descendants of process ``root``: pid -> command line."""
+    parents, cmds = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parents[int(pid)] = int(f.read().split(")")[-1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmds[int(pid)] = f.read()
+        except OSError:
+            continue
+    found, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in found:
+                found[pid] = cmds.get(pid, b"")
+                frontier.append(pid)
+    return found
+
+
+def _alive(processes: dict[int, bytes]) -> list[str]:
+    """Those of ``processes`` still running (the same pid with the same command line, not a zombie)."""
+    alive = []
+    for pid, cmd in processes.items():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                same = f.read() == cmd
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().split(")")[-1].split()[0] == "Z"
+        except OSError:
+            continue
+        if same and not zombie:
+            alive.append(cmd.replace(b"\0", b" ").decode(errors="replace")[:160])
+    return alive
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_path):
+    port = _free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    session = Path(ray._private.worker._global_node.get_session_dir_path()).name
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_application(serve_flags(_flags(smollm2_path)), replicas=2, cpus_per_replica=1), name=APP_NAME,
+              route_prefix="/")
+    state = {"url": f"http://127.0.0.1:{port}", "session": session}
+    yield state
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def solo(smollm2):
+    from specdecode.engine import Engine
+
+    engine = Engine(smollm2.model, smollm2.tokenizer)
+    return lambda prompt, n: engine.generate(prompt, max_new_tokens=n).text
+
+
+def _complete(client, prompt: str, n: int = 24) -> tuple[str, str]:
+    """The greedy completion and the replica that answered it."""
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+    return raw.parse().choices[0].text, raw.headers["x-specdecode-replica"]
+
+
+def test_requests_reach_both_replicas_and_equal_a_solo_generate(client, solo):
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda p: _complete(client, p), PROMPTS))
+    assert len({replica for _, replica in answers}) == 2
+    for prompt, (text, _) in zip(PROMPTS, answers):
+        assert text == solo(prompt, 24)
+
+
+def test_a_shared_prefix_keeps_to_one_replica(client, solo):
+    questions = ["Is the museum open on Mondays?", "Can I bring my dog on the train?", "Where do I pick up my keys?"]
+    answers = [_complete(client, SHARED + q, 16) for q in questions]  # one at a time: the load stays balanced
+    assert len({replica for _, replica in answers}) == 1
+    assert answers[0][0] == solo(SHARED + questions[0], 16)
+
+
+def test_a_stream_through_the_proxy_equals_the_plain_answer(client):
+    messages = [{"role": "user", "content": "Name two rivers in Europe."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert whole.usage.completion_tokens == 20
+
+
+def test_bad_input_gets_the_servers_error(cluster, client):
+    request = urllib.request.Request(cluster["url"] + "/v1/completions", data=b"{not json",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=60)
+    assert err.value.code == 400 and "not valid JSON" in json.loads(err.value.read())["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="is not served here"):
+        client.completions.create(model="other", prompt="hi", max_tokens=2)
+
+
+def test_both_replicas_metrics_in_one_view(cluster):
+    time.sleep(2 * METRICS_PUSH_S)  # every replica has pushed since the requests above
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(cluster["url"] + "/metrics", timeout=60) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    generated = {s.labels["replica"]: s.value for s in families["vllm:generation_tokens"].samples}
+    assert len(generated) == 2 and all(v > 0 for v in generated.values())
+    drafted = sum(s.value for s in families["vllm:spec_decode_num_draft_tokens"].samples)
+    accepted = sum(s.value for s in families["vllm:spec_decode_num_accepted_tokens"].samples)
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert {s.labels["replica"] for s in families["vllm:num_requests_running"].samples} == set(generated)
+
+
+def test_a_replica_that_cannot_load_fails_its_deployment(cluster, tmp_path):
+    missing = tmp_path / "no-such-model.gguf"
+    app = build_application(serve_flags(_flags(missing)), replicas=1)
+    with pytest.raises(RuntimeError, match="no-such-model.gguf"):
+        serve.run(app, name="broken", route_prefix="/broken")
+    serve.delete("broken")
+
+
+@pytest.mark.slow
+def test_a_replica_killed_under_load(cluster, client, solo):
+    def stream(prompt: str) -> str:
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=120, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == "serve" and "EngineServer" in a["name"]]
+    assert len(replicas) == 2
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream, p) for p in PROMPTS]
+        time.sleep(3)  # under way: some streaming, some queued
+        ray.kill(ray.get_actor(replicas[0]["name"], namespace="serve"), no_restart=True)
+        outcomes = []
+        for prompt, future in zip(PROMPTS, futures):
+            try:
+                outcomes.append(future.result(timeout=240) == solo(prompt, 120))
+            except openai.APIError as exc:  # a stream cut after its first tokens
+                assert "lost mid-stream" in str(exc) or "was lost" in str(exc)
+                outcomes.append("failed")
+    assert all(o is True or o == "failed" for o in outcomes) and outcomes.count(True) >= 3
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # Ray replaces the replica
+        status = serve.status().applications[APP_NAME]
+        if status.status == "RUNNING" and status.deployments["EngineServer"].replica_states.get("RUNNING") == 2:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"the killed replica was not replaced: {serve.status().applications[APP_NAME]}")
+    assert _complete(client, PROMPTS[0])[0] == solo(PROMPTS[0], 24)
+
+
+def test_shutdown_leaves_no_ray_process(cluster):
+    session = cluster["session"]
+    assert _session_processes(session), "the test cannot see the cluster's processes"
+    serve.shutdown()
+    ray.shutdown()
+    deadline = time.monotonic() + 30
+    while _session_processes(session) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _session_processes(session) == []
+
+
+@pytest.mark.slow
+def test_the_serve_ray_command_serves_and_stops_cleanly(smollm2_path, solo):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--ray", "--replicas", "1", "--port",
+                             str(port), *_flags(smollm2_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                text = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0)
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+                time.sleep(1)
+        assert text.choices[0].text == solo(PROMPTS[1], 12)
+        children = _descendants(proc.pid)
+        assert children, "the command started no Ray processes"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        deadline = time.monotonic() + 30
+        while _alive(children) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _alive(children) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
