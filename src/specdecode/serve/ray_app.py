@@ -17,8 +17,6 @@ Three deployments make the application (:func:`build_application`):
 It does not parse command lines or own the Ray cluster (``ray_command.py``).
 """
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import json
@@ -30,7 +28,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
@@ -40,7 +38,7 @@ from specdecode.serve.forward import ForwardedRequest, ResponseHead, call_asgi
 APP_NAME = "specdecode"
 METRICS_PUSH_S = 1.0  # how often a replica sends its metrics to the hub
 METRICS_STALE_S = 15.0  # a replica silent this long (dead, removed) leaves the merged view
-REPLICA_LOST = (RayActorError, ActorUnavailableError)
+REPLICA_LOST = (RayActorError,)  # ActorDiedError, ActorUnavailableError
 REPLICA_HEADER = b"x-specdecode-replica"
 
 log = logging.getLogger("specdecode.serve")
@@ -240,6 +238,31 @@ def build_application(args: argparse.Namespace, replicas: int = 1, cpus_per_repl
         health_check_period_s=2, max_constructor_retry_count=1, **router,
     ).bind(args, hub, threads)
     return Ingress.bind(engine, hub, retries)
+
+
+class DeploymentError(RuntimeError):
+    """The application did not come up; the message names the failing deployment's own error."""
+
+
+def run_application(application: serve.Application, name: str = APP_NAME, route_prefix: str = "/") -> None:
+    """``serve.run``, but a failed deployment raises :class:`DeploymentError` with the error its replicas
+    raised (for example the model that could not be loaded), not only that it failed."""
+    try:
+        serve.run(application, name=name, route_prefix=route_prefix)
+    except RuntimeError as exc:
+        status = serve.status().applications.get(name)
+        failed = [(d, s.message) for d, s in (status.deployments.items() if status else ()) if s.message]
+        if not failed:
+            raise DeploymentError(str(exc)) from None
+        deployment, message = failed[0]
+        raise DeploymentError(f"deployment {deployment} failed: {_last_error_line(message)}") from None
+
+
+def _last_error_line(message: str) -> str:
+    """The innermost ``SomeError: ...`` line of a replica's traceback (the message itself if none)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    errors = [line for line in lines if line.split(":", 1)[0].rsplit(".", 1)[-1].endswith(("Error", "Exception"))]
+    return (errors or lines or [message])[-1]
 
 
 def serve_flags(flags: list[str]) -> argparse.Namespace:

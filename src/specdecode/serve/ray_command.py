@@ -15,19 +15,12 @@ import threading
 from typing import Callable
 
 
-def _first_error_line(exc: BaseException) -> str:
-    """The innermost error line of a Ray deployment failure (its message embeds the replica's traceback)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    errors = [line for line in lines if line.split(":", 1)[0].endswith(("Error", "Exception"))]
-    return (errors or lines or [type(exc).__name__])[-1]
-
-
 def run_ray(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     try:
         import ray
         from ray import serve
 
-        from specdecode.serve.ray_app import APP_NAME, build_application
+        from specdecode.serve.ray_app import APP_NAME, DeploymentError, build_application, run_application
     except ImportError as exc:
         raise ValueError(f"specdecode serve --ray needs Ray Serve ({exc.name} is missing): "
                          "pip install 'specdecode[ray]'") from None
@@ -42,13 +35,17 @@ def run_ray(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        cpus = ray.available_resources().get("CPU", 0)
+        if args.replicas * args.cpus_per_replica > cpus:  # Ray would wait for them forever
+            raise ValueError(f"{args.replicas} replica(s) of {args.cpus_per_replica:g} CPU need "
+                             f"{args.replicas * args.cpus_per_replica:g} CPUs; the Ray cluster has {cpus:g} free")
         serve.start(http_options={"host": args.host, "port": args.port})
         log(f"deploying {args.replicas} replica(s) of {args.served_model_name or args.model} on Ray "
             f"({args.cpus_per_replica:g} CPU each, routing {args.routing}) ...")
         try:
-            serve.run(application, name=APP_NAME, route_prefix="/")
-        except RuntimeError as exc:
-            raise ValueError(f"the Ray deployment failed: {_first_error_line(exc)}") from None
+            run_application(application)
+        except DeploymentError as exc:
+            raise ValueError(str(exc)) from None
         log(f"serving on http://{args.host}:{args.port}/v1 through Ray Serve; Ctrl-C or SIGTERM stops")
         stop.wait()
         log("stopping ...")
