@@ -31,6 +31,20 @@ def test_the_llamacpp_peer_is_a_method_and_needs_its_server_and_a_gguf(monkeypat
         serve_command._peer_command(args)
 
 
+def test_ray_methods_name_their_replicas_and_share_the_cores():
+    assert _methods("ray2:none,ray1:ngram:adaptive") == ["none", "ray2:none", "ray1:ngram:adaptive"]
+    for bad in ("ray2", "ray0:none", "rayx:none", "ray2:ngram", "ray2:llamacpp"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad):
+            _methods(bad)
+    args = argparse.Namespace(model="m", dtype="auto", linear="auto", weights="auto", threads=2, max_rows=None,
+                              prefill_chunk=None)
+    flags = serve_command._server_flags("ray2:ngram:adaptive", args, 4)
+    assert flags[flags.index("--drafter") + 1] == "ngram" and flags[flags.index("--gamma") + 1] == "adaptive"
+    assert flags[flags.index("--replicas") + 1] == "2" and flags[flags.index("--cpus-per-replica") + 1] == "1"
+    assert "--threads" not in flags and "--ray" in flags
+    assert "--ray" not in serve_command._server_flags("none", args, 4)
+
+
 def test_levels():
     assert _levels("1,2,4,8") == [1, 2, 4, 8]
     for bad in ("0,1", "a", ""):

@@ -188,6 +188,27 @@ def test_both_replicas_metrics_in_one_view(cluster):
     assert {s.labels["replica"] for s in families["vllm:num_requests_running"].samples} == set(generated)
 
 
+def test_a_client_that_goes_away_frees_its_replicas_slot(cluster, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def running() -> float:
+        with urllib.request.urlopen(cluster["url"] + "/metrics", timeout=60) as r:
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        return sum(s.value for s in families["vllm:num_requests_running"].samples)
+
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=900, temperature=0, stream=True)
+    next(iter(stream))
+    deadline = time.monotonic() + 30
+    while running() == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running() == 1
+    stream.close()  # ~900 tokens would take several seconds more
+    deadline = time.monotonic() + 10
+    while running() > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running() == 0
+
+
 def test_a_replica_that_cannot_load_fails_its_deployment(cluster, tmp_path):
     missing = tmp_path / "no-such-model.gguf"
     app = build_application(serve_flags(_flags(missing)), replicas=1, cpus_per_replica=0.5)

@@ -2,7 +2,8 @@
 
 One ``specdecode serve`` process per method (``none`` = plain decoding, ``ngram:<gamma>``, ``eagle:<gamma>``,
 ``medusa:<gamma>`` with the heads shipped for the model), and with ``llamacpp`` llama-cpp-python's
-OpenAI-compatible server on the same GGUF as a peer (it serves one request at a time), all started
+OpenAI-compatible server on the same GGUF as a peer (it serves one request at a time); ``rayN:METHOD``
+serves METHOD through Ray Serve by N replicas sharing the cores (``serve --ray``). All are started
 before the first measurement and measured in turns: for each concurrency level and repeat, every method
 in order, so that drift on a noisy machine touches them alike. Each run sends the same greedy chat
 requests (the packaged suites, or ``--prompts``) from ``concurrency`` closed-loop clients on loopback.
@@ -49,15 +50,24 @@ def _levels(value: str) -> list[int]:
     return levels
 
 
+def _on_ray(method: str) -> tuple[int, str]:
+    """``rayN:METHOD`` -> (N, METHOD): METHOD served through Ray Serve by N replicas; (0, method) otherwise."""
+    head, _, rest = method.partition(":")
+    if head.startswith("ray") and head[3:].isdigit() and int(head[3:]) >= 1 and rest:
+        return int(head[3:]), rest
+    return 0, method
+
+
 def _methods(value: str) -> list[str]:
     methods = [m.strip() for m in value.split(",") if m.strip()]
     for m in methods:
-        drafter, _, gamma = m.partition(":")
         if m in PEERS:
             continue
+        drafter, _, gamma = _on_ray(m)[1].partition(":")
         if drafter not in ("none", *SERVED_DRAFTERS) or bool(gamma) != (drafter != "none"):
             raise argparse.ArgumentTypeError(f"method {m!r}: expected 'none', DRAFTER:GAMMA with DRAFTER one of "
-                                             f"{', '.join(SERVED_DRAFTERS)} (e.g. ngram:adaptive, eagle:4), or a peer: "
+                                             f"{', '.join(SERVED_DRAFTERS)} (e.g. ngram:adaptive, eagle:4), either "
+                                             f"prefixed by rayN: for N replicas on Ray Serve, or a peer: "
                                              f"{', '.join(PEERS)}")
     if "none" not in methods:
         methods.insert(0, "none")  # the reference every ratio is taken against
@@ -67,8 +77,9 @@ def _methods(value: str) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", type=_methods, default=_methods("none,ngram:adaptive"),
                    help="comma list: none (plain decoding, always run), DRAFTER:GAMMA for DRAFTER in "
-                        f"{', '.join(SERVED_DRAFTERS)}, and the peer llamacpp (llama-cpp-python's server on the same "
-                        "GGUF) (default none,ngram:adaptive)")
+                        f"{', '.join(SERVED_DRAFTERS)}, either prefixed by rayN: (served by N replicas on Ray Serve, "
+                        "sharing the cores), and the peer llamacpp (llama-cpp-python's server on the same GGUF) "
+                        "(default none,ngram:adaptive)")
     p.add_argument("--concurrency", type=_levels, default=_levels("1,2,4,8"),
                    help="concurrent clients per level (default 1,2,4,8)")
     p.add_argument("--requests", type=positive_int, default=None,
@@ -141,14 +152,19 @@ class Server:
 
 
 def _server_flags(method: str, args: argparse.Namespace, max_running: int) -> list[str]:
-    """The ``serve`` flags of one method's server."""
+    """The ``serve`` flags of one method's server; a ``rayN:`` method's replicas share this machine's cores
+    (and each runs as many kernel threads as it has cores)."""
+    replicas, method = _on_ray(method)
     drafter, _, gamma = method.partition(":")
     flags = ["--model", args.model, "--served-model-name", "m", "--drafter", drafter, "--max-running", str(max_running),
              "--max-waiting", "1024", "--log-level", "warning", "--dtype", args.dtype, "--linear", args.linear,
              "--weights", args.weights]
     if gamma:
         flags += ["--gamma", gamma]
-    if args.threads:
+    if replicas:
+        cores = args.threads or os.cpu_count() or 1
+        flags += ["--ray", "--replicas", str(replicas), "--cpus-per-replica", f"{max(cores / replicas, 0.01):g}"]
+    elif args.threads:
         flags += ["--threads", str(args.threads)]
     for flag in ("max_rows", "prefill_chunk"):
         if getattr(args, flag) is not None:

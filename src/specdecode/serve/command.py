@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, positive_float, positive_int
+from specdecode.argtypes import add_kv_arguments, byte_size, cache_configs, gamma, positive_float, positive_int
 from specdecode.batch.executor import BATCHED_DRAFTERS, BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.control import GAMMA_POLICIES
@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--replicas", type=positive_int, default=1, help="engine replicas with --ray (default 1)")
     r.add_argument("--cpus-per-replica", type=positive_float, default=1.0,
                    help="Ray CPUs each replica reserves; its kernels' threads unless --threads (default 1)")
+    r.add_argument("--ingress-replicas", type=positive_int, default=1,
+                   help="replicas of the ingress that relays every request and streamed chunk (default 1)")
+    r.add_argument("--memory-per-replica", type=byte_size, default=None, metavar="SIZE",
+                   help="memory each replica reserves from Ray's scheduler, e.g. 2G (default: none reserved)")
     r.add_argument("--ray-address", default=None,
                    help="the Ray cluster to join: auto = the one `ray start` began on this machine, or HOST:PORT "
                         "(default: $RAY_ADDRESS, else a new local cluster, shut down on exit)")

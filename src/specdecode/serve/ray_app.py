@@ -208,7 +208,8 @@ class Ingress:
 
 
 def build_application(args: argparse.Namespace, replicas: int = 1, cpus_per_replica: float = 1.0,
-                      routing: str = "prefix", retries: int = 2) -> serve.Application:
+                      routing: str = "prefix", retries: int = 2, memory_per_replica: int | None = None,
+                      ingress_replicas: int = 1) -> serve.Application:
     """The Ray Serve application for ``specdecode serve``'s flags ``args``.
 
     Args:
@@ -218,11 +219,14 @@ def build_application(args: argparse.Namespace, replicas: int = 1, cpus_per_repl
         cpus_per_replica: Ray CPUs each replica reserves.
         routing: ``prefix`` (prefix affinity within a load bound) or ``pow2`` (Ray's default).
         retries: see :class:`Ingress`.
+        memory_per_replica: bytes each replica reserves from Ray's scheduler (None: none).
+        ingress_replicas: ingress replicas (each relays ~450 chunks per CPU second here; see BENCHMARKS.md).
     """
     if routing not in ("prefix", "pow2"):
         raise ValueError(f"routing must be 'prefix' or 'pow2'; got {routing!r}")
-    if replicas < 1 or cpus_per_replica <= 0:
-        raise ValueError(f"replicas must be >= 1 and cpus_per_replica > 0; got {replicas} and {cpus_per_replica}")
+    if replicas < 1 or ingress_replicas < 1 or cpus_per_replica <= 0:
+        raise ValueError(f"replicas and ingress_replicas must be >= 1 and cpus_per_replica > 0; got {replicas}, "
+                         f"{ingress_replicas} and {cpus_per_replica}")
     threads = args.threads or max(1, int(cpus_per_replica))
     router = {}
     if routing == "prefix":
@@ -230,14 +234,17 @@ def build_application(args: argparse.Namespace, replicas: int = 1, cpus_per_repl
 
         router = {"request_router_config": RequestRouterConfig(
             request_router_class=PrefixAffinityRouter, request_router_kwargs={"imbalance": max(1, args.max_running // 2)})}
-    hub = serve.deployment(MetricsHub, name="MetricsHub", ray_actor_options={"num_cpus": 0}).bind()
+    hub = serve.deployment(MetricsHub, name="MetricsHub", ray_actor_options={"num_cpus": 0},
+                           logging_config={"enable_access_log": False}).bind()  # a push per replica per second
+    actor = {"num_cpus": cpus_per_replica, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
+    if memory_per_replica:
+        actor["memory"] = memory_per_replica
     engine = serve.deployment(
-        EngineServer, name="EngineServer", num_replicas=replicas,
-        ray_actor_options={"num_cpus": cpus_per_replica, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}},
+        EngineServer, name="EngineServer", num_replicas=replicas, ray_actor_options=actor,
         max_ongoing_requests=args.max_running + args.max_waiting, max_queued_requests=max(1, args.max_waiting),
         health_check_period_s=2, max_constructor_retry_count=1, **router,
     ).bind(args, hub, threads)
-    return Ingress.bind(engine, hub, retries)
+    return Ingress.options(num_replicas=ingress_replicas).bind(engine, hub, retries)
 
 
 class DeploymentError(RuntimeError):
@@ -274,10 +281,13 @@ def serve_flags(flags: list[str]) -> argparse.Namespace:
 
 def app_builder(config: dict[str, Any]) -> serve.Application:
     """For a Ray Serve config file (``import_path: specdecode.serve.ray_app:app_builder``), with ``args``:
-    ``flags`` (a list of ``specdecode serve`` flags), ``replicas``, ``cpus_per_replica``, ``routing``."""
-    unknown = set(config) - {"flags", "replicas", "cpus_per_replica", "routing", "retries"}
+    ``flags`` (a list of ``specdecode serve`` flags), ``replicas``, ``cpus_per_replica``, ``routing``,
+    ``retries``, ``memory_per_replica`` (bytes), ``ingress_replicas``."""
+    unknown = set(config) - {"flags", "replicas", "cpus_per_replica", "routing", "retries", "memory_per_replica",
+                             "ingress_replicas"}
     if unknown:
         raise ValueError(f"unknown app_builder args: {', '.join(sorted(unknown))}")
     return build_application(serve_flags(list(config.get("flags", []))), int(config.get("replicas", 1)),
                              float(config.get("cpus_per_replica", 1.0)), config.get("routing", "prefix"),
-                             int(config.get("retries", 2)))
+                             int(config.get("retries", 2)), config.get("memory_per_replica"),
+                             int(config.get("ingress_replicas", 1)))

@@ -24,7 +24,9 @@ def run_ray(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     except ImportError as exc:
         raise ValueError(f"specdecode serve --ray needs Ray Serve ({exc.name} is missing): "
                          "pip install 'specdecode[ray]'") from None
-    application = build_application(args, args.replicas, args.cpus_per_replica, args.routing)
+    application = build_application(args, args.replicas, args.cpus_per_replica, args.routing,
+                                    memory_per_replica=args.memory_per_replica,
+                                    ingress_replicas=args.ingress_replicas)
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     own_cluster = address is None
     if own_cluster:  # a cluster of this machine's cores for this server alone

@@ -1,0 +1,49 @@
+"""`serve --ray` flags and errors that need no cluster."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from specdecode.cli import build_parser, main
+from specdecode.serve.ray_command import run_ray
+
+
+def test_the_ray_flags_parse_and_refuse_bad_values(capsys):
+    args = build_parser().parse_args(["serve", "--ray", "--replicas", "3", "--cpus-per-replica", "0.5",
+                                      "--ingress-replicas", "2", "--routing", "pow2", "--ray-address", "auto"])
+    assert (args.ray, args.replicas, args.cpus_per_replica, args.routing, args.ray_address, args.ingress_replicas) == \
+        (True, 3, 0.5, "pow2", "auto", 2)
+    for bad in (["--cpus-per-replica", "0"], ["--replicas", "0"], ["--routing", "random"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--ray", *bad])
+        assert bad[0] in capsys.readouterr().err
+
+
+def test_without_ray_installed_the_error_says_how_to_get_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    args = build_parser().parse_args(["serve", "--ray"])
+    with pytest.raises(ValueError, match=r"needs Ray Serve \(ray is missing\): pip install 'specdecode\[ray\]'"):
+        run_ray(args, print)
+
+
+def test_the_cli_prints_it_as_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert main(["serve", "--ray"]) == 2
+    assert capsys.readouterr().err.strip().startswith("specdecode: error: specdecode serve --ray needs Ray Serve")
+
+
+def test_the_config_file_builder_checks_its_args():
+    pytest.importorskip("ray.serve")
+    from ray.serve import Application
+
+    from specdecode.serve.ray_app import app_builder
+
+    assert isinstance(app_builder({"flags": ["--drafter", "none"], "replicas": 2, "ingress_replicas": 2}), Application)
+    with pytest.raises(ValueError, match="unknown app_builder args: replica"):
+        app_builder({"replica": 2})
+    with pytest.raises(ValueError, match="routing must be 'prefix' or 'pow2'"):
+        app_builder({"routing": "random"})
+    with pytest.raises(ValueError, match="replicas and ingress_replicas must be >= 1"):
+        app_builder({"replicas": 0})
