@@ -22,9 +22,10 @@ import time
 from specdecode.bench.load import run_level, summarize
 from specdecode.bench.prompts import default_prompts, select
 from specdecode.bench.serve_command import Server
+from specdecode.serve.ray_app import APP_NAME
 
-ROLES = {"proxy": "ProxyActor", "ingress": "ServeReplica:specdecode:Ingress",
-         "engine": "ServeReplica:specdecode:EngineServer"}
+ROLES = {"proxy": "ProxyActor", "ingress": f"ServeReplica:{APP_NAME}:Ingress",
+         "engine": f"ServeReplica:{APP_NAME}:EngineServer"}
 
 
 def _cpu_seconds() -> dict[int, tuple[str, float]]:
@@ -62,7 +63,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--requests", type=int, default=16, help="requests, cycling through the packaged prompts")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--cpus-per-replica", default=str(os.cpu_count()))
     args = p.parse_args()
@@ -75,7 +76,7 @@ def main() -> int:
         prompts = select(default_prompts(), limit=2)
         bodies = [{"model": "m", "messages": list(q.messages) if q.messages is not None else
                    [{"role": "user", "content": q.prompt}], "max_tokens": args.max_tokens, "temperature": 0}
-                  for q in prompts][:args.requests]
+                  for q in (prompts[i % len(prompts)] for i in range(args.requests))]
         run_level("127.0.0.1", server.port, bodies[:args.concurrency], args.concurrency)  # warm
         before = _cpu_seconds()
         results, wall = run_level("127.0.0.1", server.port, bodies, args.concurrency)
@@ -84,6 +85,9 @@ def main() -> int:
         server.stop()
     summary = summarize(results, wall)
     chunks = sum(len(r.gaps_s) + 1 for r in results if r.error is None)
+    if chunks == 0:
+        print(f"no request succeeded: {[r.error for r in results][:3]}", file=sys.stderr)
+        return 1
     used = _by_role(before, after, server.proc.pid)
     print(f"{summary['tokens']} tokens in {chunks} chunks over {wall:.1f} s ({summary['tokens_per_s']:.1f} tok/s), "
           f"{summary['errors']} errors")

@@ -42,6 +42,8 @@ def test_ray_methods_name_their_replicas_and_share_the_cores():
     assert flags[flags.index("--drafter") + 1] == "ngram" and flags[flags.index("--gamma") + 1] == "adaptive"
     assert flags[flags.index("--replicas") + 1] == "2" and flags[flags.index("--cpus-per-replica") + 1] == "1"
     assert "--threads" not in flags and "--ray" in flags
+    flags = serve_command._server_flags("ray3:none", args, 4)
+    assert 3 * float(flags[flags.index("--cpus-per-replica") + 1]) <= 2  # rounded down, never above the cores
     assert "--ray" not in serve_command._server_flags("none", args, 4)
 
 

@@ -12,21 +12,25 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from specdecode.serve.forward import ForwardedRequest, ResponseHead, call_asgi, routing_text
 
 
+def _built(body: bytes) -> ForwardedRequest:
+    return ForwardedRequest.build("POST", "/v1/completions", b"", [], body)
+
+
 def test_routing_text_of_each_request_shape():
-    assert routing_text(json.dumps({"prompt": "abc"}).encode()) == "abc"
-    assert routing_text(json.dumps({"prompt": ["abc"]}).encode()) == "abc"
-    assert routing_text(json.dumps({"prompt": [1, 2, 3]}).encode()) == ""
+    assert routing_text({"prompt": "abc"}) == "abc"
+    assert routing_text({"prompt": ["abc"]}) == "abc"
+    assert routing_text({"prompt": [1, 2, 3]}) == ""
     chat = {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "!"}]}]}
-    assert routing_text(json.dumps(chat).encode()) == "be brief\nhi\n!"
+    assert _built(json.dumps(chat).encode()).routing_text == "be brief\nhi\n!"
     for junk in (b"", b"{not json", b"[1, 2]", json.dumps({"messages": "x"}).encode()):
-        assert routing_text(junk) == ""
+        assert _built(junk).routing_text == ""
 
 
 def test_streams_reads_the_body():
-    assert ForwardedRequest("POST", "/v1/completions", body=b'{"stream": true}').streams
-    assert not ForwardedRequest("POST", "/v1/completions", body=b'{"stream": "yes"}').streams
-    assert not ForwardedRequest("POST", "/v1/completions", body=b"{bad").streams
+    assert _built(b'{"stream": true}').streams
+    assert not _built(b'{"stream": "yes"}').streams
+    assert not _built(b"{bad").streams
 
 
 def _app(log: list[str]) -> FastAPI:
@@ -64,6 +68,46 @@ async def _collect(app, request, limit=None):
             await gen.aclose()
             break
     return items
+
+
+def test_a_task_cancelled_while_waiting_for_the_app_ends_it_and_leaves_no_task():
+    log: list[str] = []
+    app = _app(log)
+
+    async def run():
+        async def consume():
+            async for _ in call_asgi(app, ForwardedRequest("GET", "/stream")):
+                pass
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)  # mid-stream, awaiting the next chunk
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(run()) == []
+    assert log == ["stream closed"]
+
+
+def test_an_app_that_finishes_after_its_body_is_not_cancelled():
+    app, log = FastAPI(), []
+
+    @app.get("/then-clean-up")
+    async def then_clean_up():
+        from starlette.background import BackgroundTask
+
+        async def clean_up():
+            await asyncio.sleep(0.02)
+            log.append("cleaned up")
+        return JSONResponse({"ok": True}, background=BackgroundTask(clean_up))
+
+    async def run():
+        items = await _collect(app, ForwardedRequest("GET", "/then-clean-up"))
+        await asyncio.sleep(0.1)
+        return items
+
+    assert json.loads(b"".join(asyncio.run(run())[1:])) == {"ok": True}
+    assert log == ["cleaned up"]
 
 
 def test_call_asgi_returns_the_head_then_the_body():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -47,3 +48,11 @@ def test_the_config_file_builder_checks_its_args():
         app_builder({"routing": "random"})
     with pytest.raises(ValueError, match="replicas and ingress_replicas must be >= 1"):
         app_builder({"replicas": 0})
+
+
+def test_more_replicas_than_free_cpus_are_refused_and_the_cluster_is_shut_down():
+    ray = pytest.importorskip("ray")
+    args = build_parser().parse_args(["serve", "--ray", "--replicas", str(64 * (os.cpu_count() or 1))])
+    with pytest.raises(ValueError, match=r"replica\(s\) of 1 CPU need \d+ CPUs; the Ray cluster has \d+ free"):
+        run_ray(args, print)
+    assert not ray.is_initialized()

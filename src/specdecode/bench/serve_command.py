@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -153,7 +154,8 @@ class Server:
 
 def _server_flags(method: str, args: argparse.Namespace, max_running: int) -> list[str]:
     """The ``serve`` flags of one method's server; a ``rayN:`` method's replicas share this machine's cores
-    (and each runs as many kernel threads as it has cores)."""
+    (each reserves cores / N Ray CPUs, rounded down to Ray's 1e-4, and runs that many kernel threads, at
+    least one)."""
     replicas, method = _on_ray(method)
     drafter, _, gamma = method.partition(":")
     flags = ["--model", args.model, "--served-model-name", "m", "--drafter", drafter, "--max-running", str(max_running),
@@ -163,7 +165,8 @@ def _server_flags(method: str, args: argparse.Namespace, max_running: int) -> li
         flags += ["--gamma", gamma]
     if replicas:
         cores = args.threads or os.cpu_count() or 1
-        flags += ["--ray", "--replicas", str(replicas), "--cpus-per-replica", f"{max(cores / replicas, 0.01):g}"]
+        cpus = max(math.floor(cores / replicas * 1e4) / 1e4, 1e-4)  # N x cpus never exceeds the cores
+        flags += ["--ray", "--replicas", str(replicas), "--cpus-per-replica", f"{cpus:.4f}".rstrip("0").rstrip(".")]
     elif args.threads:
         flags += ["--threads", str(args.threads)]
     for flag in ("max_rows", "prefill_chunk"):

@@ -31,12 +31,13 @@ class ForwardedRequest:
 
     Args:
         method: ``GET``, ``POST``...
-        path: the URL path (``/v1/chat/completions``).
+        path: the URL path as the app's routes see it (``/v1/chat/completions``).
         query: the raw query string.
         headers: raw header pairs, lower-case names.
         body: the request body.
         routing_text: the prompt, or the chat messages' contents joined, for prefix-aware routing;
             empty where the request carries no text (or its body is not JSON).
+        streams: whether the body asks for an SSE stream (the replica's app decides what is valid).
     """
 
     method: str
@@ -45,29 +46,23 @@ class ForwardedRequest:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     body: bytes = b""
     routing_text: str = ""
+    streams: bool = False
 
     @classmethod
     def build(cls, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
               body: bytes) -> "ForwardedRequest":
-        return cls(method, path, query, headers, body, routing_text(body))
-
-    @property
-    def streams(self) -> bool:
-        """Whether the body asks for an SSE stream (the replica's app decides what is valid)."""
+        """The request with its routing text and stream flag read from the body (parsed once)."""
         try:
-            payload = json.loads(self.body)
+            payload = json.loads(body) if body else None
         except ValueError:
-            return False
-        return isinstance(payload, dict) and payload.get("stream") is True
+            payload = None
+        return cls(method, path, query, headers, body, routing_text(payload),
+                   isinstance(payload, dict) and payload.get("stream") is True)
 
 
-def routing_text(body: bytes) -> str:
-    """The text a completion or chat request's answer starts from, as far as routing needs it: the prompt
-    string, or the messages' text contents in order ("" where there is none)."""
-    try:
-        payload = json.loads(body) if body else None
-    except ValueError:
-        return ""
+def routing_text(payload: Any) -> str:
+    """The text a completion or chat request's answer starts from (``payload`` is its parsed JSON body), as
+    far as routing needs it: the prompt string, or the messages' text contents in order ("" where none)."""
     if not isinstance(payload, dict):
         return ""
     prompt = payload.get("prompt")
@@ -87,11 +82,12 @@ def routing_text(body: bytes) -> str:
 
 async def call_asgi(app: Any, request: ForwardedRequest) -> AsyncIterator[ResponseHead | bytes]:
     """Runs ``app`` on ``request`` in this process: yields the :class:`ResponseHead`, then the body's
-    chunks as the app sends them. Closing the iterator early (the caller went away) tells the app the
-    client disconnected and cancels it, so that a streaming request's sequence is cancelled too."""
+    chunks as the app sends them. Closed or cancelled before the body's end (the caller went away), it
+    tells the app the client disconnected and cancels it, so that a streaming request's sequence is
+    cancelled too; after the body's end the app is left to finish."""
     messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     disconnected = asyncio.Event()
-    body_given = False
+    body_given = complete = False
 
     async def receive() -> dict[str, Any]:
         nonlocal body_given
@@ -109,6 +105,7 @@ async def call_asgi(app: Any, request: ForwardedRequest) -> AsyncIterator[Respon
              "query_string": request.query, "root_path": "", "headers": request.headers, "client": None,
              "server": None, "state": {}}
     task = asyncio.ensure_future(app(scope, receive, send))
+    getter: asyncio.Future | None = None
     try:
         while True:
             getter = asyncio.ensure_future(messages.get())
@@ -127,8 +124,12 @@ async def call_asgi(app: Any, request: ForwardedRequest) -> AsyncIterator[Respon
                 if message.get("body"):
                     yield message["body"]
                 if not message.get("more_body", False):
+                    complete = True
                     return
     finally:
-        disconnected.set()
-        if not task.done():
-            task.cancel()
+        if getter is not None and not getter.done():
+            getter.cancel()
+        if not complete:
+            disconnected.set()
+            if not task.done():
+                task.cancel()

@@ -9,16 +9,17 @@ Three deployments make the application (:func:`build_application`):
 - ``Ingress`` (Ray Serve's HTTP proxy sends every request here): reads the request, hands it to an
   engine replica through a deployment handle, whose router (``ray_router.PrefixAffinityRouter``, or
   Ray's power of two choices with ``routing="pow2"``) picks the replica; relays the answer. A replica
-  lost before anything reached the client (a non-streaming request, or a stream before its first
-  generated token) is retried on another, up to ``retries`` times; a stream cut later ends with an SSE
-  error event naming the loss. ``/metrics`` answers the hub's merged view.
+  that died before anything reached the client (a non-streaming request, or a stream before its first
+  generated token) is retried on another, up to ``retries`` times (with one replica, the retry waits for
+  Ray to replace it); a stream cut later ends with an SSE error event naming the loss. ``/metrics``
+  answers the hub's merged view.
 - ``MetricsHub`` (one, no CPU): every replica's latest metrics, merged with a ``replica`` label.
 
-It does not parse command lines or own the Ray cluster (``ray_command.py``).
+It does not own the Ray cluster nor run the command (``ray_command.py``); :func:`serve_flags` only
+reuses ``serve``'s parser for Python callers and config files.
 """
 
 import argparse
-import asyncio
 import json
 import logging
 import threading
@@ -28,17 +29,22 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from specdecode.argtypes import byte_size
+from specdecode.serve.command import SHUTDOWN_GRACE_S, build_server
 from specdecode.serve.forward import ForwardedRequest, ResponseHead, call_asgi
+from specdecode.serve.metrics import merge_replicas
 
 APP_NAME = "specdecode"
 METRICS_PUSH_S = 1.0  # how often a replica sends its metrics to the hub
 METRICS_STALE_S = 15.0  # a replica silent this long (dead, removed) leaves the merged view
-REPLICA_LOST = (RayActorError,)  # ActorDiedError, ActorUnavailableError
+# Only a dead replica's request is retried: one merely unavailable (ActorUnavailableError) may still be
+# running it, and a retry could answer it twice.
+REPLICA_DIED = (ActorDiedError,)
 REPLICA_HEADER = b"x-specdecode-replica"
 
 log = logging.getLogger("specdecode.serve")
@@ -57,7 +63,6 @@ class EngineServer:
         import torch
 
         from specdecode.models.build import resolve_device
-        from specdecode.serve.command import build_server
 
         torch.set_num_threads(threads)
         args.device = resolve_device(args.device)
@@ -69,6 +74,7 @@ class EngineServer:
         threading.Thread(target=self._push_metrics, name="specdecode-metrics", daemon=True).start()
 
     async def __call__(self, request: ForwardedRequest) -> AsyncIterator[ResponseHead | bytes]:
+        """Answers one forwarded request: its :class:`ResponseHead` (with this replica's id), then its body."""
         async for item in call_asgi(self.app, request):
             if isinstance(item, ResponseHead):
                 item.headers.append((REPLICA_HEADER, self.replica.encode()))
@@ -84,8 +90,7 @@ class EngineServer:
             self._hub.push.remote(self.replica, self.metrics.render())
 
     def __del__(self) -> None:
-        from specdecode.serve.command import SHUTDOWN_GRACE_S
-
+        """Ray's graceful shutdown: running requests finish (``SHUTDOWN_GRACE_S``), the rest are cancelled."""
         if hasattr(self, "loop"):  # not when __init__ failed
             self._stop.set()
             self.loop.stop(timeout=SHUTDOWN_GRACE_S)
@@ -98,11 +103,11 @@ class MetricsHub:
         self._texts: dict[str, tuple[float, bytes]] = {}
 
     def push(self, replica: str, text: bytes) -> None:
+        """Keeps ``replica``'s latest Prometheus text."""
         self._texts[replica] = (time.monotonic(), text)
 
     def render(self) -> bytes:
-        from specdecode.serve.metrics import merge_replicas
-
+        """The fresh replicas' metrics as one exposition, each series labelled ``replica``."""
         now = time.monotonic()
         self._texts = {r: (t, text) for r, (t, text) in self._texts.items() if now - t < METRICS_STALE_S}
         return merge_replicas({r: text for r, (_, text) in sorted(self._texts.items())})
@@ -141,7 +146,61 @@ def _headers(head: ResponseHead) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in head.headers if k.lower() != b"content-length"}
 
 
-@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+async def answer(engine: Any, forwarded: ForwardedRequest, retries: int) -> Response:
+    """``forwarded``'s answer from a replica behind the streaming handle ``engine``: retried up to
+    ``retries`` times while a replica dies before anything was sent (a stream's bytes are held back until
+    its first generated token), relayed as a stream after that."""
+    for attempt in range(1 + retries):
+        stream = engine.remote(forwarded)
+        relaying = False
+        try:
+            head: ResponseHead = await stream.__anext__()
+            held: list[bytes] = []
+            if head.status == 200 and forwarded.streams:
+                async for chunk in stream:
+                    held.append(chunk)
+                    if _began(chunk):
+                        break
+                relaying = True
+                return StreamingResponse(_relay(stream, held), status_code=head.status, headers=_headers(head))
+            body = b"".join([chunk async for chunk in stream])
+            return Response(body, status_code=head.status, headers=_headers(head))
+        except REPLICA_DIED as exc:
+            log.warning("a replica died before answering %s %s (attempt %d): %s", forwarded.method, forwarded.path,
+                        attempt + 1, exc)
+        except BackPressureError as exc:
+            return _error(429, f"every replica's queue is full: {exc}", "rate_limit_exceeded", {"Retry-After": "1"})
+        except StopAsyncIteration:
+            return _error(500, "the replica answered nothing", "server_error")
+        except Exception as exc:  # a replica unavailable, a deployment gone...: not retried (REPLICA_DIED)
+            return _error(503, f"the request could not be served: {type(exc).__name__}: {exc}", "service_unavailable")
+        finally:
+            if not relaying:  # answered, failed or the client went away: the replica's request ends
+                stream.cancel()
+    return _error(503, f"the replica serving this request died {1 + retries} times; nothing was generated",
+                  "service_unavailable")
+
+
+async def _relay(stream: Any, held: list[bytes]) -> AsyncIterator[bytes | str]:
+    """A stream's chunks: those held back, then the rest; a failure ends it with an SSE error event."""
+    try:
+        for chunk in held:
+            yield chunk
+        async for chunk in stream:
+            yield chunk
+    except Exception as exc:
+        lost = "died" if isinstance(exc, REPLICA_DIED) else f"failed ({type(exc).__name__})"
+        message = f"the replica serving this request {lost} mid-stream; the answer is incomplete"
+        yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.cancel()  # a client that went away cancels the replica's request (and frees its KV slot)
+
+
+# Decorated here because Ray Serve binds the FastAPI routes at class definition (and serializes the class
+# then: what its methods call must be defined above); its options are set in build_application.
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
+                  graceful_shutdown_timeout_s=SHUTDOWN_GRACE_S + 5)
 @serve.ingress(ingress_api)
 class Ingress:
     """The HTTP face of the application (see the module docstring).
@@ -149,62 +208,25 @@ class Ingress:
     Args:
         engine: the ``EngineServer`` deployment.
         hub: the ``MetricsHub`` deployment.
-        retries: attempts after the first when a replica is lost before anything was sent.
+        retries: attempts after the first when a replica dies before anything was sent.
     """
 
     def __init__(self, engine: DeploymentHandle, hub: DeploymentHandle, retries: int = 2) -> None:
-        self.engine, self.hub, self.retries = engine, hub, retries
+        self.engine, self.hub, self.retries = engine.options(stream=True), hub, retries
 
     @ingress_api.get("/metrics")
     async def metrics(self) -> Response:
+        """Every replica's metrics in one view."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(await self.hub.render.remote(), media_type=CONTENT_TYPE_LATEST)
 
     @ingress_api.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request) -> Response:
-        forwarded = ForwardedRequest.build(request.method, request.url.path, request.url.query.encode(),
+        """Any other request: to an engine replica (:func:`answer`)."""
+        forwarded = ForwardedRequest.build(request.method, "/" + path, request.url.query.encode(),
                                            list(request.headers.raw), await request.body())
-        lost: Exception | None = None
-        for _ in range(1 + self.retries):
-            stream = self.engine.options(stream=True).remote(forwarded)
-            try:
-                head: ResponseHead = await stream.__anext__()
-                held: list[bytes] = []
-                if head.status == 200 and forwarded.streams:
-                    async for chunk in stream:  # held back until a token comes: until then a loss is retried
-                        held.append(chunk)
-                        if _began(chunk):
-                            break
-                    return StreamingResponse(self._relay(stream, held), status_code=head.status, headers=_headers(head))
-                body = b"".join([chunk async for chunk in stream])
-                return Response(body, status_code=head.status, headers=_headers(head))
-            except REPLICA_LOST as exc:
-                stream.cancel()
-                lost = exc
-                log.warning("a replica was lost before answering %s %s; retrying: %s", request.method, path, exc)
-            except BackPressureError as exc:
-                return _error(429, f"every replica's queue is full: {exc}", "rate_limit_exceeded", {"Retry-After": "1"})
-            except StopAsyncIteration:
-                return _error(500, "the replica answered nothing", "server_error")
-            except asyncio.CancelledError:  # the client went away
-                stream.cancel()
-                raise
-        return _error(503, f"the replica serving this request was lost {1 + self.retries} times "
-                           f"({type(lost).__name__}); nothing was generated", "service_unavailable")
-
-    async def _relay(self, stream: Any, held: list[bytes]) -> AsyncIterator[bytes]:
-        try:
-            for chunk in held:
-                yield chunk
-            async for chunk in stream:
-                yield chunk
-        except REPLICA_LOST as exc:
-            message = f"the replica serving this request was lost mid-stream ({type(exc).__name__}); the answer is incomplete"
-            yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            stream.cancel()  # a client that went away cancels the replica's request (and frees its KV slot)
+        return await answer(self.engine, forwarded, self.retries)
 
 
 def build_application(args: argparse.Namespace, replicas: int = 1, cpus_per_replica: float = 1.0,
@@ -220,7 +242,8 @@ def build_application(args: argparse.Namespace, replicas: int = 1, cpus_per_repl
         routing: ``prefix`` (prefix affinity within a load bound) or ``pow2`` (Ray's default).
         retries: see :class:`Ingress`.
         memory_per_replica: bytes each replica reserves from Ray's scheduler (None: none).
-        ingress_replicas: ingress replicas (each relays ~450 chunks per CPU second here; see BENCHMARKS.md).
+        ingress_replicas: ingress replicas (with Ray's proxy, ~445 streamed chunks per CPU second here, see
+            BENCHMARKS.md; each keeps its own prefix index).
     """
     if routing not in ("prefix", "pow2"):
         raise ValueError(f"routing must be 'prefix' or 'pow2'; got {routing!r}")
@@ -242,7 +265,8 @@ def build_application(args: argparse.Namespace, replicas: int = 1, cpus_per_repl
     engine = serve.deployment(
         EngineServer, name="EngineServer", num_replicas=replicas, ray_actor_options=actor,
         max_ongoing_requests=args.max_running + args.max_waiting, max_queued_requests=max(1, args.max_waiting),
-        health_check_period_s=2, max_constructor_retry_count=1, **router,
+        health_check_period_s=2, max_constructor_retry_count=2,  # one retry in all, then the deployment fails
+        graceful_shutdown_timeout_s=SHUTDOWN_GRACE_S + 5, **router,
     ).bind(args, hub, threads)
     return Ingress.options(num_replicas=ingress_replicas).bind(engine, hub, retries)
 
@@ -258,7 +282,8 @@ def run_application(application: serve.Application, name: str = APP_NAME, route_
         serve.run(application, name=name, route_prefix=route_prefix)
     except RuntimeError as exc:
         status = serve.status().applications.get(name)
-        failed = [(d, s.message) for d, s in (status.deployments.items() if status else ()) if s.message]
+        failed = [(d, s.message) for d, s in (status.deployments.items() if status else ())
+                  if s.status in ("DEPLOY_FAILED", "UNHEALTHY") and s.message]
         if not failed:
             raise DeploymentError(str(exc)) from None
         deployment, message = failed[0]
@@ -273,21 +298,26 @@ def _last_error_line(message: str) -> str:
 
 
 def serve_flags(flags: list[str]) -> argparse.Namespace:
-    """``specdecode serve``'s flags (e.g. ``["--model", "smollm2-135m", "--drafter", "ngram"]``), parsed."""
+    """``specdecode serve``'s flags (e.g. ``["--model", "smollm2-135m", "--drafter", "ngram"]``), parsed;
+    bad flags raise ValueError (not argparse's exit)."""
     from specdecode.cli import build_parser
 
-    return build_parser().parse_args(["serve", *flags])
+    try:
+        return build_parser().parse_args(["serve", *flags])
+    except SystemExit:
+        raise ValueError(f"bad specdecode serve flags: {' '.join(flags)} (see `specdecode serve --help`)") from None
 
 
 def app_builder(config: dict[str, Any]) -> serve.Application:
     """For a Ray Serve config file (``import_path: specdecode.serve.ray_app:app_builder``), with ``args``:
     ``flags`` (a list of ``specdecode serve`` flags), ``replicas``, ``cpus_per_replica``, ``routing``,
-    ``retries``, ``memory_per_replica`` (bytes), ``ingress_replicas``."""
+    ``retries``, ``memory_per_replica`` (bytes or a size such as ``2G``), ``ingress_replicas``."""
     unknown = set(config) - {"flags", "replicas", "cpus_per_replica", "routing", "retries", "memory_per_replica",
                              "ingress_replicas"}
     if unknown:
         raise ValueError(f"unknown app_builder args: {', '.join(sorted(unknown))}")
+    memory = config.get("memory_per_replica")
     return build_application(serve_flags(list(config.get("flags", []))), int(config.get("replicas", 1)),
                              float(config.get("cpus_per_replica", 1.0)), config.get("routing", "prefix"),
-                             int(config.get("retries", 2)), config.get("memory_per_replica"),
+                             int(config.get("retries", 2)), byte_size(str(memory)) if memory is not None else None,
                              int(config.get("ingress_replicas", 1)))

@@ -18,8 +18,8 @@ from __future__ import annotations
 import random
 from typing import Any, List, Optional
 
-from ray.serve.request_router import (LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, ReplicaResult,
-                                      RequestRouter, RunningReplica)
+from ray.serve.request_router import (LocalityMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter,
+                                      RunningReplica)
 
 from specdecode.serve.forward import ForwardedRequest
 from specdecode.serve.prefix_index import PrefixIndex
@@ -31,16 +31,24 @@ def _text(pending: Optional[PendingRequest]) -> str:
     return next((a.routing_text for a in pending.args if isinstance(a, ForwardedRequest)), "")
 
 
-class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
-    """Prefix affinity within a load bound, else power of two choices (see the module docstring)."""
+class PrefixAffinityRouter(LocalityMixin, RequestRouter):
+    """Prefix affinity within a load bound, else power of two choices (see the module docstring). Not
+    FIFO (Ray's ``FIFOMixin``): that would hand the replica chosen for one request to an older one."""
 
-    def initialize_state(self, min_match_chars: int = 32, imbalance: int = 2, per_replica: int = 256,
-                         **kwargs: Any) -> None:
+    def initialize_state(self, min_match_chars: int = 32, imbalance: int = 2, per_replica: int = 256) -> None:
+        """Ray calls this with the deployment's ``request_router_kwargs`` (an unknown name is a TypeError).
+
+        Args:
+            min_match_chars: characters a request must share with a replica's recent text to go there.
+            imbalance: how much longer than the shortest queue the affine replica's may be.
+            per_replica: texts remembered per replica.
+        """
         self.min_match_chars, self.imbalance = min_match_chars, imbalance
         self.index = PrefixIndex(per_replica)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        """The affine replicas (longest shared prefix, within the load bound) first, then two random ones."""
         ids = self.apply_locality_routing(pending_request=pending_request)  # also decides when to back off
         candidates = [self._replicas[i] for i in ids if i in self._replicas]
         if not candidates:
@@ -49,13 +57,9 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         text = _text(pending_request)
         if not text:
             return [two]
-        best, matched = self.index.best(text, [r.replica_id for r in candidates])
-        if best is None or matched < self.min_match_chars:
-            return [two]
-        queue = {r.replica_id: self._replica_queue_len_cache.get(r.replica_id) or 0 for r in candidates}
-        if queue[best] - min(queue.values()) > self.imbalance:
-            return [two]
-        return [[self._replicas[best]], two]  # the second rank when the affine replica is full
+        queues = {r.replica_id: self._replica_queue_len_cache.get(r.replica_id) or 0 for r in candidates}
+        affine = [self._replicas[i] for i in self.index.affine(text, queues, self.min_match_chars, self.imbalance)]
+        return [affine, two] if affine else [two]  # the second rank when the affine replicas are full
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         self.index.record(replica_id, _text(pending_request))
