@@ -79,21 +79,9 @@ void widened_pass(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs,
 template <typename Out>
 void widened_tile(const float* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t pairs, const uint16_t* bias,
                   Out* y, int64_t ldy, int64_t n_out, int64_t n0) {
-  int64_t m = 0;
-  for (; m + kMaxRows <= rows; m += kMaxRows)
-    widened_pass<kMaxRows>(x + m * ldx, ldx, w, pairs, bias, y + m * ldy, ldy, n_out, n0);
-  const float* xm = x + m * ldx;
-  Out* ym = y + m * ldy;
-  switch (rows - m) {
-#ifdef SPECDECODE_AVX512
-    case 5: widened_pass<5>(xm, ldx, w, pairs, bias, ym, ldy, n_out, n0); break;
-    case 4: widened_pass<4>(xm, ldx, w, pairs, bias, ym, ldy, n_out, n0); break;
-#endif
-    case 3: widened_pass<3>(xm, ldx, w, pairs, bias, ym, ldy, n_out, n0); break;
-    case 2: widened_pass<2>(xm, ldx, w, pairs, bias, ym, ldy, n_out, n0); break;
-    case 1: widened_pass<1>(xm, ldx, w, pairs, bias, ym, ldy, n_out, n0); break;
-    default: break;
-  }
+  row_blocks<kMaxRows>(rows, [&](auto r, int64_t m) {
+    widened_pass<decltype(r)::value>(x + m * ldx, ldx, w, pairs, bias, y + m * ldy, ldy, n_out, n0);
+  });
 }
 
 // All tiles of a widened projection, split across threads: x fp32 [rows, 2 * pairs].
@@ -146,19 +134,9 @@ void tiled_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs
 template <typename Out>
 void tiled_tile(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t pairs, const uint16_t* bias,
                 Out* y, int64_t ldy, int64_t n_out, int64_t n0) {
-  int64_t m = 0;
-  for (; m + kTiledRows <= rows; m += kTiledRows)
-    tiled_pass<kTiledRows>(x + m * ldx, ldx, w, pairs, bias, y + m * ldy, ldy, n_out, n0);
-  const uint16_t* xm = x + m * ldx;
-  Out* ym = y + m * ldy;
-  switch (rows - m) {
-    case 5: tiled_pass<5>(xm, ldx, w, pairs, bias, ym, ldy, n_out, n0); break;
-    case 4: tiled_pass<4>(xm, ldx, w, pairs, bias, ym, ldy, n_out, n0); break;
-    case 3: tiled_pass<3>(xm, ldx, w, pairs, bias, ym, ldy, n_out, n0); break;
-    case 2: tiled_pass<2>(xm, ldx, w, pairs, bias, ym, ldy, n_out, n0); break;
-    case 1: tiled_pass<1>(xm, ldx, w, pairs, bias, ym, ldy, n_out, n0); break;
-    default: break;
-  }
+  row_blocks<kTiledRows>(rows, [&](auto r, int64_t m) {
+    tiled_pass<decltype(r)::value>(x + m * ldx, ldx, w, pairs, bias, y + m * ldy, ldy, n_out, n0);
+  });
 }
 
 // All tiles of a tiled projection, split across threads: x bf16 [rows, 2 * pairs].

@@ -222,19 +222,9 @@ void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
 // Every row against one tile (stride bytes long; the next tile follows it), in passes of up to kQRows rows.
 template <int64_t F, typename Out>
 void q_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t n_out, int64_t n0) {
-  int64_t m = 0;
-  for (; m + kQRows <= a.rows; m += kQRows)
-    q_pass<kQRows, F>(a, m, w, bias, y + m * n_out, n_out, n_out, n0, m ? w + stride : nullptr);
-  Out* ym = y + m * n_out;
-  const uint8_t* ahead = m ? w + stride : nullptr;
-  switch (a.rows - m) {
-#ifdef SPECDECODE_AVX512
-    case 3: q_pass<3, F>(a, m, w, bias, ym, n_out, n_out, n0, ahead); break;
-    case 2: q_pass<2, F>(a, m, w, bias, ym, n_out, n_out, n0, ahead); break;
-#endif
-    case 1: q_pass<1, F>(a, m, w, bias, ym, n_out, n_out, n0, ahead); break;
-    default: break;
-  }
+  row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {  // after the first block the next tile is fetched ahead
+    q_pass<decltype(r)::value, F>(a, m, w, bias, y + m * n_out, n_out, n_out, n0, m ? w + stride : nullptr);
+  });
 }
 
 // All tiles of a quantized projection, split across threads: y [a.rows, n_out].

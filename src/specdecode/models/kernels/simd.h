@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace sd {
 
@@ -170,5 +171,25 @@ inline const uint16_t* bf16_ptr(const torch::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 inline uint16_t* bf16_ptr_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// Runs pass(std::integral_constant<int, R>{}, m) over rows [0, rows): blocks of kMax rows from m = 0, then
+// one block of the R < kMax rows left. Each block height is its own compiled pass (its accumulators in
+// registers); every projection kernel walks its rows this way.
+template <int R, typename Pass>
+inline void rest_rows(int64_t left, int64_t m, Pass& pass) {
+  if constexpr (R > 0) {
+    if (left == R)
+      pass(std::integral_constant<int, R>{}, m);
+    else
+      rest_rows<R - 1>(left, m, pass);
+  }
+}
+
+template <int kMax, typename Pass>
+inline void row_blocks(int64_t rows, Pass&& pass) {
+  int64_t m = 0;
+  for (; m + kMax <= rows; m += kMax) pass(std::integral_constant<int, kMax>{}, m);
+  rest_rows<kMax - 1>(rows - m, m, pass);
+}
 
 }  // namespace sd
