@@ -132,7 +132,7 @@ def random_head_drafter(kind: str, target: Transformer, vocab: Sequence[int] | N
     net = net.to(target.dtype).eval().requires_grad_(False)
     ids = torch.tensor(list(vocab) if vocab is not None else range(target.config.vocab_size))
     if kind in ("eagle", "eagle-tree"):
-        net.pack(target.linear_kernel)
+        net.pack_like(target)
         return EagleDrafter(target, net, VocabHead(target, ids), cache or CacheConfig(), 2 if kind == "eagle-tree" else 0)
     return MedusaDrafter(target, net, VocabHead(target, ids))
 

@@ -10,7 +10,9 @@ import torch
 from specdecode.drafters import make_drafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.linear import NATIVE_KERNELS, QuantLinear
 from specdecode.sampling import SamplingParams
+from kernel_paths import path_params
 from tiny_models import random_head_drafter, varied_model, write_head_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,6 +49,22 @@ def test_bf16_packed_target_keeps_greedy_identity(target):
         result = engine.generate(PROMPT, max_new_tokens=32, eos_token_ids=())
         assert result.token_ids == plain, (kind, path)
         assert result.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+def test_a_block_format_target_gets_a_q8_0_head_scoring_with_its_own_head_blocks(path):
+    model = varied_model(0, dtype=torch.bfloat16)
+    model.pack_weights(path, weights="q4_1")
+    plain = Engine(model).generate(PROMPT, max_new_tokens=32, eos_token_ids=()).token_ids
+    drafter = random_head_drafter("eagle", model, vocab=range(0, 97, 2), seed=2)
+    assert isinstance(drafter.head.fc, QuantLinear) and drafter.head.fc.weight_format == "q8_0"
+    ids = torch.arange(0, 97, 2)
+    head_rows = model.head_layer.weight_rows(ids)
+    assert torch.equal(drafter.vocab.linear.weight_rows(torch.arange(len(ids))), head_rows)
+    result = Engine(model, drafter=drafter, spec=SpeculativeConfig(gamma=4)).generate(
+        PROMPT, max_new_tokens=32, eos_token_ids=())
+    assert result.token_ids == plain
+    assert result.stats.drafted_tokens > 0
 
 
 class Spy:

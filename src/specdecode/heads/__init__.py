@@ -56,7 +56,8 @@ def no_head_message(kind: str, source: str) -> str:
 def load_head_drafter(path: str | Path, target, cache: CacheConfig = CacheConfig(), draft_vocab: int | None = None,
                       tree_width: int = 0):
     """A ready ``EagleDrafter`` or ``MedusaDrafter`` from a head file, in the target's dtype, on its device
-    and kernel path.
+    and kernel path. Where the target computes with block-format weights, the EAGLE layer is quantized to
+    q8_0 and the draft vocabulary scores with the target's own head blocks.
 
     Args:
         path: the head file.
@@ -86,7 +87,7 @@ def load_head_drafter(path: str | Path, target, cache: CacheConfig = CacheConfig
     net = net.to(target.device, target.dtype).eval().requires_grad_(False)
     vocab = VocabHead(target, draft_ids(head.vocab, head.draft_vocab if draft_vocab is None else draft_vocab))
     if head.kind == "eagle":
-        net.pack(target.linear_kernel)
+        net.pack_like(target)
         return EagleDrafter(target, net, vocab, cache, tree_width)
     return MedusaDrafter(target, net, vocab)
 

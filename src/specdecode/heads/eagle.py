@@ -25,9 +25,10 @@ from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.tree import place_rows
 from specdecode.kv.factory import make_cache
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import NATIVE_KERNELS, packed_linear
+from specdecode.models.linear import NATIVE_KERNELS, QuantLinear, packed_linear
 from specdecode.models import native
 from specdecode.models.transformer import Block, attention_ops, rope_inv_freq, rope_rows, rope_tables
+from specdecode.models.weights import quantize
 
 
 @dataclass(frozen=True)
@@ -74,15 +75,32 @@ class EagleHead(nn.Module):
     def device(self) -> torch.device:
         return self.block.attn_norm.device
 
-    def pack(self, kernel: str) -> None:
+    def pack_like(self, target) -> None:
+        """``pack`` on the target's kernel path, in q8_0 where the target computes with block formats."""
+        self.pack(target.linear_kernel, "q8_0" if isinstance(target.head_layer, QuantLinear) else "bf16")
+
+    def pack(self, kernel: str, weights: str = "bf16") -> None:
         """Runs the projections on ``kernel`` (the target's path; "torch" leaves them as they are) and,
-        on our paths, attention on our kernel, as ``Transformer.pack_weights`` does for the target."""
+        on our paths, attention on our kernel, as ``Transformer.pack_weights`` does for the target.
+
+        Args:
+            kernel: the target's kernel path.
+            weights: "bf16" (the head's own dtype) or a block format (e.g. "q8_0", on our paths only):
+                half the bytes a drafted token streams, at a draft's usual cost of a slightly different guess.
+        """
         if kernel not in ("onednn", *NATIVE_KERNELS):
             return
-        self.fc = packed_linear(self.fc.weight, self.fc.bias, kernel)
+        if weights != "bf16" and kernel not in NATIVE_KERNELS:
+            raise ValueError(f"a {weights} head needs one of our kernels ({', '.join(NATIVE_KERNELS)}), not {kernel}")
+
+        def project(layer: nn.Linear) -> nn.Module:
+            if weights == "bf16":
+                return packed_linear(layer.weight, layer.bias, kernel)
+            return QuantLinear(quantize(layer.weight.float(), weights), layer.bias, kernel)
+
+        self.fc = project(self.fc)
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-            layer = getattr(self.block, name)
-            setattr(self.block, name, packed_linear(layer.weight, layer.bias, kernel))
+            setattr(self.block, name, project(getattr(self.block, name)))
         self.block.attention_ops = attention_ops(kernel)
         if kernel in NATIVE_KERNELS:  # the layer as one kernel call, as the target's (fp32 inside)
             self.block.fuse(native.kernel(kernel))

@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from specdecode.models.linear import packed_linear
+from specdecode.models.linear import QuantLinear, packed_linear
 
 
 def frequency_ranking(counts: torch.Tensor, always: Iterable[int] = ()) -> torch.Tensor:
@@ -41,7 +41,8 @@ class VocabHead(nn.Module):
     """The target's output head restricted to ``ids``: ``[..., h]`` -> ``[..., Vd]`` logits in float32.
 
     Args:
-        target: the target ``Transformer`` (its rows are copied once, then packed like its projections).
+        target: the target ``Transformer`` (its rows are copied once, then packed like its projections; a
+            head in a block format gives its own blocks, so draft and target score with the same weights).
         ids: ``[Vd]`` token ids.
     """
 
@@ -50,8 +51,11 @@ class VocabHead(nn.Module):
         self.register_buffer("ids", ids.to(target.device, torch.int64))
         self.vocab_size = target.config.vocab_size
         kernel = target.linear_kernel
-        rows = target.output_rows(self.ids)  # [Vd, h]
-        self.linear = packed_linear(rows, None, kernel if kernel != "int8" else "torch")
+        if isinstance(target.head_layer, QuantLinear):
+            self.linear = QuantLinear(target.head_layer.blocks().rows(self.ids.cpu()), None, kernel)
+        else:
+            rows = target.output_rows(self.ids)  # [Vd, h]
+            self.linear = packed_linear(rows, None, kernel if kernel != "int8" else "torch")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x).float()

@@ -123,11 +123,13 @@ constexpr bool kQ8Offset = true;  // VNNI sums (w + 128) x; the block's 128 * su
 constexpr bool kQ8Offset = false;  // AVX2 sums w x directly: |x| times w with x's sign, within 16 bits
 #endif
 
-// R rows of the quantized activations (from row r0) against one tile of format F. With `ahead`, the same
-// block of the next tile is prefetched: a pass over a tile already in cache would otherwise leave memory idle.
+// R rows of the quantized activations (from row r0) against one tile of format F. Each block of the tile
+// prefetches the same block of the next tile (`ahead`; past the last tile a prefetch is harmless): the
+// hardware's prefetcher alone leaves memory idle while a pass of several rows computes (4-5 rows: 10-25%
+// slower without it on Zen 5), and a pass over a tile already in cache would leave it idle altogether.
 template <int R, int64_t F, typename Out>
 void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias, Out* y, int64_t ldy, int64_t n_out,
-            int64_t n0, const uint8_t* ahead = nullptr) {
+            int64_t n0, const uint8_t* ahead) {
   constexpr int64_t kRecord = q_record_bytes(F), kCodes = q_code_bytes(F);
   constexpr int kVecBytes = kLanes * 4;
   const int64_t blocks = a.blocks;
@@ -136,9 +138,8 @@ void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
     for (int v = 0; v < kQVecs; ++v) facc[r][v] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec = w + b * kRecord;
-    if (ahead)
-      for (int64_t line = 0; line < kRecord; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + b * kRecord + line), _MM_HINT_T0);
+    for (int64_t line = 0; line < kRecord; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * kRecord + line), _MM_HINT_T0);
     vi acc[R][kQVecs];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kQVecs; ++v) acc[r][v] = vzero_i();
@@ -222,8 +223,8 @@ void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
 // Every row against one tile (stride bytes long; the next tile follows it), in passes of up to kQRows rows.
 template <int64_t F, typename Out>
 void q_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t n_out, int64_t n0) {
-  row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {  // after the first block the next tile is fetched ahead
-    q_pass<decltype(r)::value, F>(a, m, w, bias, y + m * n_out, n_out, n_out, n0, m ? w + stride : nullptr);
+  row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {  // every pass fetches the next tile ahead
+    q_pass<decltype(r)::value, F>(a, m, w, bias, y + m * n_out, n_out, n_out, n0, w + stride);
   });
 }
 
