@@ -1,5 +1,6 @@
 """The EAGLE head's training forward computes what drafting computes: step 1 on the target's features,
-and the deeper steps (training-time test) exactly as the cached drafting loop would."""
+and the deeper steps (training-time test) exactly as the cached drafting loop would; a block-format head
+needs our kernels."""
 
 from __future__ import annotations
 
@@ -28,3 +29,9 @@ def test_unrolled_training_forward_equals_cached_drafting(depth):
                 state = net.step(emb[:, row:row + 1], state, cache)
             err = (state[0, 0] - outs[step][0, p]).abs().max().item()
             assert err < 1e-4 * outs[step][0, p].abs().max().item(), (p, step, err)  # summation order only
+
+
+def test_a_block_format_head_off_our_kernels_is_refused_naming_the_kernel():
+    net, _ = random_head("eagle", varied_model(0))
+    with pytest.raises(ValueError, match="q8_0 head needs one of our kernels .* not onednn"):
+        net.pack("onednn", "q8_0")
