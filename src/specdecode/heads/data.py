@@ -30,7 +30,9 @@ DISTILLED, TEXT = 0, 1  # kinds of sequence
 
 
 def packaged_prompts() -> Path:
-    """The prompt set written for head training (420 prompts, 7 categories, disjoint from the bench suites)."""
+    """The prompt set written for head training, disjoint from the bench suites: 420 handwritten prompts in 7
+    categories, then 884 composed by ``tools/compose_head_prompts.py`` (new topics, tasks, sentences and numbers,
+    new instructions over the handwritten passages and conversations)."""
     return Path(str(resources.files("specdecode.heads") / "data" / "prompts.jsonl"))
 
 
