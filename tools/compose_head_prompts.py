@@ -186,7 +186,7 @@ def compose(handwritten: list[dict]) -> list[dict]:
     """The composed prompts, in a fixed order, from the handwritten ones and the lists above."""
     rng = random.Random(0)
     items: list[tuple[str, str | list]] = []
-    for i, t in enumerate(MECHANISMS):
+    for t in MECHANISMS:
         for f in rng.sample(MECHANISM_FORMS, 2):
             items.append(("qa", f.format(t=t)))
     for t in SUBJECTS:
