@@ -201,10 +201,10 @@ def compose(handwritten: list[dict]) -> list[dict]:
         drawn: set[str] = set()
         for _ in range(6):
             a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 9)
-            while template.format(a=a, b=b, c=c) in drawn:  # a repeat (some use two of the numbers): next b
+            while (text := template.format(a=a, b=b, c=c)) in drawn:  # a repeat (some use two numbers): next b
                 b = b % 8 + 2
-            drawn.add(template.format(a=a, b=b, c=c))
-            items.append(("math_reasoning", template.format(a=a, b=b, c=c)))
+            drawn.add(text)
+            items.append(("math_reasoning", text))
     for s in SENTENCES:
         for lang, form in zip(rng.sample(TARGETS, 3), TRANSLATION_FORMS):
             items.append(("translation", form.format(lang=lang, s=s)))
