@@ -105,7 +105,7 @@ def sample_counts(engine: Engine, sampling: SamplingParams, samples: int = SAMPL
 
 
 def _drafter(kind: str, target: Transformer):
-    if kind in ("eagle", "eagle-tree", "medusa"):
+    if kind in ("eagle", "eagle-tree", "eagle3", "medusa"):
         # Draft vocabulary: the target's 4 least likely first tokens, so the head's mass sits where the
         # target's mostly is not; the residual must still restore the target's distribution.
         p1 = _next_probs(target, [PROMPT], SamplingParams(temperature=1.0))[0]
@@ -154,8 +154,8 @@ def test_tree_sampling_matches_target_distribution(target, kind, sampling):
 
 @pytest.mark.parametrize("kind, sampling", [("eagle", SETTINGS[0]),
                                             pytest.param("eagle-tree", SETTINGS[2], marks=pytest.mark.slow),
-                                            ("medusa", SETTINGS[4])],
-                         ids=["eagle-T1.0", "eagle-tree-T1.0-k6", "medusa-T0.5-p0.9"])
+                                            ("eagle3", SETTINGS[2]), ("medusa", SETTINGS[4])],
+                         ids=["eagle-T1.0", "eagle-tree-T1.0-k6", "eagle3-T1.0-k6", "medusa-T0.5-p0.9"])
 def test_head_drafts_over_a_reduced_vocabulary_keep_the_target_distribution(target, kind, sampling):
     engine = Engine(target, drafter=_drafter(kind, target), spec=SpeculativeConfig(gamma=3))
     counts = sample_counts(engine, sampling)
@@ -165,7 +165,7 @@ def test_head_drafts_over_a_reduced_vocabulary_keep_the_target_distribution(targ
 
 def test_drafts_are_actually_verified(target):
     """Guards the tests above: every drafter proposes and gets tokens accepted in this setting."""
-    for kind in ("ngram", "ngram-tree", "draft", "draft-tree", "layerskip", "eagle", "eagle-tree", "medusa"):
+    for kind in ("ngram", "ngram-tree", "draft", "draft-tree", "layerskip", "eagle", "eagle-tree", "eagle3", "medusa"):
         engine = Engine(target, drafter=_drafter(kind, target), spec=SpeculativeConfig(gamma=3))
         drafted = accepted = trees = 0
         for seed in range(50):

@@ -105,13 +105,15 @@ def varied_model(seed: int = 0, keep_layers: list[int] | None = None, num_layers
 
 
 
-def random_head(kind: str, target: Transformer, seed: int = 0, medusa_heads: int = 3, scale: float = 0.1):
-    """An untrained EAGLE or Medusa head shaped for ``target``, float32, weights drawn from N(0, scale)."""
+def random_head(kind: str, target: Transformer, seed: int = 0, medusa_heads: int = 3, scale: float = 0.1,
+                fuse_layers: Sequence[int] = ()):
+    """An untrained EAGLE or Medusa head shaped for ``target``, float32, weights drawn from N(0, scale);
+    an EAGLE head reading ``fuse_layers`` of the target (EAGLE-3) where given."""
     from specdecode.heads import new_head
     from specdecode.heads.eagle import EagleConfig
     from specdecode.heads.medusa import MedusaConfig
 
-    config = (EagleConfig.for_target(target.config) if kind == "eagle"
+    config = (EagleConfig.for_target(target.config, fuse_layers) if kind == "eagle"
               else MedusaConfig(target.config.hidden_size, medusa_heads)).to_dict()
     net = new_head(kind, config)
     g = torch.Generator().manual_seed(seed)
@@ -123,15 +125,17 @@ def random_head(kind: str, target: Transformer, seed: int = 0, medusa_heads: int
 
 def random_head_drafter(kind: str, target: Transformer, vocab: Sequence[int] | None = None, seed: int = 0, cache=None):
     """A drafter over a random head (``vocab``: the draft vocabulary, default all ids), ready for an Engine;
-    kind "eagle-tree" drafts trees two wide."""
+    kind "eagle-tree" drafts trees two wide, "eagle3" reads three of the target's layers (EAGLE-3)."""
     from specdecode.drafters import EagleDrafter, MedusaDrafter
+    from specdecode.heads.eagle import eagle3_layers
     from specdecode.heads.vocab import VocabHead
     from specdecode.kv.cache import CacheConfig
 
-    net, _ = random_head(kind.removesuffix("-tree"), target, seed)
+    fuse = eagle3_layers(target.config.num_layers) if kind == "eagle3" else ()
+    net, _ = random_head("eagle" if kind == "eagle3" else kind.removesuffix("-tree"), target, seed, fuse_layers=fuse)
     net = net.to(target.dtype).eval().requires_grad_(False)
     ids = torch.tensor(list(vocab) if vocab is not None else range(target.config.vocab_size))
-    if kind in ("eagle", "eagle-tree"):
+    if kind in ("eagle", "eagle-tree", "eagle3"):
         net.pack_like(target)
         return EagleDrafter(target, net, VocabHead(target, ids), cache or CacheConfig(), 2 if kind == "eagle-tree" else 0)
     return MedusaDrafter(target, net, VocabHead(target, ids))

@@ -67,7 +67,8 @@ def _new_drafter(kind: str, target: Transformer, draft_model: Transformer, cache
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("kind", ["none", "ngram", "ngram-tree", "draft", "draft-tree", "eagle", "eagle-tree", "medusa"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "ngram-tree", "draft", "draft-tree", "eagle", "eagle-tree", "eagle3",
+                                  "medusa"])
 def test_batched_greedy_output_equals_each_request_served_alone(target, draft_model, setting, kind):
     cache = SETTINGS[setting]
     new = _new_drafter(kind, target, draft_model, cache)

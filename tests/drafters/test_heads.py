@@ -27,7 +27,7 @@ def target():
 
 
 @pytest.mark.parametrize("cache", CACHES)
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 @pytest.mark.parametrize("gamma", [3, "adaptive"])
 def test_greedy_output_is_identical_to_plain_decoding(target, kind, cache, gamma):
     config = CACHES[cache]
@@ -44,7 +44,7 @@ def test_bf16_packed_target_keeps_greedy_identity(target):
     model = varied_model(0, dtype=torch.bfloat16)
     path = model.pack_weights("auto")
     plain = Engine(model).generate(PROMPT, max_new_tokens=32, eos_token_ids=()).token_ids
-    for kind in ("eagle", "medusa"):
+    for kind in ("eagle", "eagle3", "medusa"):
         engine = Engine(model, drafter=random_head_drafter(kind, model, seed=2), spec=SpeculativeConfig(gamma=4))
         result = engine.generate(PROMPT, max_new_tokens=32, eos_token_ids=())
         assert result.token_ids == plain, (kind, path)

@@ -18,15 +18,18 @@ PROMPTS = [{"id": f"p{i}", "category": "qa", "prompt": " ".join(WORDS[i * 7:i * 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny target and an eagle and a medusa head trained for it by the command."""
+    """A tiny target and an eagle, an EAGLE-3 (fused layers, soft labels) and a medusa head trained for it by the
+    command."""
     root = tmp_path_factory.mktemp("heads")
     target = write_tiny_hf_model(root / "target")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     heads = {}
-    for kind in ("eagle", "medusa"):
+    recipes = {"eagle": [], "medusa": ["--kind", "medusa"],
+               "eagle3": ["--fuse-layers", "eagle3", "--soft-labels", "--regress", "0", "--ce-weight", "1"]}
+    for kind, flags in recipes.items():
         out = root / f"{kind}.safetensors"
-        rc = main(["train-head", "--model", str(target), *FAST, "--kind", kind, "--out", str(out), "--prompts",
+        rc = main(["train-head", "--model", str(target), *FAST, *flags, "--out", str(out), "--prompts",
                    str(prompts), "--text-chunks", "2", "--epochs", "2", "--max-new-tokens", "16", "--data-dir",
                    str(root / "data"), "--no-progress", "--draft-vocab", "40"])
         assert rc == 0
@@ -41,12 +44,16 @@ def test_train_head_writes_a_checked_file_with_its_recipe(trained):
     assert head.recipe["sequences"] == 3 * len(PROMPTS) + 2  # greedy and 2 sampled answers each + text chunks
     assert not (trained["root"] / "eagle.safetensors.ckpt").exists()  # the checkpoint goes once the file is written
     assert (trained["root"] / "data" / "answers.jsonl").read_text().count("\n") == 3 * len(PROMPTS)
+    fused = load_head(trained["eagle3"])  # the same answers, its own features file
+    assert fused.config["fuse_layers"] == [1, 2, 4] and fused.recipe["train"]["soft_labels"]
+    assert sorted(p.name for p in (trained["root"] / "data").glob("features*")) == [
+        "features-l1-2-4.safetensors", "features.safetensors"]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_generate_with_a_trained_head_matches_plain_decoding(trained, capsys, kind):
     plain = generate_json(capsys, trained["target"], "--max-new-tokens", "24", "--drafter", "none")
-    doc = generate_json(capsys, trained["target"], "--max-new-tokens", "24", "--drafter", kind,
+    doc = generate_json(capsys, trained["target"], "--max-new-tokens", "24", "--drafter", kind.removesuffix("3"),
                         "--head", trained[kind], "--gamma", "3")
     assert doc["token_ids"] == plain["token_ids"]
     assert doc["stats"]["drafted_tokens"] > 0
@@ -77,6 +84,11 @@ def test_head_errors_are_one_line(trained, capsys, tmp_path):
     rc, out, err = run(capsys, "train-head", "--model", trained["target"], *FAST, "--out", tmp_path / "h.safetensors",
                        "--draft-vocab", "-1")
     assert_usage_error(rc, out, err, "--draft-vocab must be >= 0")
+    for bad, says in (("7", "each must be one of 0..4"), ("1,1", "none twice"), ("low", "expected none, eagle3 or")):
+        rc, out, err = run(capsys, "train-head", "--model", trained["target"], *FAST, "--out",
+                           tmp_path / "h.safetensors", "--fuse-layers", bad, "--data-dir", trained["root"] / "data",
+                           "--prompts", trained["root"] / "prompts.jsonl", "--text-chunks", "2", "--max-new-tokens", "16")
+        assert_usage_error(rc, out, err, f"--fuse-layers '{bad}'", says)
     rc, out, err = run(capsys, "train-head", "--model", trained["target"], *FAST, "--out", tmp_path / "h.safetensors",
                        "--prompts", tmp_path / "missing.jsonl")
     assert_usage_error(rc, out, err, "missing.jsonl")

@@ -11,19 +11,20 @@ from specdecode.kv.cache import CacheConfig
 from tiny_models import random_head, varied_model
 
 
+@pytest.mark.parametrize("fuse", [(), (0, 1, 2)], ids=["final", "fused"])
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])
-def test_unrolled_training_forward_equals_cached_drafting(depth):
-    net, _ = random_head("eagle", varied_model(0), seed=1, scale=0.2)
+def test_unrolled_training_forward_equals_cached_drafting(depth, fuse):
+    net, _ = random_head("eagle", varied_model(0), seed=1, scale=0.2, fuse_layers=fuse)
     net.eval()
     t = 10
     g = torch.Generator().manual_seed(0)
-    emb, feats = torch.randn(1, t, 64, generator=g), torch.randn(1, t, 64, generator=g)
+    emb, feats = torch.randn(1, t, 64, generator=g), 3 * torch.randn(1, t, 64 * max(1, len(fuse)), generator=g)
     with torch.no_grad():
-        outs = net(emb, feats, depth + 1)
+        outs = net(emb, net.normalize(feats), depth + 1)
         step = depth  # the (depth+1)-th draft token: its draft left the real rows at p - depth
         for p in range(step, t):
             cache = net.new_cache(CacheConfig(max_len=32))
-            state = net.step(emb[:, :p - step + 1], feats[:, :p - step + 1], cache)[:, -1:]
+            state = net.step(emb[:, :p - step + 1], net.lift(feats[:, :p - step + 1]), cache)[:, -1:]
             for j in range(step):
                 row = p - step + 1 + j
                 state = net.step(emb[:, row:row + 1], state, cache)

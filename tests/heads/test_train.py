@@ -11,10 +11,12 @@ from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.heads.data import DISTILLED, Features, answer_batch, target_features
 from specdecode.heads.train import TrainConfig, Trainer, batches, split
 from specdecode.heads.vocab import VocabHead, draft_ids, frequency_ranking
+from specdecode.kv.cache import CacheConfig
 from tiny_models import varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[3, 7, 11, 5], [20, 4, 9], [33, 2, 40, 41, 8], [60, 61], [12, 13, 14, 15, 16, 17]]
+FUSED = (1, 2, 4)  # an EAGLE-3 head's layers of the 4-layer target
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +26,17 @@ def target():
 
 @pytest.fixture(scope="module")
 def data(target) -> Features:
-    """The target's greedy answers to PROMPTS, with its features and guesses, as ``build_features`` stores them."""
+    """The target's greedy answers to PROMPTS, with its features (the normed final state, and the FUSED layers)
+    and guesses, as ``build_features`` stores them."""
     answers = answer_batch(target, PROMPTS, 24, frozenset())
     seqs = [p + a for p, a in zip(PROMPTS, answers)]
-    parts = [target_features(target, s) for s in seqs]
+    parts = [target_features(target, s, FUSED) for s in seqs]
     lengths = torch.tensor([len(s) for s in seqs])
     return Features(tokens=torch.tensor([t for s in seqs for t in s]), labels=torch.cat([p[0] for p in parts]),
                     features=torch.cat([p[1] for p in parts]),
                     offsets=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))),
-                    kinds=torch.full((len(seqs),), DISTILLED), answer_starts=torch.tensor(list(map(len, PROMPTS))))
+                    kinds=torch.full((len(seqs),), DISTILLED), answer_starts=torch.tensor(list(map(len, PROMPTS))),
+                    layers=torch.cat([p[2] for p in parts]), layer_ids=torch.tensor(FUSED))
 
 
 def test_answer_batch_matches_decoding_each_prompt_alone(target):
@@ -60,9 +64,24 @@ def _trained(target, data, kind, epochs, **overrides) -> Trainer:
     return trainer
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+EAGLE3 = dict(fuse_layers=FUSED, soft_labels=True, regress=0.0, ce_weight=1.0)
+
+
+def test_features_of_fused_layers_are_the_targets_layer_outputs(target, data):
+    """The cached layers are what the target's forward hands a drafter, and the normed final state is the
+    last of them."""
+    tokens, _, normed = data.sequence(2)
+    fused = data.fused(2, FUSED)
+    _, again = target(tokens[None], target.new_cache(CacheConfig(max_len=64)), features=FUSED)
+    assert torch.equal(fused, again[0].to(fused.dtype))
+    assert torch.equal(fused[:, -normed.shape[1]:], normed)
+    with pytest.raises(ValueError, match=r"hold layers \[1, 2, 4\], the head reads layers \[0, 4\]"):
+        data.fused(2, (0, 4))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_a_few_steps_lower_the_loss(target, data, kind):
-    trainer = _trained(target, data, kind, 0)
+    trainer = _trained(target, data, "eagle", 0, **EAGLE3) if kind == "eagle3" else _trained(target, data, kind, 0)
     everything = list(range(len(data)))
     before = trainer.loss(everything, None)[0].item()
     for _ in range(15):
@@ -71,10 +90,11 @@ def test_a_few_steps_lower_the_loss(target, data, kind):
     assert after < (0.7 if kind == "eagle" else 0.85) * before, (before, after)  # without gradients: equal
 
 
-def test_a_trained_eagle_head_drafts_what_the_target_says(target, data):
+@pytest.mark.parametrize("recipe", ["eagle1", "eagle3"])
+def test_a_trained_eagle_head_drafts_what_the_target_says(target, data, recipe):
     """Memorising the target's answers must make the engine accept the head's drafts: a head trained on
-    targets one position off would draft the wrong tokens and be rejected."""
-    trainer = _trained(target, data, "eagle", 60)
+    targets one position off (or reading other layers than it is handed) would draft the wrong tokens."""
+    trainer = _trained(target, data, "eagle", 60, **(EAGLE3 if recipe == "eagle3" else {}))
     head = trainer.head.eval().requires_grad_(False)
     drafter = EagleDrafter(target, head, VocabHead(target, trainer.vocab))
     engine = Engine(target, drafter=drafter, spec=SpeculativeConfig(gamma=4))
@@ -85,7 +105,7 @@ def test_a_trained_eagle_head_drafts_what_the_target_says(target, data):
         assert result.token_ids == plain.generate(prompt, max_new_tokens=24, eos_token_ids=()).token_ids
         taus.append(result.stats.mean_accepted_length)
     assert sum(taus) / len(taus) > 2.5, taus
-    assert trainer.held_out_tau() > 2.5
+    assert trainer.held_out_tau() > 2.2  # drafting from bf16-stored features; misaligned targets give ~1
 
 
 def test_a_trained_medusa_head_drafts_what_the_target_says(target, data):

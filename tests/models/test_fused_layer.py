@@ -156,3 +156,18 @@ def test_a_fused_model_hands_out_features_in_its_dtype_and_unfused_packing_stays
         unfused = plain(tokens, plain.new_cache(CacheConfig(max_len=16)), invariant_rows=True)
     assert logits.dtype == torch.float32 and feats.dtype == torch.bfloat16 and feats.shape == (1, 9, 2 * 64)
     assert (logits.argmax(-1) == unfused.argmax(-1)).float().mean() > 0.8  # same model, other rounding steps
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+def test_kept_layers_cut_the_fused_forward_without_changing_a_bit(path):
+    """Features of middle layers (an EAGLE-3 head's) come from runs of layers cut after each kept one: the
+    logits stay bitwise those of the uncut forward, and a kept layer's output is that of a forward ending there."""
+    model = varied_model(0, dtype=torch.bfloat16)
+    model.pack_weights(path, weights="q4_1")
+    tokens = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        whole = model(tokens, model.new_cache(CacheConfig(max_len=16)))
+        logits, feats = model(tokens, model.new_cache(CacheConfig(max_len=16)), features=(0, 2, 4))
+        _, upto = model(tokens, model.new_cache(CacheConfig(max_len=16)), layers=[0, 1, 2], logits="none", features=(2,))
+    assert torch.equal(logits, whole)
+    assert torch.equal(feats[..., 64:128], upto)

@@ -49,10 +49,11 @@ class EagleDrafter(OwnCache):
         self.tree_width = tree_width
         self.name = "eagle-tree" if tree_width else "eagle"
         self.signal_names = () if tree_width else MODEL_SIGNALS  # a tree has no per-token stop
-        self.feature_layers = (target.config.num_layers,)  # the normed final state
+        # the normed final state (EAGLE-1), or the layers an EAGLE-3 head fuses
+        self.feature_layers = head.head_config.fuse_layers or (target.config.num_layers,)
         self.cache_config = cache
         self._base = 0  # sequence position of the head cache's row 0
-        self._pending: list[torch.Tensor] = []  # features [T, h] observed but not yet run through the head
+        self._pending: list[torch.Tensor] = []  # features [T, F*h] observed but not yet run through the head
 
     @property
     def weight_nbytes(self) -> int:
@@ -64,7 +65,7 @@ class EagleDrafter(OwnCache):
         self._base, self._pending = 0, []
 
     def observe(self, position: int, features: torch.Tensor) -> None:
-        """Features ``[T, h]`` of the target's verified positions position..position+T-1."""
+        """Features ``[T, F*h]`` of the target's verified positions position..position+T-1."""
         expected = self._base + self.cache.lengths[0] + sum(len(f) for f in self._pending)
         if self.cache.lengths[0] == 0 and not self._pending:
             self._base = expected = position  # the first features (after a prefix hit: not position 0)
@@ -115,7 +116,7 @@ class EagleDrafter(OwnCache):
         ids = torch.tensor([seq[first + 1:first + 1 + features.shape[1]]], device=self.target.device)
         if ids.shape[1] != features.shape[1]:
             raise RuntimeError(f"eagle drafter: {features.shape[1]} features but {ids.shape[1]} tokens after them")
-        out = self.head.step(self.target.embed(ids), features.to(self.head.dtype), self.cache)
+        out = self.head.step(self.target.embed(ids), self.head.lift(features.to(self.head.dtype)), self.cache)
         self.cache.commit(0, self.cache.lengths[0])
         self._pending = []
         return out[:, -1:]

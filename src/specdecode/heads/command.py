@@ -30,6 +30,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens the head may propose, the most frequent in the data; 0 = all (default {d.draft_vocab})")
     p.add_argument("--medusa-heads", type=positive_int, default=d.medusa_heads,
                    help=f"heads of a medusa head file (default {d.medusa_heads})")
+    p.add_argument("--fuse-layers", default="none", metavar="none|eagle3|I,J,...",
+                   help="EAGLE: the target layers the head reads, side by side (EAGLE-3); 'eagle3' = an early, the "
+                        "middle and the normed final one; 'none' = the normed final state alone (EAGLE-1, default)")
+    p.add_argument("--soft-labels", action="store_true",
+                   help="EAGLE: cross-entropy against the target's distribution, not only its greedy guess")
+    p.add_argument("--ce-weight", type=float, default=d.ce_weight,
+                   help=f"EAGLE: weight of the cross-entropy (default {d.ce_weight})")
+    p.add_argument("--regress", type=float, default=d.regress,
+                   help=f"EAGLE: weight of the feature regression (default {d.regress}; 0 = none, as EAGLE-3)")
+    p.add_argument("--unroll", type=positive_int, default=d.unroll,
+                   help=f"EAGLE: draft steps trained on the head's own predictions (default {d.unroll})")
     p.add_argument("--seed", type=int, default=d.seed, help="shuffling, noise, initialisation, held-out split")
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="prompts the target answers for self-distillation (default: the packaged training set)")
@@ -42,6 +53,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where answers and features are cached (default ~/.cache/specdecode/heads/<model, data>)")
     p.add_argument("--resume", action="store_true", help="continue from FILE.ckpt (written after every epoch)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+
+def fuse_layers(spec: str, num_layers: int) -> tuple[int, ...]:
+    """``--fuse-layers``: "none", "eagle3" or a comma list of feature indices (0..num_layers)."""
+    from specdecode.heads.eagle import check_fuse_layers, eagle3_layers
+
+    if spec == "none":
+        return ()
+    if spec == "eagle3":
+        return eagle3_layers(num_layers)
+    try:
+        layers = tuple(int(part) for part in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--fuse-layers {spec!r}: expected none, eagle3 or a comma list of layer indices") from None
+    try:
+        check_fuse_layers(layers, num_layers)
+    except ValueError as err:
+        raise ValueError(f"--fuse-layers {spec!r}: {err}") from None
+    return layers
 
 
 def run_command(args: argparse.Namespace, log) -> int:
@@ -65,11 +95,17 @@ def run_command(args: argparse.Namespace, log) -> int:
             raise ValueError(f"{flag} must be >= 0, got {value}")
     if args.prompts:
         load_prompts(args.prompts)  # a missing or malformed prompt file is refused before the model loads
+    for flag, value in (("--ce-weight", args.ce_weight), ("--regress", args.regress)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     data_config = DataConfig(args.prompts, args.max_new_tokens, args.text_chunks, sampled=args.sampled)
-    train_config = TrainConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-                               seed=args.seed, draft_vocab=args.draft_vocab, medusa_heads=args.medusa_heads)
     started = time.perf_counter()
     loaded = load_model(args.model, args.dtype, "cpu", progress=log, linear=args.linear, weights=args.weights)
+    fuse = fuse_layers(args.fuse_layers, loaded.model.config.num_layers) if args.kind == "eagle" else ()
+    train_config = TrainConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                               seed=args.seed, draft_vocab=args.draft_vocab, medusa_heads=args.medusa_heads,
+                               unroll=args.unroll, ce_weight=args.ce_weight, regress=args.regress,
+                               soft_labels=args.soft_labels, fuse_layers=fuse)
     identity = target_identity(loaded.model, loaded.source)
     key = data_config.key(identity["fingerprint"], loaded.model.weight_format)
     folder = Path(args.data_dir) if args.data_dir else cache_dir() / "heads" / key
@@ -77,7 +113,7 @@ def run_command(args: argparse.Namespace, log) -> int:
     def bar(total: int, unit: str) -> ProgressBar:
         return ProgressBar(total, sys.stderr, enabled=not args.no_progress, unit=unit)
 
-    data = build_features(loaded, data_config, folder, log, bar)
+    data = build_features(loaded, data_config, folder, log, bar, fuse)
     data_s = time.perf_counter() - started
     trainer = Trainer(loaded.model, data, train_config, loaded.tokenizer.eos_token_ids)
     if args.resume:

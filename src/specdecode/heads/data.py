@@ -2,8 +2,9 @@
 packaged prompt set (self-distillation), plus teacher-forced text that lies on any machine with Python
 (the standard library's own sources), run through the target once to cache its features.
 
-Each sequence stores its tokens, the target's features (its normed final state, bf16) and the target's
-greedy next-token guess at every position (``labels``: what greedy verification compares drafts with).
+Each sequence stores its tokens, the target's features (its normed final state, bf16; and, for heads that
+fuse several layers, those layers' outputs) and the target's greedy next-token guess at every position
+(``labels``: what greedy verification compares drafts with).
 Answers are appended to ``answers.jsonl`` as they are generated, so an interrupted run resumes where it
 stopped; the feature file is written under a temporary name and renamed. This module does not train.
 """
@@ -16,7 +17,7 @@ import sysconfig
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -81,6 +82,9 @@ class Features:
         offsets: ``[S + 1]`` int64, sequence s is ``offsets[s]:offsets[s + 1]``.
         kinds: ``[S]`` int64, DISTILLED or TEXT.
         answer_starts: ``[S]`` int64, where each sequence's answer begins (0 for text).
+        layers: ``[N, F*h]`` bf16, the outputs of the target's layers ``layer_ids`` side by side (features as
+            ``Transformer.forward`` returns them), or None.
+        layer_ids: ``[F]`` int64, which layers ``layers`` holds, or None.
     """
 
     tokens: torch.Tensor
@@ -89,6 +93,8 @@ class Features:
     offsets: torch.Tensor
     kinds: torch.Tensor
     answer_starts: torch.Tensor
+    layers: torch.Tensor | None = None
+    layer_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.offsets.numel() - 1
@@ -97,6 +103,16 @@ class Features:
         """Tokens ``[L]``, labels ``[L]`` and features ``[L, h]`` of sequence ``s``."""
         a, b = int(self.offsets[s]), int(self.offsets[s + 1])
         return self.tokens[a:b], self.labels[a:b], self.features[a:b]
+
+    def fused(self, s: int, layers: Sequence[int]) -> torch.Tensor:
+        """The features ``[L, F*h]`` of ``layers`` at sequence ``s``'s positions (what a head reads)."""
+        a, b = int(self.offsets[s]), int(self.offsets[s + 1])
+        if not layers:
+            return self.features[a:b]
+        if self.layer_ids is None or self.layer_ids.tolist() != list(layers):
+            have = [] if self.layer_ids is None else self.layer_ids.tolist()
+            raise ValueError(f"the cached features hold layers {have}, the head reads layers {list(layers)}")
+        return self.layers[a:b]
 
 
 def python_source_chunks(tokenizer, count: int, chunk_tokens: int) -> list[list[int]]:
@@ -189,15 +205,24 @@ def distill_answers(loaded, prompts: list[Prompt], path: Path, config: "DataConf
 
 
 @torch.inference_mode()
-def target_features(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward of the target over ``ids``: its greedy guesses ``[L]`` and normed final states ``[L, h]``."""
+def target_features(model, ids: list[int], layers: Sequence[int] = ()) -> tuple[torch.Tensor, ...]:
+    """One forward of the target over ``ids``: its greedy guesses ``[L]``, normed final states ``[L, h]`` and,
+    with ``layers``, those layers' outputs ``[L, F*h]`` (else None)."""
     cache = model.new_cache(CacheConfig(max_len=-(-len(ids) // 256) * 256))
     logits, hidden = model(torch.tensor([ids], device=model.device), cache, logits="all",
-                           features=(model.config.num_layers,))
-    return logits[0].argmax(-1).cpu(), hidden[0].to("cpu", torch.bfloat16)
+                           features=(model.config.num_layers, *layers))
+    hidden = hidden[0].to("cpu", torch.bfloat16)
+    h = model.config.hidden_size
+    return logits[0].argmax(-1).cpu(), hidden[:, :h], (hidden[:, h:] if layers else None)
 
 
-def build_features(loaded, config: DataConfig, folder: Path, log: Log, progress_bar) -> Features:
+def features_file(folder: Path, layers: Sequence[int] = ()) -> Path:
+    """Where ``build_features`` caches the features of ``layers`` (the answers are shared by all)."""
+    return folder / ("features.safetensors" if not layers else f"features-l{'-'.join(map(str, layers))}.safetensors")
+
+
+def build_features(loaded, config: DataConfig, folder: Path, log: Log, progress_bar,
+                   layers: Sequence[int] = ()) -> Features:
     """Builds (or reads, when ``folder`` has them) the features of the self-distilled answers and the
     teacher-forced text.
 
@@ -207,9 +232,11 @@ def build_features(loaded, config: DataConfig, folder: Path, log: Log, progress_
         folder: where the answers and features are cached.
         log: one-line status messages.
         progress_bar: ``(total, unit) -> bar`` with ``update(label)`` and ``close()``.
+        layers: the target's layers whose outputs are kept besides the normed final state (a head
+            fusing several layers reads them).
     """
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "features.safetensors"
+    path = features_file(folder, layers)
     if path.exists():
         log(f"reading cached features from {path}")
         return Features(**load_file(str(path)))
@@ -226,7 +253,7 @@ def build_features(loaded, config: DataConfig, folder: Path, log: Log, progress_
     bar = progress_bar(len(sequences), "sequences")
     parts = []
     for ids, _, _ in sequences:
-        parts.append(target_features(loaded.model, ids))
+        parts.append(target_features(loaded.model, ids, layers))
         bar.update()
     bar.close()
     lengths = torch.tensor([len(ids) for ids, _, _ in sequences])
@@ -234,7 +261,10 @@ def build_features(loaded, config: DataConfig, folder: Path, log: Log, progress_
                     labels=torch.cat([p[0] for p in parts]), features=torch.cat([p[1] for p in parts]),
                     offsets=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))),
                     kinds=torch.tensor([k for _, k, _ in sequences]),
-                    answer_starts=torch.tensor([a for _, _, a in sequences]))
-    atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in asdict(data).items()}, tmp))
+                    answer_starts=torch.tensor([a for _, _, a in sequences]),
+                    layers=torch.cat([p[2] for p in parts]) if layers else None,
+                    layer_ids=torch.tensor(list(layers)) if layers else None)
+    tensors = {k: v.contiguous() for k, v in asdict(data).items() if v is not None}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp))
     log(f"cached {int(lengths.sum())} positions in {path} ({path.stat().st_size / 2**20:.0f} MiB)")
     return data

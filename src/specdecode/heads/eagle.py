@@ -1,15 +1,18 @@
 """An EAGLE-style draft head: one decoder layer that predicts the target's next feature.
 
-Row j of the head's input fuses the target's feature f_j (its normed final state at position j, what
-its output head reads) with the embedding of token x_{j+1}: ``fc([embed(x_{j+1}), f_j])``. One decoder
-layer (the target's layer shapes, its RoPE, its own KV cache over earlier rows) turns that into f'_{j+1},
-a prediction of f_{j+1}, and the target's own output head, restricted to a draft vocabulary, scores the
-next token from it. Drafting feeds the head its own predictions after the target's last real feature.
-The embedding table and the output head are the target's, frozen; the head owns fc and the layer.
+Row j of the head's input fuses the target's feature f_j at position j with the embedding of token
+x_{j+1}: ``fc([embed(x_{j+1}), f_j])``. One decoder layer (the target's layer shapes, its RoPE, its own KV
+cache over earlier rows) turns that into f'_{j+1}, a prediction of the target's normed final state
+f_{j+1}, and the target's own output head, restricted to a draft vocabulary, scores the next token from
+it. Drafting feeds the head its own predictions after the target's last real feature. The embedding table
+and the output head are the target's, frozen; the head owns fc and the layer.
+
+The target's feature f_j is its normed final state (EAGLE-1), or, with ``fuse_layers`` (EAGLE-3), several
+of its layers' outputs side by side, each RMS-normalised and projected to one hidden size by ``fuse``
+(``lift``): lower layers still hold what the top layer has already narrowed to the next token alone.
 
 This module holds the network and its two forwards (cached, for drafting; whole sequences, for
 training). It does not draft (``drafters/eagle.py``), train (``train.py``) or read files (``file.py``).
-EAGLE-3's fusion of low, middle and high layer features is not built: the head reads the final feature.
 """
 
 from __future__ import annotations
@@ -33,24 +36,50 @@ from specdecode.models.weights import quantize
 
 @dataclass(frozen=True)
 class EagleConfig:
-    """The head's architecture: one layer shaped like the target's (``layer``, with num_layers = 1)."""
+    """The head's architecture.
+
+    Args:
+        layer: one layer shaped like the target's (its config with num_layers = 1).
+        fuse_layers: the target's feature indices the head reads (``Transformer.forward``'s ``features``:
+            i < num_layers is layer i's output, num_layers the normed final state). Empty: the normed final
+            state alone, unprojected (EAGLE-1).
+    """
 
     layer: ModelConfig
+    fuse_layers: tuple[int, ...] = ()
 
     @classmethod
-    def for_target(cls, target: ModelConfig) -> "EagleConfig":
-        return cls(replace(target, num_layers=1, sliding_window=None))
+    def for_target(cls, target: ModelConfig, fuse_layers: Sequence[int] = ()) -> "EagleConfig":
+        check_fuse_layers(fuse_layers, target.num_layers)
+        return cls(replace(target, num_layers=1, sliding_window=None), tuple(fuse_layers))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer.to_hf()}
+        out: dict[str, Any] = {"layer": self.layer.to_hf()}
+        if self.fuse_layers:
+            out["fuse_layers"] = list(self.fuse_layers)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EagleConfig":
-        return cls(ModelConfig.from_hf(data["layer"]))
+        return cls(ModelConfig.from_hf(data["layer"]), tuple(data.get("fuse_layers", ())))
+
+
+def check_fuse_layers(layers: Sequence[int], num_layers: int) -> None:
+    """Refuses feature indices a ``num_layers``-layer target does not have, or one given twice."""
+    bad = [i for i in layers if not 0 <= i <= num_layers]
+    if bad or len(set(layers)) != len(layers):
+        raise ValueError(f"fuse layers {list(layers)}: each must be one of 0..{num_layers} (layer outputs, then "
+                         f"{num_layers} = the normed final state), none twice")
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high features of a ``num_layers``-layer target: an early layer's output
+    (the third, or earlier in a shallow model), the middle layer's, and the normed final state."""
+    return tuple(sorted({max(0, min(2, num_layers // 2 - 1)), num_layers // 2, num_layers}))
 
 
 class EagleHead(nn.Module):
-    """fc (2h -> h, with bias) and one decoder layer.
+    """fc (2h -> h, with bias) and one decoder layer; with fused layers also ``fuse`` (F x h -> h).
 
     Args:
         config: the architecture.
@@ -62,6 +91,8 @@ class EagleHead(nn.Module):
         self.config = config.layer  # what KVMemory reads to size the head's cache
         h = config.layer.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=True)
+        n = len(config.fuse_layers)
+        self.fuse = nn.Linear(n * h, h, bias=False) if n else None
         self.block = Block(config.layer)
         self.register_buffer("inv_freq", rope_inv_freq(config.layer), persistent=False)
         self._rope: tuple[int, torch.Tensor, torch.Tensor] | None = None
@@ -74,6 +105,24 @@ class EagleHead(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.block.attn_norm.device
+
+    def normalize(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features ``[..., F*h]`` with each layer's part RMS-normalised (the residual stream's
+        scale grows with depth); the normed final state alone is returned as it is."""
+        if self.fuse is None:
+            return features
+        n = len(self.head_config.fuse_layers)
+        parts = features.unflatten(-1, (n, features.shape[-1] // n))  # [..., F, h]
+        return F.rms_norm(parts, (parts.shape[-1],), eps=self.config.rms_norm_eps).flatten(-2)
+
+    def project(self, normalized: torch.Tensor) -> torch.Tensor:
+        """``normalize``'s output ``[..., F*h]`` -> the head's input feature ``[..., h]``."""
+        return normalized if self.fuse is None else self.fuse(normalized)
+
+    def lift(self, features: torch.Tensor) -> torch.Tensor:
+        """The head's input feature ``[..., h]`` of the target's features ``[..., F*h]`` (its real rows;
+        drafted rows feed the head's own outputs instead)."""
+        return self.project(self.normalize(features))
 
     def pack_like(self, target) -> None:
         """``pack`` on the target's kernel path, in q8_0 where the target computes with block formats."""
@@ -99,6 +148,8 @@ class EagleHead(nn.Module):
             return QuantLinear(quantize(layer.weight.float(), weights), layer.bias, kernel)
 
         self.fc = project(self.fc)
+        if self.fuse is not None:
+            self.fuse = project(self.fuse)
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
             setattr(self.block, name, project(getattr(self.block, name)))
         self.block.attention_ops = attention_ops(kernel)
@@ -122,7 +173,7 @@ class EagleHead(nn.Module):
 
         Args:
             embedded: ``[1, T, h]`` embeddings of tokens x_{j+1}.
-            features: ``[1, T, h]`` features f_j (the target's, or the head's own predictions).
+            features: ``[1, T, h]`` features f_j (the target's through ``lift``, or the head's own predictions).
             cache: the head's cache; its length is the position of the first new row.
             parents: the rows of a draft tree, as ``Transformer.forward_rows`` takes them (the new rows
                 last); None for consecutive rows.
@@ -155,7 +206,8 @@ class EagleHead(nn.Module):
 
         Args:
             embedded: ``[B, T, h]`` embeddings of tokens x_{j+1}.
-            features: ``[B, T, h]`` the target's features f_j.
+            features: ``[B, T, F*h]`` the target's features f_j through ``normalize`` (training adds its
+                noise there).
             steps: draft depth to train.
 
         Returns:
@@ -164,6 +216,7 @@ class EagleHead(nn.Module):
         """
         t = embedded.shape[1]
         cos, sin = self._angles(0, t)
+        features = self.project(features)
         outs, keys, values = [], [], []
         for step in range(steps):
             x = self.fc(torch.cat((embedded, features), dim=-1))

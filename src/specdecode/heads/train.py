@@ -2,7 +2,9 @@
 
 EAGLE: row j takes (feature f_j, token x_{j+1}) and predicts f_{j+1}; the loss is a smooth-L1 regression
 to the target's feature plus 0.1 x cross-entropy of the draft-vocabulary logits against the target's
-greedy guess there. Input features get uniform noise, and the head is also trained ``unroll`` steps deep
+greedy guess there (EAGLE-1), or, with ``soft_labels``, against the target's whole distribution over the
+draft vocabulary, which its stored feature f_{j+1} gives through the output rows (EAGLE-3's loss; more
+than one bit of what the target thinks per position). Input features get uniform noise, and the head is also trained ``unroll`` steps deep
 on its own predictions, attending as it will when drafting (``EagleHead.forward``), so it learns to
 continue from its own slightly-off features. Medusa: head i's logits from f_j against the
 target's guess i + 1 positions later. Both use the target's frozen embedding and output rows.
@@ -52,6 +54,9 @@ class TrainConfig:
         noise: half-width of the uniform noise added to EAGLE's input features.
         unroll: EAGLE draft steps trained at once (1 = EAGLE-1; more = on its own predictions, weighted 0.8^s).
         ce_weight: weight of EAGLE's cross-entropy next to the feature regression (EAGLE-1: 0.1).
+        regress: weight of EAGLE's feature regression (EAGLE-1: 1; EAGLE-3 has none).
+        soft_labels: EAGLE's cross-entropy against the target's distribution instead of its greedy guess.
+        fuse_layers: the target's layers an EAGLE head fuses (``EagleConfig``; empty: its normed final state).
         held_out: share of the prompts whose answers are kept for measuring accepted length.
         eval_k: draft length of that measurement.
         eval_sequences: held-out sequences it drafts over (every ``eval_stride``-th position).
@@ -69,6 +74,9 @@ class TrainConfig:
     noise: float = 0.1
     unroll: int = 2
     ce_weight: float = 0.1
+    regress: float = 1.0
+    soft_labels: bool = False
+    fuse_layers: tuple[int, ...] = ()
     held_out: float = 0.05
     eval_k: int = 5
     eval_sequences: int = 20
@@ -108,18 +116,20 @@ def batches(data: Features, seqs: list[int], batch_tokens: int, seed: int) -> li
     return out + ([cur] if cur else [])
 
 
-def _padded(data: Features, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens ``[B, L]``, labels ``[B, L]`` (IGNORE on padding), float32 features ``[B, L, h]``, mask ``[B, L]``."""
-    parts = [data.sequence(s) for s in seqs]
-    length = max(len(t) for t, _, _ in parts)
-    b, h = len(parts), data.features.shape[1]
+def _padded(data: Features, seqs: list[int], layers: Sequence[int] = ()) -> tuple[torch.Tensor, ...]:
+    """tokens ``[B, L]``, labels ``[B, L]`` (IGNORE on padding), float32 normed final features ``[B, L, h]``,
+    mask ``[B, L]``, and float32 features of ``layers`` ``[B, L, F*h]`` (the normed ones again if none)."""
+    parts = [(*data.sequence(s), data.fused(s, layers)) for s in seqs]
+    length = max(len(p[0]) for p in parts)
+    b, h, w = len(parts), data.features.shape[1], parts[0][3].shape[1]
     tokens = torch.zeros(b, length, dtype=torch.int64)
     labels = torch.full((b, length), IGNORE, dtype=torch.int64)
-    feats = torch.zeros(b, length, h)
+    feats, inputs = torch.zeros(b, length, h), torch.zeros(b, length, w)
     mask = torch.zeros(b, length, dtype=torch.bool)
-    for i, (t, y, f) in enumerate(parts):
-        tokens[i, :len(t)], labels[i, :len(t)], feats[i, :len(t)], mask[i, :len(t)] = t, y, f.float(), True
-    return tokens, labels, feats, mask
+    for i, (t, y, f, x) in enumerate(parts):
+        n = len(t)
+        tokens[i, :n], labels[i, :n], feats[i, :n], inputs[i, :n], mask[i, :n] = t, y, f.float(), x.float(), True
+    return tokens, labels, feats, mask, inputs
 
 
 class Trainer:
@@ -147,7 +157,7 @@ class Trainer:
         self.rows = target.output_rows(self.vocab.to(target.device)).detach().float().cpu()  # [Vd, h]
         torch.manual_seed(config.seed)
         if config.kind == "eagle":
-            self.head: nn.Module = EagleHead(EagleConfig.for_target(target.config))
+            self.head: nn.Module = EagleHead(EagleConfig.for_target(target.config, config.fuse_layers))
             self._init_eagle()
         else:
             self.head = MedusaHeads(MedusaConfig(target.config.hidden_size, config.medusa_heads))
@@ -182,22 +192,27 @@ class Trainer:
 
     def loss(self, seqs: list[int], generator: torch.Generator | None) -> tuple[torch.Tensor, dict[str, float]]:
         """The batch's loss (and its parts); ``generator`` draws EAGLE's input noise (None: no noise)."""
-        tokens, labels, feats, mask = _padded(self.data, seqs)
+        c = self.config
+        tokens, labels, feats, mask, inputs = _padded(self.data, seqs, c.fuse_layers if c.kind == "eagle" else ())
         drafted = self.index[labels.clamp(min=0)].masked_fill(labels == IGNORE, IGNORE)  # [B, L] draft rows
-        if self.config.kind == "eagle":
-            inputs = feats[:, :-1]
-            if generator is not None and self.config.noise > 0:
+        if c.kind == "eagle":
+            inputs = self.head.normalize(inputs[:, :-1])  # [B, L-1, F*h]
+            if generator is not None and c.noise > 0:
                 noise = torch.rand(inputs.shape, generator=generator) * 2 - 1
-                inputs = inputs + self.config.noise * noise
-            preds = self.head(self.embed[tokens[:, 1:]], inputs, self.config.unroll)  # per step [B, L-1, h]
+                inputs = inputs + c.noise * noise
+            preds = self.head(self.embed[tokens[:, 1:]], inputs, c.unroll)  # per step [B, L-1, h]
+            soft = (feats[:, 1:] @ self.rows.T).log_softmax(-1) if c.soft_labels else None  # [B, L-1, Vd]
             total, parts = 0.0, {}
             for step, pred in enumerate(preds):  # row p predicts f_{p+1} at every step
                 valid = mask[:, 1:].clone()
                 valid[:, :step] = False  # rows whose draft would start before the sequence
                 regress = F.smooth_l1_loss(pred[valid], feats[:, 1:][valid])
-                labels_ = drafted[:, 1:].masked_fill(~valid, IGNORE)
-                ce = F.cross_entropy((pred @ self.rows.T).flatten(0, 1), labels_.flatten(), ignore_index=IGNORE)
-                total = total + 0.8 ** step * (regress + self.config.ce_weight * ce)
+                logits = pred[valid] @ self.rows.T  # [R, Vd]
+                if soft is None:
+                    ce = F.cross_entropy(logits, drafted[:, 1:][valid], ignore_index=IGNORE)
+                else:
+                    ce = F.kl_div(logits.log_softmax(-1), soft[valid], log_target=True, reduction="batchmean")
+                total = total + 0.8 ** step * (c.regress * regress + c.ce_weight * ce)
                 parts[f"regress{step}"], parts[f"ce{step}"] = regress.item(), ce.item()
             return total, parts
         states = self.head(feats)  # [B, L, K, h]
@@ -241,6 +256,8 @@ class Trainer:
         emitted, steps = 0, 0
         for s in self.held_seqs[:c.eval_sequences]:
             tokens, labels, feats = self.data.sequence(s)
+            if c.kind == "eagle":
+                feats = self.data.fused(s, c.fuse_layers)
             start = int(self.data.answer_starts[s])
             for accepted in self._draft_matches(tokens, labels, feats.float(), start):
                 emitted, steps = emitted + accepted + 1, steps + 1
@@ -264,7 +281,8 @@ class Trainer:
                            dtype=torch.float32)
         for n in points:
             fed = cache.lengths[0]  # real rows 0..n-2 must be in the cache
-            state = self.head.step(self.embed[tokens[fed + 1:n]][None], feats[fed:n - 1][None], cache)[:, -1:]
+            state = self.head.step(self.embed[tokens[fed + 1:n]][None], self.head.lift(feats[fed:n - 1][None]),
+                                   cache)[:, -1:]
             guesses = []
             for i in range(k):
                 token = int(self.vocab[(state[0, -1] @ self.rows.T).argmax()])

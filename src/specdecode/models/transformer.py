@@ -527,12 +527,17 @@ class Transformer(nn.Module):
             x = self.embed(tokens).float()  # [N, hidden]: the fused layers keep the residual stream in fp32
             rope = (*self._rope_rows(max(positions) + 1), pos)
             buffers = [cache.direct_buffers(i, slots, starts, counts) for i in run]
-            if all(b is not None for b in buffers) and not any(i in features for i in run):
-                # every layer in one kernel call: no return to Python (and no idle threads) between layers
-                x = self.fused_ops.layers_rows([self.layers[i].fused for i in run], x, *rope, [b[0] for b in buffers],
-                                               [b[1] for b in buffers], list(slots), list(starts), list(counts),
-                                               self.config.sliding_window or 0,
-                                               [None if seen is None else list(seen) for seen in trees])
+            if all(b is not None for b in buffers):
+                # runs of layers in one kernel call each, cut after every layer whose output is kept: no return
+                # to Python (and no idle threads) between the layers of a run
+                cuts = [0] + [j + 1 for j, i in enumerate(run) if i in features and j + 1 < len(run)] + [len(run)]
+                for a, b in zip(cuts, cuts[1:]):
+                    x = self.fused_ops.layers_rows(
+                        [self.layers[i].fused for i in run[a:b]], x, *rope, [u[0] for u in buffers[a:b]],
+                        [u[1] for u in buffers[a:b]], list(slots), list(starts), list(counts),
+                        self.config.sliding_window or 0, [None if seen is None else list(seen) for seen in trees])
+                    if run[b - 1] in features:
+                        kept[run[b - 1]] = x[None]
             else:
                 for i in run:
                     x = self.layers[i].forward_fused(x, i, cache, slots, starts, counts, rope, trees)
