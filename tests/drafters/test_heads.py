@@ -138,3 +138,21 @@ def test_sampled_drafts_carry_their_distribution(target):
     assert len(draft.tokens) == 3 and draft.q.shape == (3, 97)
     assert torch.allclose(draft.q.sum(-1), torch.ones(3)) and draft.q[:, [0, *range(4, 97)]].max() == 0
     assert all(t in (1, 2, 3) for t in draft.tokens)
+
+
+def test_drafting_over_the_draft_vocabulary_alone_picks_and_signals_as_the_whole_row(target):
+    """A chain drafts from the draft vocabulary's own logits: the greedy pick (ties included), the sampled q
+    and the confidence signals equal those of the whole row with -inf outside it."""
+    from specdecode.drafters.base import confidence, draw
+    from specdecode.heads.vocab import VocabHead
+
+    vocab = VocabHead(target, torch.tensor([3, 8, 20, 41, 77]))
+    small = torch.tensor([0.5, 2.0, -1.0, 2.0, 0.25])  # a tie: the lower id wins either way
+    whole = vocab.full(small)
+    greedy = SamplingParams(temperature=0.0)
+    assert draw(small, greedy, torch.Generator(), vocab) == draw(whole, greedy, torch.Generator()) == (8, None)
+    sampled = SamplingParams(temperature=0.7, top_k=3)
+    token, q = draw(small, sampled, torch.Generator().manual_seed(1), vocab)
+    same_token, same_q = draw(whole, sampled, torch.Generator().manual_seed(1))
+    assert token == same_token and torch.equal(q, same_q) and q.shape == (97,)
+    assert confidence(small) == pytest.approx(confidence(whole), rel=1e-6)

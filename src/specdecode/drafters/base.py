@@ -162,40 +162,48 @@ class OwnCache(DrafterBase):
         return memory
 
 
-def draw(logits: torch.Tensor, sampling: SamplingParams,
-         generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+def draw(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
+         subset=None) -> tuple[int, torch.Tensor | None]:
     """Picks one draft token from ``logits [V]``: argmax when greedy (q is one-hot, returned as None),
-    else a sample from the same processed distribution the target uses, returned as q."""
+    else a sample from the same processed distribution the target uses, returned as q ``[V]``.
+
+    ``subset`` (a ``heads.vocab.VocabHead``: ``ids`` sorted, and ``full``) means ``logits`` cover only its ids:
+    a greedy pick never builds the whole row (the first maximum is the same token), a sample does.
+    """
     if sampling.greedy:
-        return int(logits.argmax()), None
-    q = probs_from_logits(logits, sampling)
+        i = int(logits.argmax())
+        return (i if subset is None else int(subset.ids[i])), None
+    q = probs_from_logits(logits if subset is None else subset.full(logits), sampling)
     return int(sample(q[None], generator)), q
 
 
 def confidence(logits: torch.Tensor) -> Signal:
     """MODEL_SIGNALS of one ``logits [V]`` row at temperature 1: top-1 probability and entropy (nats);
-    -inf entries (tokens outside a draft vocabulary) have probability 0 and add nothing."""
+    -inf entries (tokens outside a draft vocabulary) have probability 0 and add nothing, so a draft
+    vocabulary's own row gives the same signals as the whole one."""
     logp = torch.log_softmax(logits.float(), -1)
     p = logp.exp()
     return float(p.max()), float(-torch.where(p > 0, p * logp, 0.0).sum())
 
 
 def chain_draft(logits: torch.Tensor, advance: Callable[[int], torch.Tensor], k: int, sampling: SamplingParams,
-                generator: torch.Generator, stop: StopRule | None = None) -> Draft:
+                generator: torch.Generator, stop: StopRule | None = None, subset=None) -> Draft:
     """Draws up to ``k`` tokens one after another: from ``logits [V]``, then from ``advance(token)``, the
     drafter's logits after it has taken the token just drawn (called only while more tokens are due).
 
     Args:
-        logits: the first token's logits over the whole vocabulary (-inf where it may not be drafted).
+        logits: the first token's logits over the whole vocabulary (-inf where it may not be drafted), or
+            over ``subset``'s ids only.
         advance: feeds a drawn token to the drafter and returns the next token's logits.
         k: tokens to draft (>= 1).
         sampling: the request's sampling parameters.
         generator: the request's random generator.
         stop: the early-stop rule (see ``Drafter.propose``); signals are MODEL_SIGNALS.
+        subset: a draft vocabulary the logits are restricted to (see ``draw``), or None.
     """
     tokens, qs, signals = [], [], []
     for i in range(k):
-        token, q = draw(logits, sampling, generator)
+        token, q = draw(logits, sampling, generator, subset)
         tokens.append(token)
         qs.append(q)
         if stop is not None:

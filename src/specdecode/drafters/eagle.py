@@ -79,17 +79,18 @@ class EagleDrafter(OwnCache):
         if state is None:
             return Draft([])
 
-        def advance(token: int) -> torch.Tensor:
+        def advance(token: int) -> torch.Tensor:  # the draft vocabulary's logits after ``token``
             nonlocal state
             ids = torch.tensor([[token]], device=self.target.device)
             state = self.head.step(self.target.embed(ids), state, self.cache)
-            return self.vocab.full(self.vocab(state[0, -1]))
+            return self.vocab(state[0, -1])
 
-        first = self.vocab.full(self.vocab(state[0, -1]))
+        first = self.vocab(state[0, -1])  # [Vd]
         if self.tree_width:
-            draft = grow_tree(first, self._tree_level(state[0, -1]), k, self.tree_width, sampling, generator)
+            draft = grow_tree(self.vocab.full(first), self._tree_level(state[0, -1]), k, self.tree_width, sampling,
+                              generator)
         else:
-            draft = chain_draft(first, advance, k, sampling, generator, stop)
+            draft = chain_draft(first, advance, k, sampling, generator, stop, self.vocab)
         self.cache.trim(0, len(seq) - 1 - self._base)  # drop the drafted rows; the real ones stay
         return draft
 

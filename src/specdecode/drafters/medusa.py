@@ -57,9 +57,9 @@ class MedusaDrafter(DrafterBase):
             return Draft([])
         k = min(k, self.heads.head_config.heads)
         states = self.heads(self._last.to(self.heads.weight.dtype))[:k]  # [k, h]
-        logits = self.vocab.full(self.vocab(states))  # [k, V]: head i guesses the token i + 1 after the newest
+        logits = self.vocab(states)  # [k, Vd]: head i guesses the token i + 1 after the newest
         later = iter(logits[1:])
-        return chain_draft(logits[0], lambda token: next(later), k, sampling, generator, stop)
+        return chain_draft(logits[0], lambda token: next(later), k, sampling, generator, stop, self.vocab)
 
     def commit(self, seq: list[int]) -> None:
         pass
