@@ -189,6 +189,7 @@ def test_a_full_queue_answers_429_with_retry_after(server):
 def test_bounded_load_every_request_answered_once_no_leaks_flat_memory(client, server):
     proc, base = server
     generated_before = _metric(base, "vllm:generation_tokens_total")
+    first_tokens_before = _metric(base, "vllm:time_to_first_token_seconds_count")
     rss_before = _rss_bytes(proc.pid)
     start = time.monotonic()
 
@@ -202,20 +203,31 @@ def test_bounded_load_every_request_answered_once_no_leaks_flat_memory(client, s
     assert sorted(i for i, _, _ in results) == list(range(200)) and len({rid for _, rid, _ in results}) == 200
     assert elapsed < 120, f"200 requests took {elapsed:.0f} s"
     assert _metric(base, "vllm:generation_tokens_total") - generated_before == sum(n for _, _, n in results)
+    assert _metric(base, "vllm:time_to_first_token_seconds_count") - first_tokens_before == 200  # one per request
     _wait_for(base, "vllm:num_requests_running", 0)  # the gauges are set after the step that answered
     assert _metric(base, "vllm:num_requests_waiting") == 0 and _metric(base, "vllm:kv_cache_usage_perc") == 0
     grown = _rss_bytes(proc.pid) - rss_before
     assert grown < 64 * 2 ** 20, f"the server's memory grew by {grown / 2 ** 20:.0f} MiB over 200 requests"
 
 
-def test_metrics_count_speculation(server):
+def test_metrics_count_speculation(client, server):
+    """The counters move by exactly what one request of this test's own reports, whatever earlier tests drafted."""
     base = server[1]
-    drafted = _metric(base, "vllm:spec_decode_num_draft_tokens_total")
-    accepted = _metric(base, "vllm:spec_decode_num_accepted_tokens_total")
-    by_position = _metric(base, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
-    assert drafted > 0 and 0 < accepted <= drafted and by_position == accepted
-    assert _metric(base, "vllm:time_to_first_token_seconds_count") > 200
-    assert _metric(base, "vllm:prompt_tokens_total") > 0
+    _wait_for(base, "vllm:num_requests_running", 0)  # nothing else is stepped while this request runs
+    names = ["vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+             "vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:time_to_first_token_seconds_count",
+             "vllm:prompt_tokens_total", "vllm:generation_tokens_total"]
+    before = [_metric(base, name) for name in names]
+    # A repeating prompt: n-gram lookup drafts its continuation, and greedy decoding goes on repeating it. Even
+    # with speculation switched off by earlier timings, 64 tokens are more steps than adaptive's probe spacing.
+    out = client.completions.create(model=MODEL, prompt="red green blue, " * 12, max_tokens=64, temperature=0)
+    drafted, accepted, by_position, first_tokens, prompt, generated = (
+        _metric(base, name) - was for name, was in zip(names, before))
+    spec = out.usage.model_extra["speculation"]
+    assert 0 < spec["accepted_tokens"] <= spec["drafted_tokens"], spec
+    assert (drafted, accepted, by_position) == (spec["drafted_tokens"], spec["accepted_tokens"],
+                                                spec["accepted_tokens"])
+    assert (first_tokens, prompt, generated) == (1, out.usage.prompt_tokens, out.usage.completion_tokens)
 
 
 def test_sigterm_lets_running_requests_finish_and_exits_cleanly(client, server):
