@@ -100,7 +100,7 @@ def test_a_cache_that_sees_every_write_gives_the_same_bits(path, weights):
     with torch.inference_mode():
         direct, recorded = model.new_cache(CacheConfig(max_len=32)), model.new_cache(CacheConfig(max_len=32))
         recorder = _Recorder(recorded)
-        assert direct.direct_buffers(0, (0,), (0,), (20,)) is not None and recorder.direct_buffers(0) is None
+        assert direct.direct_buffers((0,), (0,), (0,), (20,)) is not None and recorder.direct_buffers((0,)) is None
         a = model.forward_rows(tokens, direct, (0,), (20,))
         b = model.forward_rows(tokens, recorder, (0,), (20,))
         assert torch.equal(a, b)

@@ -130,12 +130,13 @@ class Cache(Protocol):
         token i sits at index ``visible(slots[b]) + i`` and ``L = max(visible) + T`` (shorter rows end in
         entries the caller must mask)."""
 
-    def direct_buffers(self, layer: int, slots: Sequence[int], starts: Sequence[int],
-                       counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layer's key and value buffers ``[slots, kv_heads, max_len, head_dim]`` (bf16) where a fused
-        layer may write the new rows (``counts[i]`` of ``slots[i]`` at ``starts[i]``) itself and read each
+    def direct_buffers(self, layers: Sequence[int], slots: Sequence[int], starts: Sequence[int],
+                       counts: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The key and value buffers ``[slots, kv_heads, max_len, head_dim]`` (bf16) of ``layers``, where fused
+        layers may write the new rows (``counts[i]`` of ``slots[i]`` at ``starts[i]``) themselves and read each
         slot's keys in place, as ``update`` would have; None where the cache must see the write (it
-        compresses, evicts, records or converts). Raises ``CacheFullError`` when the rows do not fit."""
+        compresses, evicts, records or converts). One call for all layers of a forward: it runs every step.
+        Raises ``CacheFullError`` when the rows do not fit."""
 
     def visible(self, slot: int) -> int:
         """Entries ``update`` returns before a slot's new tokens (== its length unless tokens were evicted)."""
@@ -245,15 +246,16 @@ class KVCache:
             keys, values = keys.to(k.dtype), values.to(k.dtype)
         return keys, values
 
-    def direct_buffers(self, layer: int, slots: Sequence[int], starts: Sequence[int],
-                       counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layer's buffers, where they hold bf16 (the fused layers' dtype); see :class:`Cache`."""
-        if self.k[layer].dtype != torch.bfloat16 or self.k[layer].device.type != "cpu":
+    def direct_buffers(self, layers: Sequence[int], slots: Sequence[int], starts: Sequence[int],
+                       counts: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The layers' buffers, where they hold bf16 (the fused layers' dtype; all layers share one dtype
+        and device); see :class:`Cache`."""
+        if self.k[0].dtype != torch.bfloat16 or self.k[0].device.type != "cpu":
             return None
         end = max(start + n for start, n in zip(starts, counts))
         if end > self.max_len:
             raise CacheFullError(f"KV cache holds {self.max_len} tokens per sequence; a write up to {end} was asked")
-        return self.k[layer], self.v[layer]
+        return [self.k[i] for i in layers], [self.v[i] for i in layers]
 
     def visible(self, slot: int) -> int:
         return self.lengths[slot]

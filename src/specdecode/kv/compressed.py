@@ -120,7 +120,7 @@ class CompressedCache:
             steps.append(s + c.residual + self.group * max(1, (p - s - c.residual) // self.group + 1))
         return min(steps) - p
 
-    def direct_buffers(self, layer: int, slots: Sequence[int], starts: Sequence[int],
+    def direct_buffers(self, layers: Sequence[int], slots: Sequence[int], starts: Sequence[int],
                        counts: Sequence[int]) -> None:
         """None: every write goes through ``update``, which compresses and evicts (see :class:`Cache`)."""
         return None

@@ -354,10 +354,10 @@ class Block(nn.Module):
         tables ``cos``/``sin [P, D/2]`` and the rows' positions ``[N]``. A plain cache's buffers are written
         in the kernel; other caches take the new keys/values through ``update`` (same numbers either way)."""
         ops, window = self.fused_ops, self.window or 0
-        buffers = cache.direct_buffers(layer, slots, starts, counts)
+        buffers = cache.direct_buffers((layer,), slots, starts, counts)
         if buffers is not None:
-            return ops.layer_rows(self.fused, x, *rope, *buffers, list(slots), list(starts), list(counts), window,
-                                  [None if seen is None else list(seen) for seen in trees])
+            return ops.layer_rows(self.fused, x, *rope, buffers[0][0], buffers[1][0], list(slots), list(starts),
+                                  list(counts), window, [None if seen is None else list(seen) for seen in trees])
         q, k, v = ops.layer_qkv(self.fused, x, *rope)  # q [N, H, D] fp32, k/v [1, Hkv, N, D] bf16
         attn = x.new_empty(x.shape[0], self.heads * self.head_dim)
         offset = 0
@@ -389,6 +389,7 @@ class Transformer(nn.Module):
         self._rope_fp32: tuple[torch.Tensor, torch.Tensor] | None = None  # the fused layers' cos/sin [P, D/2]
         self.fused_head = None  # the output head as a fused-kernel projection (pack_weights), with its kernels:
         self.fused_ops = None
+        self._fused_layers: list = []  # each layer's fused kernel object, in order
         self._packed_as = "bf16"  # the weights pack_weights was asked for
 
     @property
@@ -526,16 +527,17 @@ class Transformer(nn.Module):
         if self.fused:
             x = self.embed(tokens).float()  # [N, hidden]: the fused layers keep the residual stream in fp32
             rope = (*self._rope_rows(max(positions) + 1), pos)
-            buffers = [cache.direct_buffers(i, slots, starts, counts) for i in run]
-            if all(b is not None for b in buffers):
+            buffers = cache.direct_buffers(run, slots, starts, counts)
+            if buffers is not None:
                 # runs of layers in one kernel call each, cut after every layer whose output is kept: no return
                 # to Python (and no idle threads) between the layers of a run
+                fused = self._fused_layers if layers is None else [self.layers[i].fused for i in run]
                 cuts = [0] + [j + 1 for j, i in enumerate(run) if i in features and j + 1 < len(run)] + [len(run)]
                 for a, b in zip(cuts, cuts[1:]):
                     x = self.fused_ops.layers_rows(
-                        [self.layers[i].fused for i in run[a:b]], x, *rope, [u[0] for u in buffers[a:b]],
-                        [u[1] for u in buffers[a:b]], list(slots), list(starts), list(counts),
-                        self.config.sliding_window or 0, [None if seen is None else list(seen) for seen in trees])
+                        fused[a:b], x, *rope, buffers[0][a:b], buffers[1][a:b], list(slots), list(starts),
+                        list(counts), self.config.sliding_window or 0,
+                        [None if seen is None else list(seen) for seen in trees])
                     if run[b - 1] in features:
                         kept[run[b - 1]] = x[None]
             else:
@@ -681,6 +683,7 @@ class Transformer(nn.Module):
                     block.fuse(ops)
             if fuse:
                 self.fused_ops, self.fused_head = ops, self.head_layer.proj()
+                self._fused_layers = [block.fused for block in self.layers]  # read every forward: a plain list
         elif kernel == "onednn":
             for block in self.layers:
                 block.attention_ops = attention_ops(kernel, log)
