@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from specdecode.drafters import EagleDrafter
 from specdecode.heads import load_head_drafter, shipped_head
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import load_model
@@ -49,6 +50,8 @@ def main() -> None:
     if path is None:
         raise SystemExit(f"no EAGLE head ships for {args.model}; pass --head FILE")
     drafters = {n: load_head_drafter(path, target, draft_vocab=n) for n in args.vocab}
+    if not all(isinstance(d, EagleDrafter) for d in drafters.values()):
+        raise SystemExit(f"{path}: not an EAGLE head (this script times EAGLE heads' drafted tokens)")
     prompt = torch.randint(0, target.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
 
     with torch.inference_mode():

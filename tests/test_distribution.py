@@ -120,9 +120,9 @@ def _drafter(kind: str, target: Transformer):
 
 
 def _chain_cases() -> list:
-    """Every setting for every chain drafter; by default (CI time) each setting once, the deterministic
-    drafter (ngram) and the stochastic ones (draft; layerskip, the same rule) each at T=1 and with a
-    truncation, the rest slow."""
+    """Every setting for every chain drafter; by default (CI time) each setting once: the deterministic
+    drafter (ngram) at T=1 and T=0.5, the stochastic ones (draft; layerskip, the same rule) with top-k,
+    top-p and both, the rest slow."""
     fast = {("ngram", 0), ("ngram", 1), ("draft", 2), ("draft", 4), ("layerskip", 3)}
     return [pytest.param(kind, s, id=f"{kind}-T{s.temperature}-k{s.top_k}-p{s.top_p}",
                          marks=() if (kind, i) in fast else pytest.mark.slow)

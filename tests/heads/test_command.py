@@ -89,6 +89,14 @@ def test_head_errors_are_one_line(trained, capsys, tmp_path):
                            tmp_path / "h.safetensors", "--fuse-layers", bad, "--data-dir", trained["root"] / "data",
                            "--prompts", trained["root"] / "prompts.jsonl", "--text-chunks", "2", "--max-new-tokens", "16")
         assert_usage_error(rc, out, err, f"--fuse-layers '{bad}'", says)
+    for flags, says in ((["--kind", "medusa", "--soft-labels", "--unroll", "3"], "--soft-labels, --unroll: only for "
+                                                                                  "--kind eagle, not medusa"),
+                        (["--regress", "0", "--ce-weight", "0"], "leave nothing to train"),
+                        (["--regress", "-1"], "--regress must be >= 0")):
+        rc, out, err = run(capsys, "train-head", "--model", trained["target"], *FAST, "--out",
+                           tmp_path / "h.safetensors", *flags)
+        assert_usage_error(rc, out, err, says)
+        assert "loading" not in err  # refused before the model is read
     rc, out, err = run(capsys, "train-head", "--model", trained["target"], *FAST, "--out", tmp_path / "h.safetensors",
                        "--prompts", tmp_path / "missing.jsonl")
     assert_usage_error(rc, out, err, "missing.jsonl")

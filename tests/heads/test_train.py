@@ -105,7 +105,8 @@ def test_a_trained_eagle_head_drafts_what_the_target_says(target, data, recipe):
         assert result.token_ids == plain.generate(prompt, max_new_tokens=24, eos_token_ids=()).token_ids
         taus.append(result.stats.mean_accepted_length)
     assert sum(taus) / len(taus) > 2.5, taus
-    assert trainer.held_out_tau() > 2.2  # drafting from bf16-stored features; misaligned targets give ~1
+    # soft labels spread the head's mass where the target hesitates; misaligned targets give ~1
+    assert trainer.held_out_tau() > (2.5 if recipe == "eagle1" else 2.2)
 
 
 def test_a_trained_medusa_head_drafts_what_the_target_says(target, data):
@@ -117,10 +118,12 @@ def test_a_trained_medusa_head_drafts_what_the_target_says(target, data):
     assert result.stats.mean_accepted_length > 1.8
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_resuming_from_a_checkpoint_gives_the_uninterrupted_weights(target, data, kind):
-    straight = _trained(target, data, kind, 3)
-    first = _trained(target, data, kind, 1)
+    extra = EAGLE3 if kind == "eagle3" else {}
+    kind = kind.removesuffix("3")
+    straight = _trained(target, data, kind, 3, **extra)
+    first = _trained(target, data, kind, 1, **extra)
     state = first.state()
     config = first.config
     resumed = Trainer(target, data, TrainConfig(**{**config.__dict__, "epochs": 3}))
@@ -171,3 +174,16 @@ def test_held_out_answers_share_no_prompt_with_training_answers(target):
     held_prompts = {tuple(prompts[s]) for s in held}
     assert not held_prompts & {tuple(prompts[s]) for s in train}
     assert len(held) == 2 * len(held_prompts)
+
+
+def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default(target, data):
+    first = _trained(target, data, "eagle", 1)
+    state = first.state()
+    for name in ("regress", "soft_labels", "fuse_layers"):  # settings later than such a checkpoint
+        del state["config"][name]
+    resumed = Trainer(target, data, first.config)
+    resumed.load_state(state)
+    assert resumed.epoch == 1
+    state["config"]["unroll"] = 3
+    with pytest.raises(ValueError, match="other training settings"):
+        resumed.load_state(state)

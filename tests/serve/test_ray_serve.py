@@ -176,7 +176,10 @@ def test_a_client_that_goes_away_frees_its_replicas_slot(cluster, client):
             families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
         return sum(s.value for s in families["vllm:num_requests_running"].samples)
 
-    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=900, temperature=0, stream=True)
+    # Counting never reaches end-of-sequence (a code prompt did after ~160 tokens, under a second: finished before
+    # the replica's next metrics push), so the request is still running when /metrics is read.
+    stream = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", max_tokens=900,
+                                       temperature=0, stream=True)
     next(iter(stream))
     deadline = time.monotonic() + 30
     while running() == 0 and time.monotonic() < deadline:

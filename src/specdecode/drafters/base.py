@@ -8,7 +8,7 @@ far to draft: it drafts k tokens unless the ``stop`` it is handed says enough (s
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
@@ -16,6 +16,9 @@ from specdecode import tree
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
+
+if TYPE_CHECKING:
+    from specdecode.heads.vocab import VocabHead
 
 Signal = tuple[float, ...]
 # Called after each drafted token with its position (0-based) and signal; True ends the draft there.
@@ -163,7 +166,7 @@ class OwnCache(DrafterBase):
 
 
 def draw(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
-         subset=None) -> tuple[int, torch.Tensor | None]:
+         subset: VocabHead | None = None) -> tuple[int, torch.Tensor | None]:
     """Picks one draft token from ``logits [V]``: argmax when greedy (q is one-hot, returned as None),
     else a sample from the same processed distribution the target uses, returned as q ``[V]``.
 
@@ -187,7 +190,7 @@ def confidence(logits: torch.Tensor) -> Signal:
 
 
 def chain_draft(logits: torch.Tensor, advance: Callable[[int], torch.Tensor], k: int, sampling: SamplingParams,
-                generator: torch.Generator, stop: StopRule | None = None, subset=None) -> Draft:
+                generator: torch.Generator, stop: StopRule | None = None, subset: VocabHead | None = None) -> Draft:
     """Draws up to ``k`` tokens one after another: from ``logits [V]``, then from ``advance(token)``, the
     drafter's logits after it has taken the token just drawn (called only while more tokens are due).
 

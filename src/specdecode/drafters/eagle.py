@@ -112,7 +112,7 @@ class EagleDrafter(OwnCache):
         """Runs the head over the rows whose features arrived; returns its last output ``[1, 1, h]``."""
         if not self._pending:
             return None
-        features = torch.cat(self._pending)[None]  # [1, T, h]
+        features = torch.cat(self._pending)[None]  # [1, T, F*h]
         first = self._base + self.cache.lengths[0]  # position of the first pending feature
         ids = torch.tensor([seq[first + 1:first + 1 + features.shape[1]]], device=self.target.device)
         if ids.shape[1] != features.shape[1]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
-from specdecode.heads.eagle import EagleConfig, EagleHead
+from specdecode.heads.eagle import EagleConfig, EagleHead, check_fuse_layers
 from specdecode.heads.file import HeadFileError, check_target, load_head, read_metadata, target_identity
 from specdecode.heads.medusa import MedusaConfig, MedusaHeads
 from specdecode.heads.vocab import VocabHead, draft_ids
@@ -79,6 +79,11 @@ def load_head_drafter(path: str | Path, target, cache: CacheConfig = CacheConfig
         net.load_state_dict(head.weights, strict=True)
     except (KeyError, ValueError, RuntimeError, TypeError) as err:
         raise HeadFileError(f"{path}: weights do not fit a {head.kind} head of its own config ({err})") from None
+    if head.kind == "eagle":
+        try:
+            check_fuse_layers(net.head_config.fuse_layers, target.config.num_layers)
+        except ValueError as err:
+            raise HeadFileError(f"{path}: {err}") from None
     vocab_size = target.config.vocab_size
     if head.vocab.numel() == 0 or int(head.vocab.min()) < 0 or int(head.vocab.max()) >= vocab_size:
         raise HeadFileError(f"{path}: draft vocabulary ids must lie in 0..{vocab_size - 1}")

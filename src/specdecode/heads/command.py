@@ -31,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--medusa-heads", type=positive_int, default=d.medusa_heads,
                    help=f"heads of a medusa head file (default {d.medusa_heads})")
     p.add_argument("--fuse-layers", default="none", metavar="none|eagle3|I,J,...",
-                   help="EAGLE: the target layers the head reads, side by side (EAGLE-3); 'eagle3' = an early, the "
-                        "middle and the normed final one; 'none' = the normed final state alone (EAGLE-1, default)")
+                   help="EAGLE: the target features the head reads, side by side (EAGLE-3-style): layer outputs "
+                        "0..L-1, L = the normed final state; 'eagle3' = layer 2's and the middle layer's outputs "
+                        "and the normed final state; 'none' = the normed final state alone (EAGLE-1, default)")
     p.add_argument("--soft-labels", action="store_true",
                    help="EAGLE: cross-entropy against the target's distribution, not only its greedy guess")
     p.add_argument("--ce-weight", type=float, default=d.ce_weight,
@@ -55,23 +56,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
-def fuse_layers(spec: str, num_layers: int) -> tuple[int, ...]:
-    """``--fuse-layers``: "none", "eagle3" or a comma list of feature indices (0..num_layers)."""
-    from specdecode.heads.eagle import check_fuse_layers, eagle3_layers
-
-    if spec == "none":
-        return ()
-    if spec == "eagle3":
-        return eagle3_layers(num_layers)
+def parse_fuse_layers(spec: str) -> tuple[int, ...] | None:
+    """``--fuse-layers`` read before the model loads: () for "none", None for "eagle3" (the model's layer
+    count decides), else the comma list's indices."""
+    if spec in ("none", "eagle3"):
+        return () if spec == "none" else None
     try:
-        layers = tuple(int(part) for part in spec.split(","))
+        return tuple(int(part) for part in spec.split(","))
     except ValueError:
         raise ValueError(f"--fuse-layers {spec!r}: expected none, eagle3 or a comma list of layer indices") from None
+
+
+def fuse_layers(spec: str, num_layers: int) -> tuple[int, ...]:
+    """``--fuse-layers`` for a ``num_layers``-layer target: its feature indices, checked."""
+    from specdecode.heads.eagle import check_fuse_layers, eagle3_layers
+
+    layers = parse_fuse_layers(spec)
+    if layers is None:
+        return eagle3_layers(num_layers)
     try:
         check_fuse_layers(layers, num_layers)
     except ValueError as err:
         raise ValueError(f"--fuse-layers {spec!r}: {err}") from None
     return layers
+
+
+def _check_eagle_flags(args: argparse.Namespace) -> None:
+    """EAGLE's training flags are refused with another kind, and a loss of nothing with EAGLE."""
+    from specdecode.heads.train import TrainConfig
+
+    d = TrainConfig()
+    given = [flag for flag, value, default in (("--fuse-layers", args.fuse_layers, "none"),
+                                               ("--soft-labels", args.soft_labels, False),
+                                               ("--ce-weight", args.ce_weight, d.ce_weight),
+                                               ("--regress", args.regress, d.regress),
+                                               ("--unroll", args.unroll, d.unroll)) if value != default]
+    if args.kind != "eagle" and given:
+        raise ValueError(f"{', '.join(given)}: only for --kind eagle, not {args.kind}")
+    for flag, value in (("--ce-weight", args.ce_weight), ("--regress", args.regress)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    if args.kind == "eagle" and args.ce_weight == 0 and args.regress == 0:
+        raise ValueError("--ce-weight 0 and --regress 0 leave nothing to train")
+    parse_fuse_layers(args.fuse_layers)
 
 
 def run_command(args: argparse.Namespace, log) -> int:
@@ -95,9 +122,7 @@ def run_command(args: argparse.Namespace, log) -> int:
             raise ValueError(f"{flag} must be >= 0, got {value}")
     if args.prompts:
         load_prompts(args.prompts)  # a missing or malformed prompt file is refused before the model loads
-    for flag, value in (("--ce-weight", args.ce_weight), ("--regress", args.regress)):
-        if value < 0:
-            raise ValueError(f"{flag} must be >= 0, got {value}")
+    _check_eagle_flags(args)
     data_config = DataConfig(args.prompts, args.max_new_tokens, args.text_chunks, sampled=args.sampled)
     started = time.perf_counter()
     loaded = load_model(args.model, args.dtype, "cpu", progress=log, linear=args.linear, weights=args.weights)

@@ -205,7 +205,8 @@ def distill_answers(loaded, prompts: list[Prompt], path: Path, config: "DataConf
 
 
 @torch.inference_mode()
-def target_features(model, ids: list[int], layers: Sequence[int] = ()) -> tuple[torch.Tensor, ...]:
+def target_features(model, ids: list[int],
+                    layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One forward of the target over ``ids``: its greedy guesses ``[L]``, normed final states ``[L, h]`` and,
     with ``layers``, those layers' outputs ``[L, F*h]`` (else None)."""
     cache = model.new_cache(CacheConfig(max_len=-(-len(ids) // 256) * 256))

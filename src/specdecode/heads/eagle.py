@@ -7,8 +7,8 @@ f_{j+1}, and the target's own output head, restricted to a draft vocabulary, sco
 it. Drafting feeds the head its own predictions after the target's last real feature. The embedding table
 and the output head are the target's, frozen; the head owns fc and the layer.
 
-The target's feature f_j is its normed final state (EAGLE-1), or, with ``fuse_layers`` (EAGLE-3), several
-of its layers' outputs side by side, each RMS-normalised and projected to one hidden size by ``fuse``
+The target's feature f_j is its normed final state (EAGLE-1), or, with ``fuse_layers`` (EAGLE-3-style),
+several of its layers' outputs side by side, each RMS-normalised and projected to one hidden size by ``fuse``
 (``lift``): lower layers still hold what the top layer has already narrowed to the next token alone.
 
 This module holds the network and its two forwards (cached, for drafting; whole sequences, for
@@ -73,8 +73,10 @@ def check_fuse_layers(layers: Sequence[int], num_layers: int) -> None:
 
 
 def eagle3_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low, middle and high features of a ``num_layers``-layer target: an early layer's output
-    (the third, or earlier in a shallow model), the middle layer's, and the normed final state."""
+    """Low, middle and high features of a ``num_layers``-layer target in EAGLE-3's manner: an early layer's
+    output (the third, or earlier in a shallow model), the middle layer's, and, for the high one, the normed
+    final state (EAGLE-3 reads a layer three below the top instead; the normed state keeps what an EAGLE-1
+    head reads)."""
     return tuple(sorted({max(0, min(2, num_layers // 2 - 1)), num_layers // 2, num_layers}))
 
 

@@ -4,10 +4,10 @@ EAGLE: row j takes (feature f_j, token x_{j+1}) and predicts f_{j+1}; the loss i
 to the target's feature plus 0.1 x cross-entropy of the draft-vocabulary logits against the target's
 greedy guess there (EAGLE-1), or, with ``soft_labels``, against the target's whole distribution over the
 draft vocabulary, which its stored feature f_{j+1} gives through the output rows (EAGLE-3's loss; more
-than one bit of what the target thinks per position). Input features get uniform noise, and the head is also trained ``unroll`` steps deep
-on its own predictions, attending as it will when drafting (``EagleHead.forward``), so it learns to
-continue from its own slightly-off features. Medusa: head i's logits from f_j against the
-target's guess i + 1 positions later. Both use the target's frozen embedding and output rows.
+than one bit of what the target thinks per position). Input features get uniform noise, and the head
+is also trained ``unroll`` steps deep on its own predictions, attending as it will when drafting
+(``EagleHead.forward``), so it learns to continue from its own slightly-off features. Medusa: head i's
+logits from f_j against the target's guess i + 1 positions later. Both use the target's frozen embedding and output rows.
 
 Batches are whole sequences (padded, never cut or mixed), shuffled per epoch from the seed; the noise is
 drawn from a generator seeded per epoch. A checkpoint is written after every epoch (atomically), and a
@@ -119,16 +119,20 @@ def batches(data: Features, seqs: list[int], batch_tokens: int, seed: int) -> li
 def _padded(data: Features, seqs: list[int], layers: Sequence[int] = ()) -> tuple[torch.Tensor, ...]:
     """tokens ``[B, L]``, labels ``[B, L]`` (IGNORE on padding), float32 normed final features ``[B, L, h]``,
     mask ``[B, L]``, and float32 features of ``layers`` ``[B, L, F*h]`` (the normed ones again if none)."""
-    parts = [(*data.sequence(s), data.fused(s, layers)) for s in seqs]
-    length = max(len(p[0]) for p in parts)
-    b, h, w = len(parts), data.features.shape[1], parts[0][3].shape[1]
+    parts = [data.sequence(s) for s in seqs]
+    length = max(len(t) for t, _, _ in parts)
+    b, h = len(parts), data.features.shape[1]
     tokens = torch.zeros(b, length, dtype=torch.int64)
     labels = torch.full((b, length), IGNORE, dtype=torch.int64)
-    feats, inputs = torch.zeros(b, length, h), torch.zeros(b, length, w)
+    feats = torch.zeros(b, length, h)
     mask = torch.zeros(b, length, dtype=torch.bool)
-    for i, (t, y, f, x) in enumerate(parts):
-        n = len(t)
-        tokens[i, :n], labels[i, :n], feats[i, :n], inputs[i, :n], mask[i, :n] = t, y, f.float(), x.float(), True
+    for i, (t, y, f) in enumerate(parts):
+        tokens[i, :len(t)], labels[i, :len(t)], feats[i, :len(t)], mask[i, :len(t)] = t, y, f.float(), True
+    if not layers:
+        return tokens, labels, feats, mask, feats
+    inputs = torch.zeros(b, length, len(layers) * h)
+    for i, s in enumerate(seqs):
+        inputs[i, :len(parts[i][0])] = data.fused(s, layers).float()
     return tokens, labels, feats, mask, inputs
 
 
@@ -157,6 +161,7 @@ class Trainer:
         self.rows = target.output_rows(self.vocab.to(target.device)).detach().float().cpu()  # [Vd, h]
         torch.manual_seed(config.seed)
         if config.kind == "eagle":
+            data.fused(0, config.fuse_layers)  # features of other layers than the head reads are refused here
             self.head: nn.Module = EagleHead(EagleConfig.for_target(target.config, config.fuse_layers))
             self._init_eagle()
         else:
@@ -171,12 +176,19 @@ class Trainer:
         return self.head.head_config.to_dict()
 
     def _init_eagle(self) -> None:
-        """fc passes the feature through (and a little of the embedding); the layer starts random."""
-        h = self.target.config.hidden_size
+        """fc passes the feature through (and a little of the embedding); a fused head's ``fuse`` passes the
+        normed final state through where it reads it, so both kinds start where EAGLE-1 starts; the layer
+        starts random."""
+        h, n = self.target.config.hidden_size, self.target.config.num_layers
         with torch.no_grad():
             self.head.fc.weight[:, h:] = torch.eye(h)
             self.head.fc.weight[:, :h].normal_(0.0, 0.02)
             self.head.fc.bias.zero_()
+            layers = self.config.fuse_layers
+            if self.head.fuse is not None and n in layers:
+                self.head.fuse.weight.normal_(0.0, 0.02)
+                at = layers.index(n) * h
+                self.head.fuse.weight[:, at:at + h] = torch.eye(h)
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """The batches of ``epoch`` (0-based): the training sequences shuffled from the seed and the epoch."""
@@ -297,7 +309,8 @@ class Trainer:
                 "history": self.history, "config": asdict(self.config)}
 
     def load_state(self, state: dict) -> None:
-        if state["config"] != asdict(self.config):
+        # settings added since a checkpoint was written count as their defaults
+        if {**asdict(TrainConfig()), **state["config"]} != asdict(self.config):
             raise ValueError("the checkpoint was written with other training settings; start afresh or use the same ones")
         self.head.load_state_dict(state["head"])
         self.opt.load_state_dict(state["opt"])

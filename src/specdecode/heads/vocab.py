@@ -43,12 +43,13 @@ class VocabHead(nn.Module):
     Args:
         target: the target ``Transformer`` (its rows are copied once, then packed like its projections; a
             head in a block format gives its own blocks, so draft and target score with the same weights).
-        ids: ``[Vd]`` token ids.
+        ids: ``[Vd]`` token ids (kept sorted: row i scores the i-th smallest id, so that the first of equal
+            logits is the lowest id, as over the whole vocabulary).
     """
 
     def __init__(self, target, ids: torch.Tensor) -> None:
         super().__init__()
-        self.register_buffer("ids", ids.to(target.device, torch.int64))
+        self.register_buffer("ids", ids.to(target.device, torch.int64).sort().values)
         self.vocab_size = target.config.vocab_size
         kernel = target.linear_kernel
         if isinstance(target.head_layer, QuantLinear):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 from functools import lru_cache
-from typing import Callable, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -389,7 +389,7 @@ class Transformer(nn.Module):
         self._rope_fp32: tuple[torch.Tensor, torch.Tensor] | None = None  # the fused layers' cos/sin [P, D/2]
         self.fused_head = None  # the output head as a fused-kernel projection (pack_weights), with its kernels:
         self.fused_ops = None
-        self._fused_layers: list = []  # each layer's fused kernel object, in order
+        self._fused_layers: list[Any] = []  # each layer's fused kernel object (``native`` Layer), in order
         self._packed_as = "bf16"  # the weights pack_weights was asked for
 
     @property
@@ -531,13 +531,13 @@ class Transformer(nn.Module):
             if buffers is not None:
                 # runs of layers in one kernel call each, cut after every layer whose output is kept: no return
                 # to Python (and no idle threads) between the layers of a run
-                fused = self._fused_layers if layers is None else [self.layers[i].fused for i in run]
+                kernels = self._fused_layers if layers is None else [self.layers[i].fused for i in run]
                 cuts = [0] + [j + 1 for j, i in enumerate(run) if i in features and j + 1 < len(run)] + [len(run)]
+                seen_lists = [None if seen is None else list(seen) for seen in trees]
                 for a, b in zip(cuts, cuts[1:]):
-                    x = self.fused_ops.layers_rows(
-                        fused[a:b], x, *rope, buffers[0][a:b], buffers[1][a:b], list(slots), list(starts),
-                        list(counts), self.config.sliding_window or 0,
-                        [None if seen is None else list(seen) for seen in trees])
+                    x = self.fused_ops.layers_rows(kernels[a:b], x, *rope, buffers[0][a:b], buffers[1][a:b], list(slots),
+                                                   list(starts), list(counts), self.config.sliding_window or 0,
+                                                   seen_lists)
                     if run[b - 1] in features:
                         kept[run[b - 1]] = x[None]
             else:
