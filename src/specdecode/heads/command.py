@@ -67,11 +67,11 @@ def parse_fuse_layers(spec: str) -> tuple[int, ...] | None:
         raise ValueError(f"--fuse-layers {spec!r}: expected none, eagle3 or a comma list of layer indices") from None
 
 
-def fuse_layers(spec: str, num_layers: int) -> tuple[int, ...]:
-    """``--fuse-layers`` for a ``num_layers``-layer target: its feature indices, checked."""
+def fuse_layers(spec: str, layers: tuple[int, ...] | None, num_layers: int) -> tuple[int, ...]:
+    """``--fuse-layers`` (``spec``, read by ``parse_fuse_layers`` as ``layers``) for a ``num_layers``-layer
+    target: its feature indices, checked."""
     from specdecode.heads.eagle import check_fuse_layers, eagle3_layers
 
-    layers = parse_fuse_layers(spec)
     if layers is None:
         return eagle3_layers(num_layers)
     try:
@@ -98,7 +98,6 @@ def _check_eagle_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be >= 0, got {value}")
     if args.kind == "eagle" and args.ce_weight == 0 and args.regress == 0:
         raise ValueError("--ce-weight 0 and --regress 0 leave nothing to train")
-    parse_fuse_layers(args.fuse_layers)
 
 
 def run_command(args: argparse.Namespace, log) -> int:
@@ -123,10 +122,11 @@ def run_command(args: argparse.Namespace, log) -> int:
     if args.prompts:
         load_prompts(args.prompts)  # a missing or malformed prompt file is refused before the model loads
     _check_eagle_flags(args)
+    requested = parse_fuse_layers(args.fuse_layers)  # its syntax is refused before the model loads, its range after
     data_config = DataConfig(args.prompts, args.max_new_tokens, args.text_chunks, sampled=args.sampled)
     started = time.perf_counter()
     loaded = load_model(args.model, args.dtype, "cpu", progress=log, linear=args.linear, weights=args.weights)
-    fuse = fuse_layers(args.fuse_layers, loaded.model.config.num_layers) if args.kind == "eagle" else ()
+    fuse = fuse_layers(args.fuse_layers, requested, loaded.model.config.num_layers) if args.kind == "eagle" else ()
     train_config = TrainConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                                seed=args.seed, draft_vocab=args.draft_vocab, medusa_heads=args.medusa_heads,
                                unroll=args.unroll, ce_weight=args.ce_weight, regress=args.regress,

@@ -5,7 +5,7 @@ x_{j+1}: ``fc([embed(x_{j+1}), f_j])``. One decoder layer (the target's layer sh
 cache over earlier rows) turns that into f'_{j+1}, a prediction of the target's normed final state
 f_{j+1}, and the target's own output head, restricted to a draft vocabulary, scores the next token from
 it. Drafting feeds the head its own predictions after the target's last real feature. The embedding table
-and the output head are the target's, frozen; the head owns fc and the layer.
+and the output head are the target's, frozen; the head owns fc, the layer and (fused heads) ``fuse``.
 
 The target's feature f_j is its normed final state (EAGLE-1), or, with ``fuse_layers`` (EAGLE-3-style),
 several of its layers' outputs side by side, each RMS-normalised and projected to one hidden size by ``fuse``

@@ -7,7 +7,8 @@ draft vocabulary, which its stored feature f_{j+1} gives through the output rows
 than one bit of what the target thinks per position). Input features get uniform noise, and the head
 is also trained ``unroll`` steps deep on its own predictions, attending as it will when drafting
 (``EagleHead.forward``), so it learns to continue from its own slightly-off features. Medusa: head i's
-logits from f_j against the target's guess i + 1 positions later. Both use the target's frozen embedding and output rows.
+logits from f_j against the target's guess i + 1 positions later. Both use the target's frozen embedding
+and output rows.
 
 Batches are whole sequences (padded, never cut or mixed), shuffled per epoch from the seed; the noise is
 drawn from a generator seeded per epoch. A checkpoint is written after every epoch (atomically), and a
