@@ -65,7 +65,8 @@ def record(engine: Engine, drafter: Drafter, prompts: Sequence[tuple[str, str, l
             drafter.commit(seq)
         rows.append({"id": pid, "category": category, "prompt_len": len(ids), "output": output, "proposals": proposals})
     # Timed at the last prompt's context, after its requests: the median of repeats per k.
-    verify = [statistics.median(engine.verify_seconds(k) for _ in range(repeats)) for k in range(gamma_max + 1)]
+    with engine.verify_timer(ids) as seconds:
+        verify = [statistics.median(seconds(k) for _ in range(repeats)) for k in range(gamma_max + 1)]
     return {"format": FORMAT, "drafter": drafter.name, "signal_names": list(drafter.signal_names),
             "gamma_max": gamma_max, "v": [t / verify[0] for t in verify],
             "draft_cost": sum(draft_s) / max(drafted, 1) / verify[0], "prompts": rows}
@@ -107,7 +108,7 @@ def replay(data: dict[str, Any], policies: Sequence[int | str], draft_cost: floa
     results = {}
     for policy in policies:
         make = controller_factory(policy, data["gamma_max"], data["drafter"], data["signal_names"], controller_file)
-        if make.shared is not None:  # as Engine.seed_costs does, in units of one plain step
+        if make.shared is not None:  # as BatchEngine.warmup does, in units of one plain step
             make.shared.costs.seed(v)
         speed = {r["id"]: len(r["output"]) / replay_prompt(r, make, v, cost)[0] for r in data["prompts"]}
         results[str(policy)] = {"overall": statistics.median(speed.values()), **{

@@ -454,7 +454,7 @@ class _StopAfter:
 def test_an_early_stop_shortens_drafts_and_keeps_the_output(target, models, plain, kind):
     controller = _StopAfter(2)
     engine = Engine(target, drafter=_drafter(kind, target, models), spec=SpeculativeConfig(gamma=6))
-    engine._new_controller = lambda: controller
+    engine.batch._new_controller = lambda: controller
     result = engine.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS)
     assert result.token_ids == plain[tuple(PROMPTS[1])]
     assert len(result.stats.drafted_by_position) <= 2 and result.stats.drafted_tokens > 0
@@ -473,7 +473,8 @@ def test_speculative_config_max_draft():
 def test_warmup_measures_the_step_cost_and_changes_no_output(target, plain):
     engine = Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=3))
     engine.warmup()
-    assert engine._step_s and all(t > 0 for t in engine._step_s.values())
+    step_s = engine.batch.step_costs.seconds
+    assert step_s and all(t > 0 for t in step_s.values())
     for p in PROMPTS:
         assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]
 
@@ -481,7 +482,7 @@ def test_warmup_measures_the_step_cost_and_changes_no_output(target, plain):
 @pytest.mark.parametrize("gamma", ["cost", "adaptive"])
 def test_warmup_seeds_the_shared_step_costs_and_requests_keep_learning_them(target, plain, gamma):
     engine = Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=gamma, gamma_max=6))
-    shared = engine._new_controller.shared
+    shared = engine.batch._new_controller.shared
     costs = shared.costs
     assert costs.base is None
     engine.warmup()
@@ -491,24 +492,27 @@ def test_warmup_seeds_the_shared_step_costs_and_requests_keep_learning_them(targ
     for p in PROMPTS:
         assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]
     # One SharedEstimates for all requests: the later ones start from what the earlier ones measured.
-    assert engine._new_controller().shared is shared
+    assert engine.batch._new_controller().shared is shared
     assert costs.ready and costs.shape != seeded and sum(shared.acceptance.seen) > 0
-    assert Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=3))._new_controller.shared is None
+    assert Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=3)).batch._new_controller.shared is None
 
 
 def test_seeded_curve_keeps_each_ks_fastest_time(target, monkeypatch):
     engine = Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma="cost", gamma_max=4))
-    engine.generate(PROMPTS[0], max_new_tokens=2)
+    batch = engine.batch
     calls = []
 
-    def scripted(k: int) -> float:  # 10 ms + 1 ms per drafted token; k = 2 spikes to 50 ms in 2 of 3 timings
-        calls.append(k)
-        return 0.050 if len(calls) in (3, 8) else 0.010 + 0.001 * k
+    def scripted(slot: int, rows: int, pad: bool = True) -> float:
+        # 10 ms + 1 ms per drafted token; 3 rows (k = 2) spike to 50 ms in 2 of 3 timings
+        calls.append(rows)
+        return 0.050 if len(calls) in (3, 8) else 0.010 + 0.001 * (rows - 1)
 
-    monkeypatch.setattr(engine, "verify_seconds", scripted)
-    engine.seed_costs(repeats=3)
-    assert calls == [0, 1, 2, 3, 4, 4, 3, 2, 1, 0, 0, 1, 2, 3, 4]  # interleaved: drift touches every k alike
-    costs = engine._new_controller.shared.costs
+    monkeypatch.setattr(batch.padding, "tune", lambda *a, **k: {})  # only the seeding is timed here
+    monkeypatch.setattr(batch.step_costs, "at", lambda context, time_step: 0.010)
+    monkeypatch.setattr(batch, "_time_rows", scripted)
+    batch.warmup(repeats=3)
+    assert calls == [1, 2, 3, 4, 5, 5, 4, 3, 2, 1, 1, 2, 3, 4, 5]  # interleaved: drift touches every k alike
+    costs = batch._new_controller.shared.costs
     assert costs.shape[:5] == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])  # the spikes left no trace (a median would not)
 
 
@@ -518,14 +522,14 @@ def test_prompt_plus_budget_beyond_the_context_length_is_refused(target):
         Engine(target).generate([1, 2, 3], max_new_tokens=limit)
 
 
-def test_verify_seconds_times_a_step_without_changing_the_cache_or_the_output(target, plain):
+def test_verify_timer_times_a_step_without_changing_the_cache_or_the_output(target, plain):
     engine = Engine(target)
-    with pytest.raises(RuntimeError, match="needs a context"):
-        engine.verify_seconds(2)
     prompt = PROMPTS[0]
     engine.generate(prompt, max_new_tokens=1)
     held = engine.cache.lengths[0]
-    assert all(engine.verify_seconds(k) > 0 for k in (0, 1, 5)) and engine.cache.lengths[0] == held
+    with engine.verify_timer(prompt) as seconds:
+        assert all(seconds(k) > 0 for k in (0, 1, 5))
+    assert engine.cache.lengths[0] == held
     assert engine.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(prompt)]
 
 
@@ -548,8 +552,8 @@ def test_memory_bytes_counts_what_each_configuration_holds(target, models):
 def test_row_padding_is_tuned_and_changes_no_output(target, models, plain):
     engine = Engine(target, drafter=_drafter("draft-other", target, models), spec=SpeculativeConfig(gamma=3))
     engine.warmup()
-    padded = engine._padded_rows
+    padded = engine.batch.padding.table
     assert set(padded) == set(range(1, 9)) and all(max(n, 2) <= r <= 8 for n, r in padded.items())
-    engine._padded_rows = {n: 8 for n in range(1, 9)}  # the most padding there is: still the same tokens
+    engine.batch.padding.table = {n: 8 for n in range(1, 9)}  # the most padding there is: still the same tokens
     for p in PROMPTS:
         assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]

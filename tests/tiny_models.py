@@ -171,7 +171,7 @@ class OracleTreeDrafter:
     def observe(self, position, features) -> None:
         pass
 
-    def reset(self, target_cache, prompt=(), memory=None) -> None:
+    def reset(self, target_cache, prompt=(), memory=None, slot=0) -> None:
         self.prompt = tuple(prompt)
 
     def propose(self, seq, k, sampling, generator, stop=None):

@@ -63,12 +63,14 @@ def _new_drafter(kind: str, target: Transformer, draft_model: Transformer, cache
         return lambda: DraftModelDrafter(draft_model, target, cache)
     if kind == "draft-tree":
         return lambda: DraftModelDrafter(draft_model, target, cache, tree_width=2)
+    if kind == "layerskip":  # drafts in its sequence's slot of the target's own cache
+        return lambda: LayerSkipDrafter(target, [1])
     return lambda: random_head_drafter(kind, target, seed=3, cache=cache)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("kind", ["none", "ngram", "ngram-tree", "draft", "draft-tree", "eagle", "eagle-tree", "eagle3",
-                                  "medusa"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "ngram-tree", "draft", "draft-tree", "layerskip", "eagle", "eagle-tree",
+                                  "eagle3", "medusa"])
 def test_batched_greedy_output_equals_each_request_served_alone(target, draft_model, setting, kind):
     cache = SETTINGS[setting]
     new = _new_drafter(kind, target, draft_model, cache)
@@ -82,7 +84,7 @@ def test_batched_greedy_output_equals_each_request_served_alone(target, draft_mo
         assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
     if kind != "none":
         assert sum(r.stats.drafted_tokens for r in results) > 0  # drafts were verified
-    if kind in ("ngram", "ngram-tree", "draft", "draft-tree"):
+    if kind in ("ngram", "ngram-tree", "draft", "draft-tree", "layerskip"):
         assert sum(r.stats.accepted_tokens for r in results) > 0  # and some kept (random heads may get none)
     assert engine.scheduler.slots.free == 3 and all(t.referenced == 0 for t in engine.memory.prefixes.values())
 
@@ -161,7 +163,72 @@ def test_bad_input_and_a_full_queue_are_refused_with_the_reason(target):
     engine.submit([1, 2], max_new_tokens=8)
     with pytest.raises(QueueFullError, match="queue is full"):
         engine.submit([1, 2], max_new_tokens=8)
-    with pytest.raises(ValueError, match=r"drafter 'layerskip' cannot serve a batch \(it drafts in the target's"):
-        BatchEngine(target, new_drafter=lambda: LayerSkipDrafter(target, [1]))
     with pytest.raises(ValueError, match=r"max_len must be in 1..512"):
         BatchEngine(target, max_len=1000)
+
+
+class _FillSpy:
+    """A fixed-gamma controller that notes, at each step, the budget share it was told and what the caches hold."""
+
+    early_stop = False
+
+    def __init__(self, engine: BatchEngine, seen: list) -> None:
+        self.engine, self.seen = engine, seen
+
+    def next_gamma(self, ctx) -> int:
+        memory = self.engine.memory
+        in_use = sum(c.bytes_used() for c in memory.caches.values()) + memory.prefix_bytes
+        self.seen.append((ctx.cache_fill, in_use / memory.budget,
+                          self.engine.cache.bytes_used() / memory.budget))
+        return 3
+
+    def stop(self, position, signal) -> bool:
+        return False
+
+    def update(self, record) -> None:
+        pass
+
+
+def test_the_budget_share_a_controller_sees_counts_the_draft_caches(target, draft_model):
+    # Drift fixed: the batch engine priced memory pressure from the target's cache alone; one request alone
+    # saw the draft caches too. Both now run this step, so the share counts every cache the budget covers.
+    cache = CacheConfig(budget=1 << 30)
+    engine = BatchEngine(target, new_drafter=lambda: DraftModelDrafter(draft_model, target, cache),
+                         spec=SpeculativeConfig(gamma=3), cache=cache, scheduler=SchedulerConfig(max_running=2),
+                         max_len=96)
+    seen = []
+    engine._new_controller = lambda: _FillSpy(engine, seen)
+    engine.run(_requests()[:3])
+    assert seen and all(fill == pytest.approx(in_use) for fill, in_use, _ in seen)
+    assert any(fill > target_only for fill, _, target_only in seen)
+
+
+def test_batched_requests_report_their_step_cost_and_predicted_speedup(target):
+    # Drift fixed: only a lone request measured its decode step, so a served one had no predicted speedup.
+    results = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=3),
+                          scheduler=SchedulerConfig(max_running=3), max_len=96).run(_requests()[:4])
+    for r in results:
+        assert r.stats.decode_step_s is not None and r.stats.decode_step_s > 0
+        assert r.stats.predicted_speedup is not None and r.stats.predicted_speedup > 0
+
+
+def test_the_device_is_synchronised_after_every_timed_forward(target, monkeypatch):
+    # Drift fixed: the batch engine read its timers without waiting for the device (wrong on a GPU, where
+    # kernels run asynchronously); every step's forward and every timed forward now synchronises first.
+    from specdecode.batch import executor
+
+    synced = []
+    monkeypatch.setattr(executor, "synchronize", lambda device: synced.append(device))
+    engine = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=3),
+                         scheduler=SchedulerConfig(max_running=2), max_len=96)
+    steps = 0
+    for r in _requests()[:2]:
+        engine.submit(**r)
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    forwards = len(synced)
+    assert forwards >= steps and all(d == target.device for d in synced)
+    with engine.verify_timer(PROMPTS[1]) as seconds:
+        seconds(2)
+    assert len(synced) == forwards + 1

@@ -74,9 +74,9 @@ class Spy:
         self.inner, self.seen = inner, []
         self.name, self.signal_names, self.feature_layers = inner.name, inner.signal_names, inner.feature_layers
 
-    def reset(self, *args):
+    def reset(self, *args, **kwargs):
         self.seen.clear()
-        self.inner.reset(*args)
+        self.inner.reset(*args, **kwargs)
 
     def observe(self, position, features):
         self.seen.append((position, features.shape[0]))

@@ -61,7 +61,7 @@ def test_cache_config_defaults_are_valid():
 
 
 def test_default_lookahead_covers_the_longest_draft_step():
-    from specdecode.engine import MAX_GAMMA
+    from specdecode.control.config import MAX_GAMMA
 
     # One verification writes the fed token and up to MAX_GAMMA drafts; the filler row of a plain step fits too.
     assert CacheConfig().lookahead >= MAX_GAMMA + 2 and CacheConfig().prefill_chunk <= CacheConfig().lookahead

@@ -1,36 +1,40 @@
-"""Many requests at once: each step drafts for every running sequence, verifies all drafts in one target
-forward, and hands each sequence its tokens.
+"""The engine: every step drafts for each running sequence, verifies all drafts in one target forward, and
+hands each sequence its tokens. One request (``engine.Engine``) and many (the server) run this same step.
 
 A step is: admit waiting sequences onto free KV slots; share the step's row budget between the
 decoding sequences' fed tokens, the prompts still being read (a few rows each step, on our kernels) and
 the drafts (each sequence's own controller, priced at the whole forward's rows); draft; run one
-row-invariant forward over every sequence's ragged rows, ``[prompt rows][last token, d_1..d_k]``
-(``Transformer.forward_rows``); verify (``verify_batch``), roll each slot back to its accepted length and
-emit. Rows are computed as they would be alone, so a request's greedy output is bitwise what it is
-served alone, and a sampled one (n-gram drafting or none) depends only on its seed.
+row-invariant forward over every sequence's ragged rows (``rows.py``, ``Transformer.forward_rows``);
+verify (``verify_batch``), roll each slot back to its accepted length, commit and emit. Rows are computed
+as they would be alone, so a request's greedy output is bitwise what it is served alone, and a sampled one
+(n-gram drafting or none) depends only on its seed.
 
-Each KV slot has a drafter of its own, reset for every sequence it serves: a draft model's or EAGLE
-head's cache is that slot's (named ``draft-<slot>`` in the KV memory), and drafters that read the
-target's features (trained heads) get their sequence's rows of each forward.
+Each KV slot has a drafter of its own, reset for every sequence it serves and handed that slot: a draft
+model's or EAGLE head's cache is that slot's (named ``draft-<slot>`` in the KV memory), layerskip drafts in
+the slot of the target's cache, and drafters that read the target's features (trained heads) get their
+sequence's rows of each forward.
 
-Not here: threads (``serve/loop.py`` steps the executor from one thread), HTTP, or layerskip (it drafts
-in the target's own cache slot 0; it runs on :class:`~specdecode.engine.Engine`).
+Not here: threads (``serve/loop.py`` steps the engine from one thread), HTTP, text streaming
+(``engine.py``), or the choice of what to run (``scheduler.py``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-from typing import Callable, Iterable, Protocol, Sequence as Seq
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Iterator, Protocol, Sequence as Seq
 
 import torch
 
+from specdecode.batch.costs import MAX_PADDED_ROWS, RowPadding, StepCostTable, fastest
+from specdecode.batch.rows import ForwardRows, SequenceRows, lay_out
 from specdecode.batch.scheduler import Scheduler, SchedulerConfig, fit_rows
-from specdecode.batch.sequence import Output, Request, Sequence, eos_ids, prompt_ids, stop_strings
+from specdecode.batch.sequence import GenerationResult, Output, Request, Sequence, eos_ids, prompt_ids, stop_strings
 from specdecode.control import StepContext, StepRecord, controller_factory
-from specdecode.drafters.base import Draft, Drafter, OwnCache
-from specdecode.engine import GenerationResult, SpeculativeConfig, keep_rows, kv_setting
-from specdecode.kv.cache import CacheConfig
+from specdecode.control.config import SpeculativeConfig
+from specdecode.drafters.base import Draft, Drafter, OwnCache, StopRule
+from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
 from specdecode.models.transformer import Transformer
@@ -38,15 +42,13 @@ from specdecode.sampling import SamplingParams
 from specdecode.timing import interleaved_timings
 from specdecode.verify import Pending, Verdict, verify_batch
 
-# Drafters that draft in the target's own cache slot 0, which a batch cannot give them; every other one runs
-# (one per KV slot).
-SLOT0_DRAFTERS = ("layerskip",)
-# The built-in drafters that batch.
-BATCHED_DRAFTERS = ("ngram", "ngram-tree", "draft", "draft-tree", "eagle", "eagle-tree", "medusa")
+SEEDED_ROWS = 17  # longest forward timed for the cost curve (a fed token + 16 drafts); longer ones extrapolated
+WARMUP_CONTEXT = 64  # tokens of context the warm-up timings run at: projections, which grow with rows, dominate
+NO_DRAFT = Draft([])
 
 
 class StepObserver(Protocol):
-    """Told what the executor does, from the thread that steps it (e.g. ``serve/metrics.py``)."""
+    """Told what the engine does, from the thread that steps it (e.g. ``serve/metrics.py``)."""
 
     def admitted(self, seq: Sequence) -> None:
         """A sequence got a slot and its prompt was prefilled."""
@@ -58,29 +60,69 @@ class StepObserver(Protocol):
         """A sequence ended (any reason, cancellation included) and left its slot."""
 
 
+@dataclass
+class StepPlan:
+    """What one step runs: prompt rows per prefilling sequence, the draft budget of each decoding one (0 for
+    a plain step) and the context its controller decided in; ``control_s`` the planning's seconds per
+    running sequence."""
+
+    chunk: dict[Sequence, int]
+    budgets: dict[Sequence, int]
+    contexts: dict[Sequence, StepContext]
+    control_s: float
+
+
+def kv_setting(cache: CacheConfig, dtype: torch.dtype) -> str:
+    """A target cache's storage as the controllers see it: "int8", "int4", "window" or a dtype."""
+    if cache.kv_dtype in ("int8", "int4"):
+        return cache.kv_dtype
+    if cache.window is not None:
+        return "window"
+    return cache.kv_dtype if cache.kv_dtype != "auto" else str(dtype).removeprefix("torch.")
+
+
+def keep_rows(cache: Cache, slot: int, held: int, verdict: Verdict) -> list[int]:
+    """Rolls a slot back to the fed token and the accepted drafts, which a forward wrote as rows from ``held``
+    on; returns the kept rows' offsets from ``held`` (a tree's path moved into place by ``Cache.compact``)."""
+    if verdict.path is None:
+        cache.trim(slot, held + 1 + verdict.accepted)
+        return list(range(verdict.accepted + 1))
+    rows = [0] + [1 + node for node in verdict.path]
+    cache.compact(slot, held, rows)
+    return rows
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the work queued on a GPU, so that a timer around it sees it (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class BatchEngine:
-    """Serves many requests together with per-request speculation.
+    """Serves requests together with per-request speculation.
 
     Args:
         target: the model whose output distribution is reproduced exactly.
         tokenizer: for text prompts, stop strings and text output.
-        new_drafter: makes a drafter (None: plain decoding), called once per KV slot; see BATCHED_DRAFTERS.
+        new_drafter: makes a drafter (None: plain decoding), called once per KV slot.
         spec: gamma policy; each sequence gets its own controller, sharing the engine's cost estimates.
         cache: KV settings; ``slots`` is taken from the scheduler's ``max_running`` and ``max_len`` per slot
-            from ``max_len``.
+            from ``slot_len``.
         scheduler: how many sequences run and wait.
         max_len: tokens one sequence may hold (prompt + generated); default: the model's context, at most 4,096.
-        observer: told of admissions, steps and finished sequences (metrics).
+        observer: told of admissions, steps and finished sequences (metrics, step records).
+        slot_len: tokens each slot holds at first (default ``max_len``); a request that needs more while the
+            engine is idle grows every slot (``Engine`` starts small and grows to its longest request).
+        record_signals: have drafters compute every drafted token's signal even when no controller stops
+            drafts early (for step records, ``bench --record-steps``).
     """
 
     def __init__(self, target: Transformer, tokenizer=None, new_drafter: Callable[[], Drafter | None] | None = None,
                  spec: SpeculativeConfig = SpeculativeConfig(), cache: CacheConfig = CacheConfig(),
                  scheduler: SchedulerConfig = SchedulerConfig(), max_len: int | None = None,
-                 observer: StepObserver | None = None) -> None:
+                 observer: StepObserver | None = None, slot_len: int | None = None,
+                 record_signals: bool = False) -> None:
         probe = new_drafter() if new_drafter is not None else None
-        if probe is not None and probe.name in SLOT0_DRAFTERS:
-            raise ValueError(f"drafter {probe.name!r} cannot serve a batch (it drafts in the target's cache slot 0); "
-                             f"batched drafters: {', '.join(BATCHED_DRAFTERS)}, or none")
         self.target = target
         self.tokenizer = tokenizer
         self.spec = spec if probe is not None else SpeculativeConfig(gamma=0)
@@ -97,50 +139,30 @@ class BatchEngine:
         self.max_len = min(context, 4096) if max_len is None else max_len
         if not 1 <= self.max_len <= context:
             raise ValueError(f"max_len must be in 1..{context} (the model's context), got {self.max_len}")
+        self._limit_name = "the model's context length" if self.max_len == context else \
+            "the engine's max_len per sequence"
         self.scheduler = Scheduler(scheduler)
         self.memory = KVMemory(cache.budget, cache.prefix_cache)
-        # Each slot holds a sequence plus one step's drafted (or padding) rows beyond it.
-        room = self.max_len + self.spec.max_draft + 2
-        self.cache_config = replace(cache, slots=scheduler.max_running, max_len=-(-room // 64) * 64)
-        self.cache = self.memory.new_cache("target", target, self.cache_config)
-        self._prefix = self.memory.prefix_for(target, self.cache_config)
+        self._cache_base = replace(cache, slots=scheduler.max_running)
+        self._allocate(self.max_len if slot_len is None else min(slot_len, self.max_len))
         self._kv = kv_setting(cache, target.dtype)
-        # oneDNN and F.linear round a one-row matmul differently from a multi-row one (see Engine).
-        self._min_rows = 1 if target.row_invariant else 2
+        self.padding = RowPadding(1 if target.row_invariant else 2)
+        self.step_costs = StepCostTable()
         # Prompts are prefilled a few rows at a time inside the decode forwards where rows are computed alike in
         # any forward (our kernels) and the cache neither compresses nor shares prefixes (those prefill in
-        # fixed chunks at admission, as the single-request engine does).
+        # fixed chunks at admission).
         self._chunked_prefill = target.row_invariant and not cache.compressed and not cache.prefix_cache
         self.observer = observer
+        self.record_signals = record_signals
 
-    @torch.inference_mode()
-    def warmup(self, repeats: int = 5) -> None:
-        """Serves a short dummy request, so that one-time costs (buffers, kernel selection) stay out of the
-        first real requests, then gives cost-aware controllers the cost of a forward by its rows, 1 to
-        ``max_rows`` (the fastest of ``repeats`` interleaved timings per size, one sequence at a 64-token
-        context: projections, which grow with the rows, dominate). Call before serving."""
-        if self.has_work:
-            raise RuntimeError("warmup needs an idle engine")
-        self.run([dict(prompt=[0] * 16, max_new_tokens=8, eos_token_ids=())])
-        if not self._new_controller.uses_costs:
-            return
-        slot, context = self.scheduler.slots.acquire(), 64
-        try:
-            self.cache.reset(slot)
-            prefill(self.cache, slot, [0] * context, self.target)
+    def _allocate(self, tokens: int) -> None:
+        """Gives every slot room for ``tokens`` plus one step's drafted (or padding) rows beyond them."""
+        room = tokens + max(self.spec.max_draft, MAX_PADDED_ROWS) + 1
+        self.cache_config = replace(self._cache_base, max_len=-(-room // 64) * 64)
+        self.cache = self.memory.new_cache("target", self.target, self.cache_config)
+        self._prefix = self.memory.prefix_for(self.target, self.cache_config)
 
-            def verify(k: int) -> float:
-                start = time.perf_counter()
-                self.target.forward_rows(torch.zeros(k + 1, dtype=torch.long, device=self.target.device), self.cache,
-                                         (slot,), (k + 1,))
-                seconds = time.perf_counter() - start
-                self.cache.trim(slot, context)
-                return seconds
-            times = interleaved_timings(verify, range(self.scheduler.config.max_rows), repeats)
-            self._new_controller.seed_costs([min(t) for t in times])
-        finally:
-            self.cache.reset(slot)
-            self.scheduler.slots.release(slot)
+    # ------------------------------------------------------------------ requests
 
     def submit(self, prompt: str | Seq[int], sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
                stop: str | Iterable[str] = (), eos_token_ids: Iterable[int] | None = None,
@@ -153,11 +175,21 @@ class BatchEngine:
         """
         stop = stop_strings(stop, self.tokenizer)
         ids = prompt_ids(prompt, self.tokenizer, self.target.config.vocab_size, self.max_len, max_new_tokens,
-                         "the engine's max_len per sequence")
+                         self._limit_name)
         request = Request(tuple(ids), sampling, max_new_tokens, stop, eos_ids(eos_token_ids, self.tokenizer))
+        self._make_room(len(ids) + max_new_tokens)
         seq = Sequence(request, self.tokenizer, on_output)
         self.scheduler.add(seq)
         return seq
+
+    def _make_room(self, tokens: int) -> None:
+        """Grows the slots for a request of ``tokens`` tokens, which only an idle engine can do."""
+        if tokens + max(self.spec.max_draft, MAX_PADDED_ROWS) + 1 <= self.cache_config.max_len:
+            return
+        if self.has_work:
+            raise ValueError(f"a request of {tokens} tokens does not fit the KV slots ({self.cache_config.max_len} "
+                             "tokens) while others are served; retry when the engine is idle")
+        self._allocate(tokens)
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """Ends a sequence now (from the thread that steps): its slot is free for the next step.
@@ -181,6 +213,17 @@ class BatchEngine:
         """Share of the cache's token room held by running sequences (0..1)."""
         return sum(self.cache.lengths) / (self.cache_config.slots * self.cache_config.max_len)
 
+    def run(self, requests: Seq[dict]) -> list[GenerationResult]:
+        """Serves ``requests`` (keyword arguments of :meth:`submit`) together; results in their order."""
+        pending, sequences = list(requests), []
+        while pending or self.has_work:
+            while pending and self.scheduler.can_accept:
+                sequences.append(self.submit(**pending.pop(0)))
+            self.step()
+        return [s.result() for s in sequences]
+
+    # ------------------------------------------------------------------ the step
+
     @torch.inference_mode()
     def step(self) -> None:
         """Admits waiting sequences, then runs one forward for every running one: prompt rows of those still
@@ -190,64 +233,142 @@ class BatchEngine:
         running = [s for s in self.scheduler.running if not s.finished]
         if not running:
             return
+        plan = self._plan(running)
+        drafts, draft_s = {}, {}
+        for seq, k in plan.budgets.items():
+            t0 = time.perf_counter()
+            drafts[seq] = self._propose(seq, k)
+            draft_s[seq] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        verdicts, real_rows = self._forward(running, plan.chunk, drafts)
+        verify_s = time.perf_counter() - t1
+        for seq, draft in drafts.items():
+            self._settle(seq, plan, draft, verdicts[seq], draft_s[seq], verify_s, real_rows)
+
+    def _plan(self, running: list[Sequence]) -> StepPlan:
+        """Shares the row budget: each decoding sequence's fed token, then prompts (oldest first), then drafts.
+        With nobody decoding, nobody waits between tokens: prompts then go in larger chunks."""
+        tick = time.perf_counter()
         config = self.scheduler.config
-        decoding_before = [s for s in running if not s.prompt_pending]
-        # Rows go to each decoding sequence's fed token, then to prompts (oldest first), then to drafts. With
-        # nobody decoding, nobody waits between tokens: prompts then go in larger chunks.
-        budget = config.max_rows - len(decoding_before) if decoding_before else config.prefill_chunk
+        decoding = [s for s in running if not s.prompt_pending]
+        budget = config.max_rows - len(decoding) if decoding else config.prefill_chunk
         chunk: dict[Sequence, int] = {}
         for seq in running:
             if seq.prompt_pending and budget:
                 chunk[seq] = min(seq.prompt_pending, budget)
                 budget -= chunk[seq]
-        tick = time.perf_counter()
         # What the others put in this forward: their fed tokens, the prompt rows, and drafts as long as
         # their last ones (a draft prices its share of the step).
-        rows_before = sum(s.last_rows for s in decoding_before) + sum(chunk.values())
-        contexts = {s: self._context(s, rows_before - s.last_rows, len(decoding_before) - 1) for s in decoding_before}
+        rows_before = sum(s.last_rows for s in decoding) + sum(chunk.values())
+        fill = self._cache_fill()
+        contexts = {s: self._context(s, rows_before - s.last_rows, len(decoding) - 1, fill) for s in decoding}
+        # Drafting past the budget is wasted work: the extra tokens would be cut anyway. Nor may a step reach past
+        # the cache's next compression step (it would show later rows an older cache state).
         wanted = [min(s.controller.next_gamma(contexts[s]), s.remaining - 1, self.cache.stable_rows(s.slot) - 1)
-                  if s.drafter is not None else 0 for s in decoding_before]
-        ks = dict(zip(decoding_before, fit_rows(wanted, len(decoding_before) + budget)))
+                  if s.drafter is not None else 0 for s in decoding]
+        budgets = dict(zip(decoding, fit_rows(wanted, len(decoding) + budget)))
         # A prompt finished this step decodes in the same forward (its rows follow its last prompt rows).
         for seq, n in chunk.items():
             if n == seq.prompt_pending:
-                contexts[seq] = self._context(seq, rows_before, len(decoding_before))
-                ks[seq] = 0
-        decoding = [s for s in running if s in ks]
-        control_s = (time.perf_counter() - tick) / len(running)
-        drafts, draft_s = {}, {}
-        for seq in decoding:
-            t0 = time.perf_counter()
-            stop = seq.controller.stop if seq.controller.early_stop else None
-            k, params = ks[seq], seq.request.sampling
-            drafts[seq] = seq.drafter.propose(seq.tokens, k, params, seq.generator, stop).check(k, seq.drafter.name) \
-                if k else Draft([])
-            draft_s[seq] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        verdicts, total_rows = self._forward(running, chunk, drafts)
-        verify_s = time.perf_counter() - t1
-        now = time.perf_counter()
-        for seq in decoding:
-            if seq in chunk:
-                seq.stats.prefill_s = now - seq.arrival
-            draft, verdict, d_s = drafts[seq], verdicts[seq], draft_s[seq]
-            self.cache.commit(seq.slot, self.cache.lengths[seq.slot])
-            kept = seq.append(verdict.tokens)
-            if seq.drafter is not None:
-                seq.drafter.commit(seq.tokens)
-            seq.last_rows = 1 + len(draft.tokens)
-            record = StepRecord(contexts[seq], ks[seq], len(draft.tokens), verdict.accepted, d_s, verify_s,
-                                draft.signals, others_rows=total_rows - seq.last_rows - chunk.get(seq, 0))
-            seq.controller.update(record)
-            seq.stats.record_step(len(draft.tokens), verdict.accepted, len(kept), draft.tree_depth)
-            seq.stats.draft_s += d_s
-            seq.stats.verify_s += verify_s
-            seq.stats.control_s += control_s
-            if self.observer is not None:
-                self.observer.stepped(seq, record, len(kept), time.perf_counter())
-            if seq.finished:
-                self._retire(seq)
-            self._emit(seq, kept)
+                contexts[seq] = self._context(seq, rows_before, len(decoding), fill)
+                budgets[seq] = 0
+        return StepPlan(chunk, budgets, contexts, (time.perf_counter() - tick) / len(running))
+
+    def _context(self, seq: Sequence, others_rows: int, others: int, fill: float | None) -> StepContext:
+        return StepContext(seq.remaining, len(seq.tokens), self.max_len, fill, self._kv, others_rows, float(others))
+
+    def _cache_fill(self) -> float | None:
+        """Share of the KV budget held: the target's and every drafter's cached tokens, and the prefixes."""
+        if self.memory.budget is None:
+            return None
+        return self.memory.bytes_in_use / self.memory.budget
+
+    def _propose(self, seq: Sequence, k: int) -> Draft:
+        if not k:
+            return NO_DRAFT
+        return seq.drafter.propose(seq.tokens, k, seq.request.sampling, seq.generator,
+                                   self._stop_rule(seq)).check(k, seq.drafter.name)
+
+    def _stop_rule(self, seq: Sequence) -> StopRule | None:
+        """The controller's early stop, timed as control (None, so no signals are computed, unless a controller
+        stops early or step records want the signals)."""
+        controller, stats = seq.controller, seq.stats
+        if not (controller.early_stop or self.record_signals):
+            return None
+
+        def timed_stop(position: int, signal: tuple[float, ...]) -> bool:
+            tick = time.perf_counter()
+            done = controller.stop(position, signal)
+            stats.control_s += time.perf_counter() - tick
+            return done
+        return timed_stop
+
+    def _forward(self, running: list[Sequence], chunk: dict[Sequence, int],
+                 drafts: dict[Sequence, Draft]) -> tuple[dict[Sequence, Verdict], int]:
+        """One forward over the step's rows, acceptance, and rollback per slot; returns the verdicts and the
+        forward's real rows (padding left out). Only decoding rows get logits."""
+        parts = [SequenceRows(seq, seq.slot, self.cache.lengths[seq.slot],
+                              seq.tokens[seq.prefilled:seq.prefilled + chunk.get(seq, 0)],
+                              seq.tokens[-1] if seq in drafts else None, drafts.get(seq, NO_DRAFT)) for seq in running]
+        rows = lay_out(parts)
+        real = len(rows.tokens)
+        self._pad(rows)
+        out = self.target.forward_rows(torch.tensor(rows.tokens, device=self.target.device), self.cache, rows.slots,
+                                       rows.counts, logits=torch.tensor(rows.scored, dtype=torch.long),
+                                       features=self._features, parents=rows.parents)
+        logits, hidden = out if self._features else (out, None)  # [scored, V], [N, F]
+        for seq, n in chunk.items():
+            if hidden is not None and n:  # a head drafter reads the prompt's features as they are computed
+                seq.drafter.observe(seq.prefilled, hidden[rows.first[seq]:rows.first[seq] + n])
+            seq.prefilled += n
+        decoding = [p for p in parts if p.decodes]
+        verdicts = verify_batch(logits, [1 + len(p.draft.tokens) for p in decoding],
+                                [Pending(p.draft.tokens, p.draft.q, p.key.request.sampling, p.key.seed,
+                                         len(p.key.tokens), p.key.generator, p.draft.parents) for p in decoding])
+        for part, verdict in zip(decoding, verdicts):
+            # Keep the fed token and the accepted drafts (a tree's path, moved into place); the emitted target
+            # token is fed next step.
+            kept = keep_rows(self.cache, part.slot, part.held, verdict)
+            if hidden is not None:
+                start = rows.first[part.key] + len(part.prompt)
+                part.key.drafter.observe(part.held, hidden[[start + r for r in kept]])
+        synchronize(self.target.device)  # before the caller reads its timer
+        return {p.key: v for p, v in zip(decoding, verdicts)}, real
+
+    def _pad(self, rows: ForwardRows) -> None:
+        """Filler rows up to the row count the padding table asks for, within the last run's slot's room.
+        (Filler is only ever needed off our kernels, where no prompt is prefilled in a step: the last
+        sequence decodes, and its rollback drops them.)"""
+        slot = rows.slots[-1]
+        room = min(self.cache.stable_rows(slot), self.cache_config.max_len - self.cache.lengths[slot]) - rows.counts[-1]
+        rows.pad(self.padding.rows(len(rows.tokens), len(rows.tokens) + room))
+
+    def _settle(self, seq: Sequence, plan: StepPlan, draft: Draft, verdict: Verdict, draft_s: float,
+                verify_s: float, real_rows: int) -> None:
+        """Commits a decoding sequence's step: its tokens, its drafter's and controller's updates, the stats,
+        the observer, and its output (its slot freed first if it finished)."""
+        if seq in plan.chunk:
+            seq.stats.prefill_s = time.perf_counter() - seq.arrival
+        self.cache.commit(seq.slot, self.cache.lengths[seq.slot])  # the fed token and the accepted drafts are verified
+        # Cut at EOS, at the token that completes a stop string, or at the budget: where plain decoding stops.
+        kept = seq.append(verdict.tokens)
+        if seq.drafter is not None:
+            seq.drafter.commit(seq.tokens)
+        seq.last_rows = 1 + len(draft.tokens)
+        record = StepRecord(plan.contexts[seq], plan.budgets[seq], len(draft.tokens), verdict.accepted, draft_s,
+                            verify_s, draft.signals, others_rows=real_rows - seq.last_rows - plan.chunk.get(seq, 0))
+        tick = time.perf_counter()
+        seq.controller.update(record)
+        stats = seq.stats
+        stats.control_s += plan.control_s + time.perf_counter() - tick
+        stats.record_step(len(draft.tokens), verdict.accepted, len(kept), draft.tree_depth)
+        stats.draft_s += draft_s
+        stats.verify_s += verify_s
+        if self.observer is not None:
+            self.observer.stepped(seq, record, len(kept), time.perf_counter())
+        if seq.finished:
+            self._retire(seq)
+        self._emit(seq, kept)
 
     def _start(self, seq: Sequence) -> None:
         """Gives a newly admitted sequence its controller, drafter and random state, and prefills its prompt
@@ -258,7 +379,7 @@ class BatchEngine:
         seq.controller = self._new_controller()
         seq.drafter = self._drafters[seq.slot] if self._drafters else None
         if seq.drafter is not None:
-            seq.drafter.reset(self.cache, seq.request.prompt_ids, self.memory)
+            seq.drafter.reset(self.cache, seq.request.prompt_ids, self.memory, slot=seq.slot)
         prompt = seq.tokens[:-1]
         if self._chunked_prefill:
             self.cache.commit(seq.slot, len(prompt))  # prompt tokens are verified before they are written
@@ -267,73 +388,26 @@ class BatchEngine:
             seq.stats.prefix_hit_tokens = prefill(self.cache, seq.slot, prompt, self.target, self._prefix,
                                                   self._features, observe, invariant_rows=self.target.row_invariant)
             seq.prefilled = len(prompt)
+            synchronize(self.target.device)
             seq.stats.prefill_s = time.perf_counter() - start
         if self.observer is not None:
             self.observer.admitted(seq)
 
-    def _context(self, seq: Sequence, others_rows: int, others: int) -> StepContext:
-        return StepContext(seq.remaining, len(seq.tokens), self.max_len, self._cache_fill(), self._kv, others_rows,
-                           float(others))
-
-    def _forward(self, running: list[Sequence], chunk: dict[Sequence, int],
-                 drafts: dict[Sequence, Draft]) -> tuple[dict[Sequence, Verdict], int]:
-        """One forward over the step's rows, acceptance, and rollback per slot; returns the verdicts and the
-        forward's rows.
-
-        Each sequence's rows are consecutive: its prompt rows for this step (if any), then, if it decodes,
-        [last token, d_1..d_k]. Only decoding rows get logits.
-        """
-        rows, slots, counts, parents, scored, held, first_row = [], [], [], [], [], {}, {}
-        for seq in running:
-            n = chunk.get(seq, 0)
-            part = seq.tokens[seq.prefilled:seq.prefilled + n]
-            first_row[seq] = len(rows)
-            tree = None
-            if seq in drafts:
-                held[seq] = self.cache.lengths[seq.slot] + n  # every token but the last is cached then
-                scored += range(len(rows) + n, len(rows) + n + 1 + len(drafts[seq].tokens))
-                part += [seq.tokens[-1], *drafts[seq].tokens]
-                tree = drafts[seq].row_parents(offset=n)
-            if part:
-                rows += part
-                slots.append(seq.slot)
-                counts.append(len(part))
-                parents.append(None if tree is None else list(range(-1, n - 1)) + tree)  # prompt rows: a chain
-        # Filler rows (copies of the last row, rolled back) bring a forward up to _min_rows; they come after
-        # the last sequence's real rows, so no real row sees them. (Only off our kernels, where no prompt is
-        # prefilled here: the last sequence decodes, and its rollback drops them.)
-        filler = max(0, self._min_rows - len(rows))
-        if filler and parents[-1] is not None:
-            parents[-1] += range(counts[-1] - 1, counts[-1] - 1 + filler)
-        counts[-1] += filler
-        rows += [rows[-1]] * filler
-        out = self.target.forward_rows(torch.tensor(rows, device=self.target.device), self.cache, slots, counts,
-                                       logits=torch.tensor(scored, dtype=torch.long), features=self._features,
-                                       parents=parents)
-        logits, hidden = out if self._features else (out, None)  # [scored, V], [N, F]
-        for seq, n in chunk.items():
-            if hidden is not None and n:  # a head drafter reads the prompt's features as they are computed
-                seq.drafter.observe(seq.prefilled, hidden[first_row[seq]:first_row[seq] + n])
-            seq.prefilled += n
-        decoding = list(drafts)
-        verdicts = verify_batch(logits, [1 + len(drafts[s].tokens) for s in decoding],
-                                [Pending(drafts[s].tokens, drafts[s].q, s.request.sampling, s.seed, len(s.tokens),
-                                         s.generator, drafts[s].parents) for s in decoding])
-        for seq, verdict in zip(decoding, verdicts):
-            # Keep the fed token and the accepted drafts (a tree's path, moved into place); the emitted target
-            # token is fed next step.
-            kept = keep_rows(self.cache, seq.slot, held[seq], verdict)
-            if hidden is not None:
-                start = first_row[seq] + chunk.get(seq, 0)
-                seq.drafter.observe(held[seq], hidden[[start + r for r in kept]])
-        return dict(zip(decoding, verdicts)), len(rows)
-
     def _retire(self, seq: Sequence) -> None:
-        """Records a finished sequence's last figures and frees its slot."""
-        seq.stats.wall_s = time.perf_counter() - seq.arrival
+        """Records a finished sequence's last figures (its KV bytes, the plain step's cost at its context) and
+        frees its slot."""
+        stats = seq.stats
+        stats.wall_s = time.perf_counter() - seq.arrival
         if seq.slot is not None:
-            seq.stats.kv_bytes = self.cache.bytes_used(seq.slot)
-            seq.stats.kv_bytes_per_token = seq.stats.kv_bytes / max(1, self.cache.lengths[seq.slot])
+            held = self.cache.lengths[seq.slot]
+            stats.kv_bytes = self.cache.bytes_used(seq.slot)
+            stats.kv_bytes_per_token = stats.kv_bytes / max(1, held)
+            own = seq.drafter.own_cache if seq.drafter is not None else None
+            if own is not None and own.lengths[0]:
+                stats.draft_kv_bytes = own.bytes_used(0)
+                stats.draft_kv_bytes_per_token = stats.draft_kv_bytes / own.lengths[0]
+            if held and seq.finish_reason not in ("cancelled", "error"):
+                stats.decode_step_s = self.step_costs.at(held, lambda: self._time_rows(seq.slot, 1))
             self.cache.reset(seq.slot)
         self.scheduler.remove(seq)
         if self.observer is not None:
@@ -343,21 +417,67 @@ class BatchEngine:
         if seq.on_output is not None:
             seq.on_output(seq, seq.output(tokens))
 
-    def _cache_fill(self) -> float | None:
-        if self.memory.budget is None:
-            return None
-        return (self.cache.bytes_used() + self.memory.prefix_bytes) / self.memory.budget
+    # ------------------------------------------------------------------ costs
 
-    def run(self, requests: Seq[dict]) -> list[GenerationResult]:
-        """Serves ``requests`` (keyword arguments of :meth:`submit`) together; results in their order."""
-        pending, sequences = list(requests), []
-        while pending or self.has_work:
-            while pending and self.scheduler.can_accept:
-                sequences.append(self.submit(**pending.pop(0)))
-            self.step()
-        return [result_of(s) for s in sequences]
+    @torch.inference_mode()
+    def warmup(self, repeats: int = 5) -> None:
+        """Serves a short dummy request, so that one-time costs (buffers, kernel selection) stay out of the
+        first real requests; off our kernels, tunes the row padding (``RowPadding.tune``: on our kernels cost
+        only grows with the rows, and tuning there picks timing noise); then gives cost-aware controllers
+        the cost of a forward by its rows, 1 to ``max_rows`` (at most SEEDED_ROWS; the fastest of ``repeats``
+        interleaved timings per size, one sequence at a WARMUP_CONTEXT-token context). Call before serving."""
+        if self.has_work:
+            raise RuntimeError("warmup needs an idle engine")
+        self.run([dict(prompt=[0] * 16, max_new_tokens=8, eos_token_ids=())])
+        with self._borrowed_slot([0] * WARMUP_CONTEXT) as slot:
+            if not self.target.row_invariant:
+                self.padding.tune(lambda rows: self._time_rows(slot, rows, pad=False), repeats)
+                self.step_costs.clear()  # measured with the old padding
+            self.step_costs.at(WARMUP_CONTEXT, lambda: self._time_rows(slot, 1))
+            if self._new_controller.uses_costs:
+                sizes = range(1, min(self.scheduler.config.max_rows, SEEDED_ROWS) + 1)
+                times = interleaved_timings(lambda rows: self._time_rows(slot, rows), sizes, repeats)
+                self._new_controller.seed_costs(fastest(times))
 
+    @contextmanager
+    def verify_timer(self, context: Seq[int]) -> Iterator[Callable[[int], float]]:
+        """While the block runs, a free slot holds ``context`` (prefilled); yields ``seconds(k)``: one
+        verification forward of k drafted tokens there, as a step runs it (padding included), rolled back."""
+        with self._borrowed_slot(context) as slot:
+            yield lambda k: self._time_rows(slot, k + 1)
 
-def result_of(seq: Sequence) -> GenerationResult:
-    """A finished sequence as ``Engine.generate`` returns a request."""
-    return GenerationResult(seq.text, list(seq.generated), seq.finish_reason, seq.stats)
+    @contextmanager
+    def _borrowed_slot(self, context: Seq[int]) -> Iterator[int]:
+        if len(context) + SEEDED_ROWS + MAX_PADDED_ROWS > self.cache_config.max_len:
+            self._make_room(len(context) + SEEDED_ROWS)
+        slot = self.scheduler.slots.acquire()
+        try:
+            self.cache.reset(slot)
+            prefill(self.cache, slot, list(context), self.target, invariant_rows=self.target.row_invariant)
+            yield slot
+        finally:
+            self.cache.reset(slot)
+            self.scheduler.slots.release(slot)
+
+    def _time_rows(self, slot: int, rows: int, pad: bool = True) -> float:
+        """Seconds of a forward of ``rows`` rows in ``slot`` (padded as a step pads it) with the logits a step
+        reads and their greedy picks, rolled back afterwards so that it changes nothing."""
+        held = self.cache.lengths[slot]
+        room = min(self.cache.stable_rows(slot), self.cache_config.max_len - held)
+        n = self.padding.rows(rows, room) if pad else rows
+        tokens = torch.zeros(n, dtype=torch.long, device=self.target.device)
+        start = time.perf_counter()
+        logits = self.target.forward_rows(tokens, self.cache, (slot,), (n,), logits=torch.arange(rows))
+        logits.argmax(-1)
+        synchronize(self.target.device)
+        seconds = time.perf_counter() - start
+        self.cache.trim(slot, held)
+        return seconds
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What this configuration holds: target and draft weights (shared by the slots' drafters), and the
+        KV caches as allocated."""
+        probe = self._drafters[0] if self._drafters else None
+        return {"target_weights": self.target.weight_nbytes, "target_kv": self.cache.nbytes,
+                "draft_weights": probe.weight_nbytes if probe is not None else 0,
+                "draft_kv": sum(d.own_cache.nbytes for d in self._drafters if d.own_cache is not None)}

@@ -47,6 +47,25 @@ class Request:
 
 
 @dataclass
+class GenerationResult:
+    """One finished request.
+
+    Args:
+        text: the generated text (stop string and end-of-sequence token excluded).
+        token_ids: generated token ids, up to and including the token that ended generation (an
+            end-of-sequence token or the token completing a stop string): the same with or without
+            speculation.
+        finish_reason: "eos", "stop" (a stop string), "length" (max_new_tokens), "cancelled" or "error".
+        stats: counters and timings.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+@dataclass
 class Output:
     """What one step produced for one sequence.
 
@@ -144,6 +163,10 @@ class Sequence:
         if kept and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         return kept
+
+    def result(self) -> GenerationResult:
+        """The request as ``Engine.generate`` returns it (meant for a finished sequence)."""
+        return GenerationResult(self.text, list(self.generated), self.finish_reason, self.stats)
 
     def finish(self, reason: str) -> None:
         """Ends the sequence early ("cancelled" or "error") unless it already ended."""

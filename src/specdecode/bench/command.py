@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specdecode.engine import MAX_GAMMA
+from specdecode.control.config import MAX_GAMMA
 from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, ngram_sizes, nonnegative_int, positive_int
 from specdecode.control import GAMMA_POLICIES
 from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES

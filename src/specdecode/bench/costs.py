@@ -1,9 +1,10 @@
 """The verification cost curve v(k): what checking k drafted tokens costs, relative to one decode step.
 
 Speculation pays when v(k) stays near 1 (speedup = E / (k*c + v(k)), E the expected tokens per step,
-c the draft cost per token). The curve is measured through ``Engine.verify_seconds``, i.e. the very
-forward, acceptance check and rollback that decoding runs, at the context of a real prompt; sizes are interleaved (k = 0..K, K..0, ...) so that
-drift on a noisy machine spreads over all of them. This module does not run prompts or print.
+c the draft cost per token). The curve is measured through ``Engine.verify_timer``, i.e. the very forward
+(padding included) and greedy pick that decoding runs, rolled back, at the context of a real prompt; sizes
+are interleaved (k = 0..K, K..0, ...) so that drift on a noisy machine spreads over all of them. This module
+does not run prompts or print.
 """
 
 from __future__ import annotations
@@ -57,6 +58,6 @@ def measure_cost_curve(model: LoadedModel, prompt_ids: list[int], max_k: int = 1
         repeats: timings per draft length (the median is kept).
     """
     engine = Engine(model.model, model.tokenizer)
-    engine.generate(prompt_ids, max_new_tokens=1, eos_token_ids=())  # prefill; the cache keeps the prompt
-    times = interleaved_timings(engine.verify_seconds, range(max_k + 1), repeats, warmup=True)
-    return CostCurve(model.source, engine.cache.lengths[0], [statistics.median(t) for t in times], repeats)
+    with engine.verify_timer(prompt_ids) as verify_seconds:
+        times = interleaved_timings(verify_seconds, range(max_k + 1), repeats, warmup=True)
+    return CostCurve(model.source, len(prompt_ids), [statistics.median(t) for t in times], repeats)

@@ -21,7 +21,7 @@ import torch
 
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.records import record_json
-from specdecode.engine import MAX_GAMMA
+from specdecode.control.config import MAX_GAMMA
 from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method, method_name,
                                       build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
                                       llamacpp_method, plain_of)

@@ -96,10 +96,12 @@ class Drafter(Protocol):
     def observe(self, position: int, features: torch.Tensor) -> None:
         """Features of verified positions (drafters with ``feature_layers`` only)."""
 
-    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
+              slot: int = 0) -> None:
         """Starts a new request (timed as prefill): ``target_cache`` is the cache the target verifies
-        with, ``prompt`` the request's token ids, for drafters that prefill their own state, ``memory`` the
-        engine's KV budget and prefix caches, where a drafter with a cache of its own allocates it."""
+        with and ``slot`` the request's slot in it (layerskip drafts there), ``prompt`` the request's token
+        ids, for drafters that prefill their own state, ``memory`` the engine's KV budget and prefix caches,
+        where a drafter with a cache of its own allocates it."""
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
@@ -219,23 +221,24 @@ def chain_draft(logits: torch.Tensor, advance: Callable[[int], torch.Tensor], k:
 
 
 def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingParams,
-                generator: torch.Generator, layers=None, stop: StopRule | None = None) -> Draft:
+                generator: torch.Generator, layers=None, stop: StopRule | None = None, slot: int = 0) -> Draft:
     """Autoregressive drafting with a transformer over its cache.
 
     Args:
         model: a :class:`~specdecode.models.transformer.Transformer`.
-        cache: the cache it reads and appends to (slot 0).
+        cache: the cache it reads and appends to, in ``slot``.
         fed: tokens not yet in the cache (at least the last token of the sequence).
         k: tokens to draft (>= 1).
         sampling: the request's sampling parameters.
         generator: the request's random generator (on the model's device).
         layers: layers to run (None = all).
         stop: the early-stop rule (see ``Drafter.propose``); signals are MODEL_SIGNALS.
+        slot: the sequence's slot in ``cache``.
     """
-    device = model.device
+    device, slots = model.device, (slot,)
 
     def advance(token: int) -> torch.Tensor:
-        return model(torch.tensor([[token]], device=device), cache, layers=layers, logits="last")[0, -1]
+        return model(torch.tensor([[token]], device=device), cache, slots, layers=layers, logits="last")[0, -1]
 
-    logits = model(torch.tensor([fed], device=device), cache, layers=layers, logits="last")[0, -1]
+    logits = model(torch.tensor([fed], device=device), cache, slots, layers=layers, logits="last")[0, -1]
     return chain_draft(logits, advance, k, sampling, generator, stop)

@@ -83,7 +83,8 @@ class DraftModelDrafter(OwnCache):
     def weight_nbytes(self) -> int:
         return self.model.weight_nbytes
 
-    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
+              slot: int = 0) -> None:
         memory = self._claim_cache(self.model, target_cache, memory)
         # Prefill here, so that drafting time counts drafting only.
         prefill(self.cache, 0, list(prompt[:-1]), self.model, memory.prefix_for(self.model, self.cache.config))

@@ -60,7 +60,8 @@ class EagleDrafter(OwnCache):
         return sum(t.numel() * t.element_size() for t in [*self.head.parameters(), *self.head.buffers()]) + \
             self.vocab.nbytes
 
-    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
+              slot: int = 0) -> None:
         self._claim_cache(self.head, target_cache, memory)
         self._base, self._pending = 0, []
 

@@ -1,7 +1,7 @@
 """Self-speculation: the target drafts with some of its layers skipped, sharing its weights and cache.
 
-The drafted tokens' keys/values are written into the target's own cache for the layers that run and
-then overwritten by the verification forward, so the drafter owns no cache (its KV memory is zero) and
+The drafted tokens' keys/values are written into the target's own cache, in the sequence's slot (a batch
+has one such drafter per slot), for the layers that run and then overwritten by the verification forward, so the drafter owns no cache (its KV memory is zero) and
 never touches the skipped layers' entries. Drafted tokens stay unverified, so a compressing target cache
 never quantizes or evicts them. Without training, a skip set must be chosen with care (see
 ``calibrate_skip_set``): plain early exit agrees poorly.
@@ -59,15 +59,18 @@ class LayerSkipDrafter(DrafterBase):
         self.skip = tuple(sorted(set(skip)))
         self.layers = tuple(i for i in range(n) if i not in self.skip)
         self.cache: Cache | None = None
+        self.slot = 0  # the sequence's slot in the target's cache, given by reset
 
-    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
-        self.cache = target_cache
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
+              slot: int = 0) -> None:
+        self.cache, self.slot = target_cache, slot
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
-        start = self.cache.lengths[0]
-        draft = model_draft(self.model, self.cache, seq[start:], k, sampling, generator, layers=self.layers, stop=stop)
-        self.cache.trim(0, start)  # leave the target's cache as found; verification rewrites these slots
+        start = self.cache.lengths[self.slot]
+        draft = model_draft(self.model, self.cache, seq[start:], k, sampling, generator, layers=self.layers, stop=stop,
+                            slot=self.slot)
+        self.cache.trim(self.slot, start)  # leave the target's cache as found; verification rewrites these rows
         return draft
 
     def commit(self, seq: list[int]) -> None:

@@ -43,7 +43,8 @@ class MedusaDrafter(DrafterBase):
     def weight_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.heads.parameters()) + self.vocab.nbytes
 
-    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
+              slot: int = 0) -> None:
         self._last, self._position = None, -1
 
     def observe(self, position: int, features: torch.Tensor) -> None:

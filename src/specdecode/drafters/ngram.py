@@ -44,7 +44,8 @@ class NgramDrafter(DrafterBase):
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
 
-    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
+              slot: int = 0) -> None:
         pass
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,

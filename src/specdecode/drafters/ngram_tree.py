@@ -47,7 +47,8 @@ class NgramTreeDrafter(DrafterBase):
         if self.occurrences < 1:
             raise ValueError(f"ngram-tree needs occurrences >= 1, got {self.occurrences}")
 
-    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None) -> None:
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
+              slot: int = 0) -> None:
         pass
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,

@@ -106,6 +106,11 @@ class KVMemory:
         return sum(t.nbytes for t in self.prefixes.values())
 
     @property
+    def bytes_in_use(self) -> int:
+        """Bytes the caches' held tokens and the prefix caches take (what presses on the budget)."""
+        return sum(c.bytes_used() for c in self.caches.values()) + self.prefix_bytes
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: caches (as allocated) and prefix caches."""
         return sum(c.nbytes for c in self.caches.values()) + self.prefix_bytes

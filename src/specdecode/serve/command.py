@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from specdecode.argtypes import add_kv_arguments, byte_size, cache_configs, gamma, positive_float, positive_int
-from specdecode.batch.executor import BATCHED_DRAFTERS, BatchEngine
+from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.control import GAMMA_POLICIES
 from specdecode.drafter_setup import add_drafter_arguments, drafter_factory, drafter_kind
 from specdecode.drafters import base_kind
-from specdecode.engine import SpeculativeConfig
+from specdecode.control.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the --model value)")
-    add_drafter_arguments(p, ("none", *BATCHED_DRAFTERS))
+    add_drafter_arguments(p)
     p.add_argument("--gamma", type=gamma, default="adaptive",
                    help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)} (default adaptive)")
     p.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
