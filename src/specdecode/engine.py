@@ -160,9 +160,9 @@ class Engine:
         self.memory = KVMemory(cache.budget, cache.prefix_cache)  # target + draft caches, prefix caches
         self.cache: Cache | None = None
         self._step_s: dict[int, float] = {}  # decode-step seconds by context length bucket
-        # Off our kernels a one-row forward rounds differently from a multi-row one (Transformer.row_invariant),
+        # Off our kernels a one-row forward rounds differently from a multi-row one (Backend.row_invariant),
         # so there every forward gets at least two rows.
-        self._min_rows = 1 if target.row_invariant else 2
+        self._min_rows = 1 if target.backend.row_invariant else 2
         self._padded_rows: dict[int, int] = {}  # rows needed -> rows run (tune_rows); default: _min_rows
         # Target layers whose features the drafter reads (trained heads), handed over through its observe().
         self._features: tuple[int, ...] = tuple(drafter.feature_layers) if drafter is not None else ()
@@ -174,7 +174,7 @@ class Engine:
         with the row count (tuning there picks timing noise: seen padding 2-4 rows to 5 on SmolLM2), and
         times the verification curve for the cost-aware controllers (:meth:`seed_costs`)."""
         self.generate([0] * 8, max_new_tokens=8, eos_token_ids=())
-        if not self.target.row_invariant:
+        if not self.target.backend.row_invariant:
             self.tune_rows()
         self.seed_costs()
 
@@ -295,7 +295,7 @@ class Engine:
             self.drafter.reset(self.cache, prompt_ids, self.memory)
         observe = self.drafter.observe if self._features else None  # drafters that read the target's features
         stats.prefix_hit_tokens = prefill(self.cache, 0, prompt_ids[:-1], self.target, prefix, self._features,
-                                          observe, invariant_rows=self.target.row_invariant)
+                                          observe, invariant_rows=self.target.backend.row_invariant)
         _synchronize(self.target.device)
         stats.prefill_s = time.perf_counter() - start
         while not seq.finished:
@@ -356,7 +356,7 @@ class Engine:
         features = self._features if observe is not None else ()
         out = self.target.forward_rows(torch.tensor(rows, device=self.target.device), self.cache, (0,), (want,),
                                        features=features, parents=None if parents is None else [parents])
-        logits, hidden = out if features else (out, None)  # [want, V], [want, F]
+        logits, hidden = out.logits, out.features  # [want, V], [want, F] or None
         verdict = verify_batch(logits[:k + 1], [k + 1],  # [k + 1, V]
                                [Pending(draft.tokens, draft.q, sampling, seed, len(seq), generator, draft.parents)])[0]
         # Keep the last token and the accepted drafts (a tree's path, moved into place); the emitted target token

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_paths import path_params, require_path
+from kernel_paths import NATIVE_PATHS, path_params, require_path
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import QueueFullError, SchedulerConfig
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
-from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer
 from tiny_models import OracleTreeDrafter, random_head_drafter, varied_model
 
@@ -104,7 +103,7 @@ def test_batched_trees_move_each_accepted_path_into_its_slot(target, setting):
     assert all(r.stats.accepted_tokens >= r.stats.tree_steps for r in results)
 
 
-@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 @pytest.mark.parametrize("kind", ["none", "ngram", "eagle"])
 def test_prompts_prefilled_inside_decode_steps_change_no_token(path, kind):
     """On our kernels prompts are prefilled a few rows per step, in the same forwards as other sequences'

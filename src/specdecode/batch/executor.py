@@ -33,6 +33,7 @@ from specdecode.engine import GenerationResult, SpeculativeConfig, keep_rows, kv
 from specdecode.kv.cache import CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
+from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from specdecode.timing import interleaved_timings
@@ -106,11 +107,11 @@ class BatchEngine:
         self._prefix = self.memory.prefix_for(target, self.cache_config)
         self._kv = kv_setting(cache, target.dtype)
         # oneDNN and F.linear round a one-row matmul differently from a multi-row one (see Engine).
-        self._min_rows = 1 if target.row_invariant else 2
+        self._min_rows = 1 if target.backend.row_invariant else 2
         # Prompts are prefilled a few rows at a time inside the decode forwards where rows are computed alike in
         # any forward (our kernels) and the cache neither compresses nor shares prefixes (those prefill in
         # fixed chunks at admission, as the single-request engine does).
-        self._chunked_prefill = target.row_invariant and not cache.compressed and not cache.prefix_cache
+        self._chunked_prefill = target.backend.row_invariant and not cache.compressed and not cache.prefix_cache
         self.observer = observer
 
     @torch.inference_mode()
@@ -265,7 +266,8 @@ class BatchEngine:
         else:
             observe = seq.drafter.observe if self._features else None
             seq.stats.prefix_hit_tokens = prefill(self.cache, seq.slot, prompt, self.target, self._prefix,
-                                                  self._features, observe, invariant_rows=self.target.row_invariant)
+                                                  self._features, observe,
+                                                  invariant_rows=self.target.backend.row_invariant)
             seq.prefilled = len(prompt)
             seq.stats.prefill_s = time.perf_counter() - start
         if self.observer is not None:
@@ -308,9 +310,9 @@ class BatchEngine:
         counts[-1] += filler
         rows += [rows[-1]] * filler
         out = self.target.forward_rows(torch.tensor(rows, device=self.target.device), self.cache, slots, counts,
-                                       logits=torch.tensor(scored, dtype=torch.long), features=self._features,
-                                       parents=parents)
-        logits, hidden = out if self._features else (out, None)  # [scored, V], [N, F]
+                                       logits=LogitRows.at(torch.tensor(scored, dtype=torch.long)),
+                                       features=self._features, parents=parents)
+        logits, hidden = out.logits, out.features  # [scored, V], [N, F] or None
         for seq, n in chunk.items():
             if hidden is not None and n:  # a head drafter reads the prompt's features as they are computed
                 seq.drafter.observe(seq.prefilled, hidden[first_row[seq]:first_row[seq] + n])

@@ -15,6 +15,7 @@ import torch
 from specdecode import tree
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
+from specdecode.models.rows import LogitRows
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 
 if TYPE_CHECKING:
@@ -235,7 +236,7 @@ def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingP
     device = model.device
 
     def advance(token: int) -> torch.Tensor:
-        return model(torch.tensor([[token]], device=device), cache, layers=layers, logits="last")[0, -1]
+        return model(torch.tensor([[token]], device=device), cache, layers=layers, logits=LogitRows.LAST).logits[0, -1]
 
-    logits = model(torch.tensor([fed], device=device), cache, layers=layers, logits="last")[0, -1]
+    logits = model(torch.tensor([fed], device=device), cache, layers=layers, logits=LogitRows.LAST).logits[0, -1]
     return chain_draft(logits, advance, k, sampling, generator, stop)
