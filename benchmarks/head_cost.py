@@ -28,6 +28,7 @@ from specdecode.heads import load_head_drafter, shipped_head
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import load_model
 from specdecode.models.native import cpu_model
+from specdecode.models.rows import LogitRows
 
 
 def _sizes(text: str) -> list[int]:
@@ -56,11 +57,12 @@ def main() -> None:
 
     with torch.inference_mode():
         cache = target.new_cache(CacheConfig(max_len=args.context + 64))
-        _, feats = target(prompt, cache, logits="last", features=next(iter(drafters.values())).feature_layers)
+        layers = next(iter(drafters.values())).feature_layers
+        feats = target(prompt, cache, logits=LogitRows.LAST, features=layers).features
         token = torch.tensor([[int(prompt[0, -1])]])
 
         def target_step() -> None:
-            target(token, cache, logits="last")
+            target(token, cache, logits=LogitRows.LAST)
             cache.trim(0, args.context)
 
         tokens: dict[str, Callable[[], None]] = {}

@@ -20,9 +20,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdecode.models.linear import NATIVE_KERNELS, NativeLinear, PackedLinear
-from specdecode.models.native import cpu_model
-from specdecode.models.transformer import linear_kernel_problem
+from specdecode.models.backends import backend_problem
+from specdecode.models.linear import NativeLinear, PackedLinear
+from specdecode.models.native import BUILDS, cpu_model
 
 # name: (layers, hidden, intermediate, query heads, kv heads, head dim, vocab)
 GEOMETRIES = {"SmolLM2-135M": (30, 576, 1536, 9, 3, 64, 49152),
@@ -75,10 +75,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
-    paths = [p for p in (*NATIVE_KERNELS, "onednn") if linear_kernel_problem(p, torch.bfloat16, cpu, print) is None]
-    for p in (*NATIVE_KERNELS, "onednn"):
+    paths = [p for p in (*BUILDS, "onednn") if backend_problem(p, torch.bfloat16, cpu, print) is None]
+    for p in (*BUILDS, "onednn"):
         if p not in paths:
-            print(f"# {p}: {linear_kernel_problem(p, torch.bfloat16, cpu)}")
+            print(f"# {p}: {backend_problem(p, torch.bfloat16, cpu)}")
     if args.with_torch:
         paths.append("torch")
     if len(paths) < 1:
@@ -106,7 +106,7 @@ def main() -> None:
 
 
 def _make(path: str, weight: torch.Tensor, torch_float32: bool) -> torch.nn.Module:
-    if path in NATIVE_KERNELS:
+    if path in BUILDS:
         layer = NativeLinear(weight, None, path)
     elif path == "onednn":
         layer = PackedLinear(weight)

@@ -27,9 +27,11 @@ from typing import Optional
 import torch
 
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.block import Block
 from specdecode.models.loader import load_checkpoint
 from specdecode.models.native import cpu_model
-from specdecode.models.transformer import Block, Transformer
+from specdecode.models.rows import LogitRows
+from specdecode.models.transformer import Transformer
 from specdecode.models.weights import FORMAT_CODES
 
 
@@ -40,7 +42,7 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: Optional[to
 
     ops = native.kernel(path)
     if fmt == FORMAT_CODES["bf16"]:
-        return (ops.tiled_linear if path == "tiled" else ops.widened_linear)(x, packed, n_out, bias)
+        return getattr(ops, native.BUILDS[path].bf16_linear)(x, packed, n_out, bias)
     return ops.quant_linear(x, packed, fmt, n_out, bias)
 
 
@@ -90,7 +92,7 @@ def main() -> None:
                 _compile_glue(m)
             cache = m.new_cache(CacheConfig(max_len=512))
             with torch.inference_mode():
-                m(torch.randint(0, 1000, (1, 200)), cache, logits="none", invariant_rows=True)
+                m(torch.randint(0, 1000, (1, 200)), cache, logits=LogitRows.NONE, invariant_rows=True)
             models[(weights, option)] = (m, cache)
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []

@@ -45,7 +45,7 @@ def held_out_text(tokenizer, chunks: int, chunk_tokens: int) -> list[list[int]]:
 def teacher_forced(model, ids: list[int]) -> torch.Tensor:
     """Logits ``[len(ids), V]`` of every position, in one forward."""
     cache = model.new_cache(CacheConfig(max_len=-(-len(ids) // 256) * 256))
-    return model.forward_rows(torch.tensor(ids), cache, (0,), (len(ids),)).float()
+    return model.forward_rows(torch.tensor(ids), cache, (0,), (len(ids),)).logits
 
 
 def perplexity(model, chunks: list[list[int]]) -> float:

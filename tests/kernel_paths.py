@@ -7,15 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdecode.models.linear import NATIVE_KERNELS
-from specdecode.models.transformer import linear_kernel_problem
+from specdecode.models import native
+from specdecode.models.backends import BACKENDS, backend_problem
 
-PATHS = (*NATIVE_KERNELS, "onednn", "torch")  # every value of --linear but auto
+NATIVE_PATHS = tuple(native.BUILDS)  # our compiled kernels' backends
+PATHS = tuple(BACKENDS)  # every value of --linear but auto
 
 
 def path_problem(path: str, dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why ``path`` cannot run a ``dtype`` model on this machine's CPU, or None."""
-    return linear_kernel_problem(path, dtype, torch.device("cpu"))
+    return backend_problem(path, dtype, torch.device("cpu"))
 
 
 def require_path(path: str, dtype: torch.dtype = torch.bfloat16) -> None:

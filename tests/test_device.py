@@ -1,7 +1,7 @@
 """`--device auto|cpu|cuda`: picking the device (runs anywhere), and the plain torch path on a GPU
 (marked ``device``; skipped, with the reason, where torch sees no CUDA device).
 
-On CUDA the projections run on F.linear (``pack_weights("torch")``; the tiled and oneDNN kernels are CPU
+On CUDA the projections run on F.linear (the torch backend, ``pack_weights("torch")``; our kernels and oneDNN are CPU
 only), the random generator lives on the GPU, and greedy speculation must still reproduce plain greedy
 decoding token for token.
 """
@@ -155,7 +155,7 @@ def test_cli_device_reaches_load_model(no_cuda, monkeypatch, capsys, tmp_path):
 
 def _on(device: str, model: Transformer) -> Transformer:
     model = model.to(device)
-    assert model.pack_weights("torch") == "torch"  # the plain torch path: F.linear
+    assert model.pack_weights("torch").name == "torch"  # the plain torch path: F.linear
     assert model.device.type == torch.device(device).type
     return model
 

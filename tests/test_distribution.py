@@ -24,6 +24,7 @@ from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.rows import LogitRows
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 from specdecode.verify import Verdict
 from specdecode.models.transformer import Transformer
@@ -62,7 +63,7 @@ def _next_probs(model: Transformer, seqs: list[list[int]], sampling: SamplingPar
     out = []
     for seq in seqs:
         cache = model.new_cache(CacheConfig(max_len=len(seq)))
-        out.append(probs_from_logits(model(torch.tensor([seq]), cache, logits="last")[0, -1], sampling))
+        out.append(probs_from_logits(model(torch.tensor([seq]), cache, logits=LogitRows.LAST).logits[0, -1], sampling))
     return torch.stack(out)  # [len(seqs), V]
 
 

@@ -19,6 +19,7 @@ from specdecode.drafters.draft_model import check_same_vocabulary
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import load_model
+from specdecode.models.rows import LogitRows
 from real_prompts import ALL
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -37,7 +38,7 @@ def pair():
 
 def top2_gap(model, ids: list[int]) -> tuple[float, float]:
     cache = model.new_cache(CacheConfig(max_len=len(ids)))
-    top = model(torch.tensor([ids]), cache, logits="last")[0, -1].topk(2).values.tolist()
+    top = model(torch.tensor([ids]), cache, logits=LogitRows.LAST).logits[0, -1].topk(2).values.tolist()
     return top[0], top[0] - top[1]
 
 
@@ -55,7 +56,7 @@ def test_draft_pair_greedy_matches_plain(pair):
         result = spec.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_ids=())
         accepted += result.stats.accepted_tokens
         got = result.token_ids
-        if target.model.linear_kernel == "tiled":
+        if target.model.backend.name == "tiled":
             assert got == expected, text[:40]
         if got == expected:
             identical += 1

@@ -7,8 +7,7 @@ import torch
 
 from specdecode.drafters import LayerSkipDrafter, NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
-from kernel_paths import path_params
-from specdecode.models.linear import NATIVE_KERNELS
+from kernel_paths import NATIVE_PATHS, path_params
 from real_prompts import ALL
 
 pytestmark = pytest.mark.integration
@@ -52,7 +51,7 @@ def test_greedy_speculation_is_identical_to_plain(smollm2, prompts, plain, kind,
 
 
 # oneDNN and F.linear are not the default on any x86-64 CPU with AVX2: their cases run with `-m slow`.
-@pytest.mark.parametrize("path", [p if p.values[0] in NATIVE_KERNELS else pytest.param(*p.values, marks=[*p.marks,
+@pytest.mark.parametrize("path", [p if p.values[0] in NATIVE_PATHS else pytest.param(*p.values, marks=[*p.marks,
                                                                                                     pytest.mark.slow])
                                   for p in path_params()])
 def test_greedy_speculation_is_identical_to_plain_on_every_kernel_path(smollm2_on, path):
@@ -60,7 +59,7 @@ def test_greedy_speculation_is_identical_to_plain_on_every_kernel_path(smollm2_o
     lm = smollm2_on(path)
     tok = lm.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in ALL[:2]]
-    assert lm.model.linear_kernel == path and lm.model.dtype == torch.bfloat16
+    assert lm.model.backend.name == path and lm.model.dtype == torch.bfloat16
     plain = [Engine(lm.model, tok).generate(p, max_new_tokens=32, eos_token_ids=()).token_ids for p in prompts]
     for drafter, gamma in [(NgramDrafter(), 4), (LayerSkipDrafter(lm.model, skip=list(range(4, 26, 3))), 7)]:
         engine = Engine(lm.model, tok, drafter, SpeculativeConfig(gamma=gamma))

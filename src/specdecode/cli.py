@@ -28,7 +28,7 @@ from specdecode.serve.command import add_arguments as add_serve_arguments
 from specdecode.kv.cache import CacheConfig, CacheFullError
 from specdecode.kv.memory import KVBudgetError
 from specdecode.models.build import DEVICES, LoadedModel, load_model, resolve_device
-from specdecode.models.linear import LINEAR_KERNELS
+from specdecode.models.backends import LINEAR_CHOICES
 from specdecode.models.weights import WEIGHT_FORMATS
 from specdecode.models.fetch import FetchError
 from specdecode.models.loader import LoadError
@@ -54,7 +54,7 @@ def _model_args(p: argparse.ArgumentParser, device: bool = True, weights_list: b
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="weights and activations; auto = bf16 where one of our kernels runs (x86-64 with AVX2+FMA) or the GPU supports it, else fp32")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--linear", choices=LINEAR_KERNELS, default="auto",
+    p.add_argument("--linear", choices=LINEAR_CHOICES, default="auto",
                    help="kernel path for the bf16 projections: ours, compiled once: tiled (AVX512-BF16), avx512 "
                         "(AVX512F), avx2 (AVX2+FMA); onednn; torch (F.linear; the only one on a GPU); auto = "
                         "$SPECDECODE_LINEAR if set, else the first of those that runs here (default)")

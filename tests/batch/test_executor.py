@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_paths import path_params, require_path
+from kernel_paths import NATIVE_PATHS, path_params, require_path
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import QueueFullError, SchedulerConfig
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
-from specdecode.models.linear import NATIVE_KERNELS
 from specdecode.models.transformer import Transformer
 from tiny_models import OracleTreeDrafter, random_head_drafter, varied_model
 
@@ -106,7 +105,7 @@ def test_batched_trees_move_each_accepted_path_into_its_slot(target, setting):
     assert all(r.stats.accepted_tokens >= r.stats.tree_steps for r in results)
 
 
-@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 @pytest.mark.parametrize("kind", ["none", "ngram", "eagle"])
 def test_prompts_prefilled_inside_decode_steps_change_no_token(path, kind):
     """On our kernels prompts are prefilled a few rows per step, in the same forwards as other sequences'
@@ -215,10 +214,8 @@ def test_batched_requests_report_their_step_cost_and_predicted_speedup(target):
 def test_the_device_is_synchronised_after_every_timed_forward(target, monkeypatch):
     # Drift fixed: the batch engine read its timers without waiting for the device (wrong on a GPU, where
     # kernels run asynchronously); every step's forward and every timed forward now synchronises first.
-    from specdecode.batch import executor
-
     synced = []
-    monkeypatch.setattr(executor, "synchronize", lambda device: synced.append(device))
+    monkeypatch.setattr(target, "synchronize", lambda: synced.append(target.device))
     engine = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=3),
                          scheduler=SchedulerConfig(max_running=2), max_len=96)
     steps = 0

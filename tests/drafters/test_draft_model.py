@@ -8,6 +8,7 @@ import torch
 from specdecode.drafters import make_drafter
 from specdecode.drafters.draft_model import DraftModelDrafter, VocabularyMismatchError, check_same_vocabulary
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams, probs_from_logits
 from tiny_models import random_hf_tensors, tiny_config, tiny_model
@@ -77,7 +78,7 @@ def test_make_drafter_draft_needs_model(draft_model):
 
 def _reference_next_logits(model: Transformer, seq: list[int]) -> torch.Tensor:
     cache = model.new_cache(CacheConfig(max_len=len(seq)))
-    return model(torch.tensor([seq]), cache, logits="last")[0, -1]
+    return model(torch.tensor([seq]), cache, logits=LogitRows.LAST).logits[0, -1]
 
 
 def test_reset_sizes_cache_like_the_target(draft_model):
@@ -202,7 +203,7 @@ def test_signals_are_the_drafts_top1_and_entropy_and_a_stop_ends_the_draft(draft
     # The draft's own next-token distributions (temperature 1), one forward per kept token and no more.
     assert drafter.cache.lengths[0] == len(seq) + 2
     cache = draft_model.new_cache(CacheConfig(max_len=16))
-    logits = draft_model(torch.tensor([seq + draft.tokens[:2]]), cache)[0, len(seq) - 1:]
+    logits = draft_model(torch.tensor([seq + draft.tokens[:2]]), cache).logits[0, len(seq) - 1:]
     for (top1, entropy), row in zip(draft.signals, logits):
         p = torch.softmax(row.float(), -1)
         assert top1 == pytest.approx(float(p.max()), abs=1e-4)

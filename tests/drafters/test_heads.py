@@ -10,9 +10,9 @@ import torch
 from specdecode.drafters import make_drafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
-from specdecode.models.linear import NATIVE_KERNELS, QuantLinear
+from specdecode.models.linear import QuantLinear
 from specdecode.sampling import SamplingParams
-from kernel_paths import path_params
+from kernel_paths import NATIVE_PATHS, path_params
 from tiny_models import random_head_drafter, varied_model, write_head_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -42,7 +42,7 @@ def test_greedy_output_is_identical_to_plain_decoding(target, kind, cache, gamma
 
 def test_bf16_packed_target_keeps_greedy_identity(target):
     model = varied_model(0, dtype=torch.bfloat16)
-    path = model.pack_weights("auto")
+    path = model.pack_weights("auto").name
     plain = Engine(model).generate(PROMPT, max_new_tokens=32, eos_token_ids=()).token_ids
     for kind in ("eagle", "eagle3", "medusa"):
         engine = Engine(model, drafter=random_head_drafter(kind, model, seed=2), spec=SpeculativeConfig(gamma=4))
@@ -51,7 +51,7 @@ def test_bf16_packed_target_keeps_greedy_identity(target):
         assert result.stats.drafted_tokens > 0
 
 
-@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 def test_a_block_format_target_gets_a_q8_0_head_scoring_with_its_own_head_blocks(path):
     model = varied_model(0, dtype=torch.bfloat16)
     model.pack_weights(path, weights="q4_1")
@@ -109,7 +109,7 @@ def test_features_are_the_targets_normed_final_state(target):
     spy.observe = lambda position, features: got.append(features)  # noqa: E731 - capture only
     Engine(target, drafter=spy, spec=SpeculativeConfig(gamma=0)).generate(PROMPT, max_new_tokens=1, eos_token_ids=())
     cache = target.new_cache(CacheConfig(max_len=64))
-    _, hidden = target(torch.tensor([PROMPT[:-1]]), cache, features=(target.config.num_layers,))
+    hidden = target(torch.tensor([PROMPT[:-1]]), cache, features=(target.config.num_layers,)).features
     assert torch.equal(got[0], hidden[0])
 
 

@@ -9,6 +9,7 @@ from specdecode.drafters import make_drafter
 from specdecode.drafters.layer_skip import (Calibration, LayerSkipDrafter, block_influence, calibrate_skip_set,
                                             parse_layers)
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from specdecode.stats import predicted_speedup
@@ -74,14 +75,14 @@ def test_make_drafter_layerskip(model):
 
 def _skip_logits(model: Transformer, seq: list[int], layers) -> torch.Tensor:
     cache = model.new_cache(CacheConfig(max_len=len(seq)))
-    return model(torch.tensor([seq]), cache, layers=layers, logits="last")[0, -1]
+    return model(torch.tensor([seq]), cache, layers=layers, logits=LogitRows.LAST).logits[0, -1]
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
 def test_propose_leaves_target_cache_as_found(model, sampling):
     seq = [5, 17, 29, 41, 53, 65]
     target_cache = model.new_cache(CacheConfig(max_len=32))
-    model(torch.tensor([seq[:-1]]), target_cache, logits="none")  # the engine's state: all but the last token
+    model(torch.tensor([seq[:-1]]), target_cache, logits=LogitRows.NONE)  # the engine's state: all but the last token
     saved = [k[0, :, :5].clone() for k in target_cache.k]
 
     drafter = LayerSkipDrafter(model, [1, 2])
@@ -96,10 +97,10 @@ def test_propose_leaves_target_cache_as_found(model, sampling):
         # The draft is the greedy continuation of the skipping model reading the full model's keys/values
         # for the verified prefix (the shared cache), recomputed here on a separate cache.
         ref_cache = model.new_cache(CacheConfig(max_len=32))
-        model(torch.tensor([seq[:-1]]), ref_cache, logits="none")
+        model(torch.tensor([seq[:-1]]), ref_cache, logits=LogitRows.NONE)
         fed = seq[-1]
         for token in draft.tokens:
-            logits = model(torch.tensor([[fed]]), ref_cache, layers=drafter.layers, logits="last")[0, -1]
+            logits = model(torch.tensor([[fed]]), ref_cache, layers=drafter.layers, logits=LogitRows.LAST).logits[0, -1]
             assert token == int(logits.argmax())
             fed = token
     else:
@@ -107,9 +108,9 @@ def test_propose_leaves_target_cache_as_found(model, sampling):
         torch.testing.assert_close(draft.q.sum(-1), torch.ones(4))
 
     # Verification right after drafting sees exactly what a clean cache would.
-    verify = model(torch.tensor([seq[-1:] + draft.tokens]), target_cache)
+    verify = model(torch.tensor([seq[-1:] + draft.tokens]), target_cache).logits
     clean = model.new_cache(CacheConfig(max_len=32))
-    want = model(torch.tensor([seq + draft.tokens]), clean)[:, len(seq) - 1:]
+    want = model(torch.tensor([seq + draft.tokens]), clean).logits[:, len(seq) - 1:]
     torch.testing.assert_close(verify, want, atol=1e-4, rtol=0)
 
 
@@ -122,7 +123,7 @@ def test_drafting_never_touches_the_skipped_layers_entries(model, config):
     seq = [5, 17, 29, 41, 53, 65, 77, 89]
     target_cache = model.new_cache(config)
     target_cache.commit(0, len(seq) - 1)
-    model(torch.tensor([seq[:-1]]), target_cache, logits="none")
+    model(torch.tensor([seq[:-1]]), target_cache, logits=LogitRows.NONE)
     buffers = (lambda c: c.k + c.v) if hasattr(target_cache, "k") else (lambda c: c.fp_k + c.fp_v + c.k_codes + c.v_codes)
     saved = [b.clone() for b in buffers(target_cache)]
     drafter = LayerSkipDrafter(model, [1, 3])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.backends import OneDnnBackend
 from tiny_models import random_head, varied_model
 
 
@@ -34,5 +35,5 @@ def test_unrolled_training_forward_equals_cached_drafting(depth, fuse):
 
 def test_a_block_format_head_off_our_kernels_is_refused_naming_the_kernel():
     net, _ = random_head("eagle", varied_model(0))
-    with pytest.raises(ValueError, match="q8_0 head needs one of our kernels .* not onednn"):
-        net.pack("onednn", "q8_0")
+    with pytest.raises(ValueError, match="q8_0 weights need one of our kernels .* run on onednn$"):
+        net.pack(OneDnnBackend(), "q8_0")

@@ -72,7 +72,7 @@ def test_features_of_fused_layers_are_the_targets_layer_outputs(target, data):
     last of them."""
     tokens, _, normed = data.sequence(2)
     fused = data.fused(2, FUSED)
-    _, again = target(tokens[None], target.new_cache(CacheConfig(max_len=64)), features=FUSED)
+    again = target(tokens[None], target.new_cache(CacheConfig(max_len=64)), features=FUSED).features
     assert torch.equal(fused, again[0].to(fused.dtype))
     assert torch.equal(fused[:, -normed.shape[1]:], normed)
     with pytest.raises(ValueError, match=r"hold layers \[1, 2, 4\], the head reads layers \[0, 4\]"):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdecode.kv.cache import CacheConfig, CacheFullError, KVCache
+from specdecode.models.rows import LogitRows
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -84,7 +85,7 @@ def test_cache_full_error_names_capacity_and_requested_end():
 
 def test_cache_full_error_from_model_forward(model):
     cache = model.new_cache(CacheConfig(max_len=4))
-    model(torch.tensor([[1, 2, 3]]), cache, logits="none")
+    model(torch.tensor([[1, 2, 3]]), cache, logits=LogitRows.NONE)
     with pytest.raises(CacheFullError, match="a write up to 5"):
         model(torch.tensor([[4, 5]]), cache)
 
@@ -220,14 +221,14 @@ def test_model_cache_shapes_follow_model_config(model):
 def test_rollback_then_rewrite_equals_never_having_written(model):
     a, b, c, x, y, d, e = 11, 22, 33, 44, 55, 66, 77
     cache = model.new_cache(CacheConfig(max_len=16))
-    model(torch.tensor([[a, b, c]]), cache, logits="none")
-    rejected = model(torch.tensor([[x, y]]), cache)  # a draft that will be rejected
+    model(torch.tensor([[a, b, c]]), cache, logits=LogitRows.NONE)
+    rejected = model(torch.tensor([[x, y]]), cache).logits  # a draft that will be rejected
     assert cache.lengths[0] == 5
     cache.trim(0, 3)
-    got = model(torch.tensor([[d, e]]), cache)
+    got = model(torch.tensor([[d, e]]), cache).logits
 
     fresh = model.new_cache(CacheConfig(max_len=16))
-    want = model(torch.tensor([[a, b, c, d, e]]), fresh)[:, 3:]
+    want = model(torch.tensor([[a, b, c, d, e]]), fresh).logits[:, 3:]
     assert cache.lengths == fresh.lengths == [5]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     # The rejected tokens really were different: otherwise the comparison proves nothing.
@@ -240,11 +241,11 @@ def test_rollback_then_rewrite_equals_never_having_written(model):
 def test_rollback_without_rewrite_ignores_stale_entries(model):
     """A one-token decode after trimming must not attend to the stale tail (single row, no mask path)."""
     cache = model.new_cache(CacheConfig(max_len=16))
-    model(torch.tensor([[5, 6, 7, 8, 9, 10]]), cache, logits="none")
+    model(torch.tensor([[5, 6, 7, 8, 9, 10]]), cache, logits=LogitRows.NONE)
     cache.trim(0, 2)
-    got = model(torch.tensor([[40]]), cache)
+    got = model(torch.tensor([[40]]), cache).logits
     fresh = model.new_cache(CacheConfig(max_len=16))
-    want = model(torch.tensor([[5, 6, 40]]), fresh)[:, -1:]
+    want = model(torch.tensor([[5, 6, 40]]), fresh).logits[:, -1:]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
@@ -259,18 +260,18 @@ def test_batch_of_two_slots_with_different_lengths_equals_single_slot_path(model
     new_b = [46, 26, 43][:t]
 
     batch = model.new_cache(CacheConfig(max_len=16, slots=3))
-    model(torch.tensor([seq_a]), batch, slots=(2,), logits="none")
-    model(torch.tensor([seq_b]), batch, slots=(0,), logits="none")
+    model(torch.tensor([seq_a]), batch, slots=(2,), logits=LogitRows.NONE)
+    model(torch.tensor([seq_b]), batch, slots=(0,), logits=LogitRows.NONE)
     # Leave stale garbage beyond slot 0's length, which the mask must hide.
-    model(torch.tensor([[1, 2, 3, 4]]), batch, slots=(0,), logits="none")
+    model(torch.tensor([[1, 2, 3, 4]]), batch, slots=(0,), logits=LogitRows.NONE)
     batch.trim(0, len(seq_b))
-    got = model(torch.tensor([new_a, new_b]), batch, slots=(2, 0))
+    got = model(torch.tensor([new_a, new_b]), batch, slots=(2, 0)).logits
     assert batch.lengths == [len(seq_b) + t, 0, len(seq_a) + t]
 
     for row, (seq, new) in enumerate([(seq_a, new_a), (seq_b, new_b)]):
         single = model.new_cache(CacheConfig(max_len=16))
-        model(torch.tensor([seq]), single, logits="none")
-        want = model(torch.tensor([new]), single)
+        model(torch.tensor([seq]), single, logits=LogitRows.NONE)
+        want = model(torch.tensor([new]), single).logits
         torch.testing.assert_close(got[row:row + 1], want, atol=1e-4, rtol=0)
     # The rows differ from each other, so the test would notice a row mix-up.
     assert (got[0] - got[1]).abs().max() > 1e-2

@@ -12,6 +12,7 @@ from specdecode.kv.cache import CacheConfig, CacheFullError, KVCache
 from specdecode.kv.compressed import CompressedCache
 from specdecode.kv.factory import make_cache
 from specdecode.kv.quant import dequantize, quantize
+from specdecode.models.rows import LogitRows
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -341,11 +342,11 @@ def _decode(model, config: CacheConfig, ids: list[int], prompt: int) -> torch.Te
     """Prefill ``prompt`` tokens, then decode the rest one token at a time (committing as it goes)."""
     cache = model.new_cache(config)
     cache.commit(0, prompt)
-    model(torch.tensor([ids[:prompt]]), cache, logits="none")
+    model(torch.tensor([ids[:prompt]]), cache, logits=LogitRows.NONE)
     out = []
     for i in range(prompt, len(ids)):
         cache.commit(0, i)
-        out.append(model(torch.tensor([[ids[i]]]), cache)[0, -1])
+        out.append(model(torch.tensor([[ids[i]]]), cache).logits[0, -1])
     return torch.stack(out)
 
 
@@ -387,12 +388,12 @@ def test_a_batch_of_two_slots_over_a_compressed_cache_equals_the_single_slot_pat
     batch = model.new_cache(CacheConfig(max_len=32, slots=2, **config))
     for slot, seq in enumerate(seqs):
         batch.commit(slot, len(seq))
-        model(torch.tensor([seq]), batch, slots=(slot,), logits="none")
-    got = model(torch.tensor(list(new)), batch, slots=(0, 1))
+        model(torch.tensor([seq]), batch, slots=(slot,), logits=LogitRows.NONE)
+    got = model(torch.tensor(list(new)), batch, slots=(0, 1)).logits
     for row, (seq, tokens) in enumerate(zip(seqs, new)):
         single = model.new_cache(CacheConfig(max_len=32, **config))
         single.commit(0, len(seq))
-        model(torch.tensor([seq]), single, logits="none")
-        torch.testing.assert_close(got[row:row + 1], model(torch.tensor([tokens]), single), atol=1e-4, rtol=0)
+        model(torch.tensor([seq]), single, logits=LogitRows.NONE)
+        torch.testing.assert_close(got[row:row + 1], model(torch.tensor([tokens]), single).logits, atol=1e-4, rtol=0)
     assert batch.evicted[0][0] > 2 or batch.flushed[0][0] > 0  # slot 0 really dropped or quantized something
     assert (got[0] - got[1]).abs().max() > 1e-2

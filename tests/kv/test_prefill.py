@@ -40,7 +40,7 @@ def _continue(model, cache, last: int, steps: int = 12) -> list[torch.Tensor]:
     out, token = [], last
     for _ in range(steps):
         held = cache.lengths[0]
-        logits = model(torch.tensor([[token, token]]), cache, invariant_rows=True)[0, 0]
+        logits = model(torch.tensor([[token, token]]), cache, invariant_rows=True).logits[0, 0]
         cache.trim(0, held + 1)
         cache.commit(0, held + 1)
         out.append(logits)

@@ -32,8 +32,8 @@ def test_logits_match_transformers(smollm2_path):
         reference = hf(torch.tensor([ids])).logits[0]
         cache = ours.new_cache(CacheConfig(max_len=len(ids)))
         # Prefill most, then decode the rest one by one: exercises the cache path too.
-        head = ours(torch.tensor([ids[:-4]]), cache)[0]
-        tail = [ours(torch.tensor([[t]]), cache)[0] for t in ids[-4:]]
+        head = ours(torch.tensor([ids[:-4]]), cache).logits[0]
+        tail = [ours(torch.tensor([[t]]), cache).logits[0] for t in ids[-4:]]
     logits = torch.cat([head, *tail])
     assert logits.shape == reference.shape
     err = (logits - reference).abs().max().item()

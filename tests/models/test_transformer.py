@@ -1,4 +1,5 @@
-"""The decoder: parity with transformers, incremental decoding, layer subsets, RoPE scaling, config checks.
+"""The decoder: parity with transformers, incremental decoding, layer subsets, RoPE scaling, config checks,
+what a forward hands back (``ForwardOutput``, ``LogitRows``), ragged rows and features.
 
 Parity tolerance: fp32 logits agree with transformers' to 1e-4 absolute (observed ~5e-6 on these
 tiny models, whose logits reach ~20 in magnitude).
@@ -13,12 +14,12 @@ import torch
 
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import can_pack
 from specdecode.models import native
-from specdecode.models.linear import NATIVE_KERNELS
-from specdecode.models.transformer import Transformer, apply_rope, causal_hidden, rope_inv_freq
-from kernel_paths import path_params, require_path
-from tiny_models import random_hf_tensors, tiny_config, tiny_model, varied_model
+from specdecode.models.rope import rope_inv_freq
+from specdecode.models.rows import ForwardOutput, LogitRows
+from specdecode.models.transformer import Transformer
+from kernel_paths import NATIVE_PATHS, path_params, require_path
+from tiny_models import random_hf_tensors, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,7 +63,7 @@ def _hf_model(config: ModelConfig, tensors: dict[str, torch.Tensor]):
 
 def _ours_full(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
     cache = model.new_cache(CacheConfig(max_len=ids.shape[1]))
-    return model(ids, cache)
+    return model(ids, cache).logits
 
 
 def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
@@ -109,25 +110,6 @@ def test_rope_scaling_matches_transformers(arch, scaling):
     assert (_ours_full(unscaled, ids) - want).abs().max() > 100 * PARITY_ATOL
 
 
-def test_llama3_inv_freq_bands():
-    config = tiny_config(rope_theta=500.0, rope_scaling=dict(LLAMA3))
-    plain = rope_inv_freq(tiny_config(rope_theta=500.0))
-    scaled = rope_inv_freq(config)
-    wavelen = 2 * torch.pi / plain
-    high = wavelen < 32 / 4.0  # short wavelengths: unchanged
-    low = wavelen > 32 / 1.0  # long wavelengths: divided by factor
-    mid = ~high & ~low
-    assert high.any() and low.any() and mid.any()
-    torch.testing.assert_close(scaled[high], plain[high])
-    torch.testing.assert_close(scaled[low], plain[low] / 8.0)
-    assert ((scaled[mid] < plain[mid]) & (scaled[mid] > plain[mid] / 8.0)).all()
-
-
-def test_unsupported_rope_scaling_is_refused():
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
-        rope_inv_freq(tiny_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
-
-
 # --------------------------------------------------------------------------- incremental decoding
 
 
@@ -140,9 +122,9 @@ def test_prefill_then_one_token_at_a_time_equals_full_forward(model):
     ids = _ids(24, seed=7)
     full = _ours_full(model, ids)
     cache = model.new_cache(CacheConfig(max_len=24))
-    steps = [model(ids[:, :10], cache)]
+    steps = [model(ids[:, :10], cache).logits]
     for i in range(10, 24):
-        steps.append(model(ids[:, i:i + 1], cache))
+        steps.append(model(ids[:, i:i + 1], cache).logits)
         assert cache.lengths[0] == i + 1
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=STEP_ATOL, rtol=0)
 
@@ -154,7 +136,7 @@ def test_chunked_forwards_equal_full_forward(model, chunks):
     cache = model.new_cache(CacheConfig(max_len=ids.shape[1]))
     out, pos = [], 0
     for n in chunks:
-        out.append(model(ids[:, pos:pos + n], cache))
+        out.append(model(ids[:, pos:pos + n], cache).logits)
         pos += n
     torch.testing.assert_close(torch.cat(out, dim=1), full, atol=STEP_ATOL, rtol=0)
 
@@ -163,22 +145,33 @@ def test_logits_last_and_none(model):
     ids = _ids(12, seed=9)
     full = _ours_full(model, ids)
     cache = model.new_cache(CacheConfig(max_len=12))
-    last = model(ids, cache, logits="last")
-    assert last.shape == (1, 1, model.config.vocab_size)
-    torch.testing.assert_close(last, full[:, -1:], atol=STEP_ATOL, rtol=0)
+    last = model(ids, cache, logits=LogitRows.LAST)
+    assert isinstance(last, ForwardOutput) and last.features is None and last.logits.shape == (1, 1, model.config.vocab_size)
+    torch.testing.assert_close(last.logits, full[:, -1:], atol=STEP_ATOL, rtol=0)
 
     cache = model.new_cache(CacheConfig(max_len=12))
-    assert model(ids[:, :8], cache, logits="none") is None
-    assert cache.lengths == [8]  # "none" still writes the cache
-    torch.testing.assert_close(model(ids[:, 8:], cache), full[:, 8:], atol=STEP_ATOL, rtol=0)
+    assert model(ids[:, :8], cache, logits=LogitRows.NONE) == ForwardOutput(None, None)
+    assert cache.lengths == [8]  # NONE still writes the cache
+    torch.testing.assert_close(model(ids[:, 8:], cache).logits, full[:, 8:], atol=STEP_ATOL, rtol=0)
+
+
+def test_chosen_rows_are_for_ragged_forwards_only(model):
+    cache = model.new_cache(CacheConfig(max_len=12))
+    with pytest.raises(ValueError, match="LogitRows.at names rows of a ragged forward"):
+        model(_ids(4), cache, logits=LogitRows.at(torch.tensor([1, 3])))
+    assert cache.lengths == [0]  # refused before anything was written
+    with pytest.raises(ValueError, match="1-D integer tensor of row indices"):
+        LogitRows.at(torch.tensor([0.5]))
+    rows = model.forward_rows(_ids(4)[0], cache, (0,), (4,), logits=LogitRows.at(torch.tensor([3, 1])))
+    torch.testing.assert_close(rows.logits, _ours_full(model, _ids(4))[0, [3, 1]], atol=STEP_ATOL, rtol=0)
 
 
 def test_positions_matter(model):
     """The same tokens at other positions give other logits (RoPE is applied at the cached offset)."""
     ids = _ids(6, seed=10)
     cache = model.new_cache(CacheConfig(max_len=16))
-    model(_ids(5, seed=11), cache, logits="none")
-    shifted = model(ids, cache)
+    model(_ids(5, seed=11), cache, logits=LogitRows.NONE)
+    shifted = model(ids, cache).logits
     assert (shifted - _ours_full(model, ids)).abs().max() > 1e-2
 
 
@@ -199,7 +192,7 @@ def test_layer_subset_equals_model_built_from_those_layers():
 
     ids = _ids(15, seed=12)
     cache = full.new_cache(CacheConfig(max_len=15))
-    got = torch.cat([full(ids[:, :9], cache, layers=keep), full(ids[:, 9:], cache, layers=keep)], dim=1)
+    got = torch.cat([full(ids[:, :9], cache, layers=keep).logits, full(ids[:, 9:], cache, layers=keep).logits], dim=1)
     torch.testing.assert_close(got, _ours_full(small, ids), atol=STEP_ATOL, rtol=0)
     assert (got - _ours_full(full, ids)).abs().max() > 1e-2
     # Skipped layers' cache entries were not written; run layers' were.
@@ -210,21 +203,6 @@ def test_layer_subset_equals_model_built_from_those_layers():
 # --------------------------------------------------------------------------- loading
 
 
-def test_missing_tensor_is_named():
-    config = tiny_config("qwen2")
-    tensors = random_hf_tensors(config)
-    del tensors["model.layers.2.mlp.up_proj.weight"]
-    with pytest.raises(ValueError, match=r"lacks 1 tensors.*model\.layers\.2\.mlp\.up_proj\.weight"):
-        Transformer.from_hf_tensors(config, tensors)
-
-
-def test_untied_model_needs_lm_head():
-    config = tiny_config("llama", tie_word_embeddings=False)
-    tensors = random_hf_tensors(tiny_config("llama", tie_word_embeddings=True))
-    with pytest.raises(ValueError, match="lm_head.weight"):
-        Transformer.from_hf_tensors(config, tensors)
-
-
 def test_from_hf_tensors_dtype_and_no_grad():
     model = tiny_model("llama", dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16
@@ -232,7 +210,7 @@ def test_from_hf_tensors_dtype_and_no_grad():
     assert not model.training
     cache = model.new_cache(CacheConfig(max_len=4))
     assert cache.k[0].dtype == torch.bfloat16
-    assert model(torch.tensor([[1, 2]]), cache).dtype == torch.float32
+    assert model(torch.tensor([[1, 2]]), cache).logits.dtype == torch.float32
 
 
 # --------------------------------------------------------------------------- ModelConfig
@@ -302,78 +280,16 @@ def test_mistral_sliding_window_matches_transformers():
     ids = torch.randint(0, config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         reference = hf(ids).logits[0]
-        full = ours(ids, ours.new_cache(CacheConfig(max_len=32)))[0]
+        full = ours(ids, ours.new_cache(CacheConfig(max_len=32))).logits[0]
         cache = ours.new_cache(CacheConfig(max_len=32))
-        head = ours(ids[:, :9], cache)[0]
-        steps = [ours(ids[:, i:i + 1], cache)[0] for i in range(9, 16)]
-        tail = ours(ids[:, 16:], cache, invariant_rows=True)[0]
+        head = ours(ids[:, :9], cache).logits[0]
+        steps = [ours(ids[:, i:i + 1], cache).logits[0] for i in range(9, 16)]
+        tail = ours(ids[:, 16:], cache, invariant_rows=True).logits[0]
     torch.testing.assert_close(full, reference, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.cat([head, *steps, tail]), reference, atol=1e-4, rtol=0)
     unwindowed = Transformer.from_hf_tensors(tiny_config("mistral", tie_word_embeddings=False), tensors)
-    assert not torch.allclose(unwindowed(ids, unwindowed.new_cache(CacheConfig(max_len=32)))[0], reference, atol=1e-3)
-
-
-def test_rope_roll_equals_rotate_half_bitwise():
-    """The roll with a pre-negated sine half is the rotate-half formula, to the bit."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 5, 3, 8, generator=g).to(torch.bfloat16)  # [B, T, H, D]
-    angles = torch.randn(5, 4, generator=g)
-    cos = torch.cat((angles, angles), -1).cos().to(torch.bfloat16)[None, :, None]  # [1, T, 1, D]
-    sin = torch.cat((angles, angles), -1).sin().to(torch.bfloat16)[None, :, None]
-    rotated = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
-    signed_sin = torch.cat((-sin[..., :4], sin[..., 4:]), dim=-1)
-    assert torch.equal(apply_rope(x, cos, signed_sin), x * cos + rotated * sin)
-
-
-def _attention_on(path: str):
-    """The row-invariant attention a model packed for ``path`` runs (``Block.attend``), as a function."""
-    require_path(path)
-    block = varied_model(0, dtype=torch.bfloat16).layers[0]
-    ops = native.kernel(path) if path in NATIVE_KERNELS else None
-
-    def attend(q, keys, values, window=None):
-        block.attention_ops, block.window, block.head_dim = ops, window, q.shape[-1]
-        return block.attend(q, keys, values)
-    return attend
-
-
-def _reference_attention(q, keys, values, window=None):
-    """float64, each new token over its own (windowed) keys."""
-    t, length = q.shape[2], keys.shape[2]
-    group = q.shape[1] // keys.shape[1]
-    k, v = keys.double().repeat_interleave(group, 1), values.double().repeat_interleave(group, 1)
-    scores = q.double() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # [B, H, T, L]
-    query_pos = torch.arange(length - t, length)[:, None]
-    key_pos = torch.arange(length)[None, :]
-    hidden = (key_pos > query_pos) | ((key_pos <= query_pos - window) if window else False)
-    return scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
-
-
-@pytest.mark.parametrize("path", path_params())
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64)])  # SmolLM2, Qwen 1.5B / 0.5B
-def test_attention_rows_do_not_depend_on_the_call(path, heads, kv_heads, head_dim):
-    """Each new token's attention equals, bitwise, a call with only that token over only its keys, on every
-    path, for 1..32 new tokens and contexts up to 4,096 keys, with and without a sliding window.
-
-    This is what lets one verification forward reproduce token-by-token decoding exactly (bf16).
-    """
-    attend = _attention_on(path)
-    g = torch.Generator().manual_seed(heads)
-    cases = [(5, 2, None), (63, 5, None), (300, 1, None), *[(700, t, None) for t in range(2, 33, 3)], (4064, 32, None),
-             (4095, 1, None), (2000, 17, 512)]
-    for start, t, window in cases:
-        keys = torch.randn(1, kv_heads, start + t, head_dim, generator=g).to(torch.bfloat16)
-        values = torch.randn(1, kv_heads, start + t, head_dim, generator=g).to(torch.bfloat16)
-        q = torch.randn(1, heads, t, head_dim, generator=g).to(torch.bfloat16)
-        batched = attend(q, keys, values, window)
-        assert batched.shape == q.shape and batched.dtype == torch.bfloat16
-        # bf16 output of a float32 computation: within a few bf16 steps of the exact result
-        assert (batched.double() - _reference_attention(q, keys, values, window)).abs().max() < 0.02, (start, t)
-        for i in range(t):
-            end = start + i + 1
-            lo = 0 if window is None else max(0, end - window)
-            alone = attend(q[:, :, i:i + 1], keys[:, :, lo:end], values[:, :, lo:end], window)
-            assert torch.equal(batched[:, :, i:i + 1], alone), (path, start, t, i)
+    assert not torch.allclose(unwindowed(ids, unwindowed.new_cache(CacheConfig(max_len=32))).logits[0], reference,
+                              atol=1e-3)
 
 
 @pytest.mark.parametrize("path", path_params())
@@ -383,17 +299,17 @@ def test_verification_forward_equals_decode_steps_on_every_path(path):
     for overrides in ({}, {"sliding_window": 12}):
         config = tiny_config("mistral" if overrides else "llama", tie_word_embeddings=False, **overrides)
         model = Transformer.from_hf_tensors(config, random_hf_tensors(config, seed=4, scale=0.2), dtype=torch.bfloat16)
-        assert model.pack_weights(path) == path
-        ours = native.kernel(path) if path in NATIVE_KERNELS else None
+        assert model.pack_weights(path).name == path
+        ours = native.kernel(path) if path in NATIVE_PATHS else None
         assert all(block.attention_ops is ours for block in model.layers)  # our attention kernel on our paths
-        assert all(block.fused_ops is ours for block in model.layers)  # and on ours, one call per layer
+        assert model.runner.fused == (path in NATIVE_PATHS)  # and on ours, one call per layer
         ids = torch.randint(0, config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
         with torch.inference_mode():
             cache = model.new_cache(CacheConfig(max_len=32))
-            model(ids[:, :21], cache, logits="none")
-            batched = model(ids[:, 21:], cache, invariant_rows=True)[0]
+            model(ids[:, :21], cache, logits=LogitRows.NONE)
+            batched = model(ids[:, 21:], cache, invariant_rows=True).logits[0]
             cache.trim(0, 21)
-            steps = torch.cat([model(ids[:, i:i + 1], cache, invariant_rows=True)[0] for i in range(21, 30)])
+            steps = torch.cat([model(ids[:, i:i + 1], cache, invariant_rows=True).logits[0] for i in range(21, 30)])
         assert torch.equal(batched, steps), (path, overrides)
 
 
@@ -414,55 +330,17 @@ def test_ragged_rows_of_several_sequences_equal_each_sequence_alone(path):
         alone = model.new_cache(CacheConfig(max_len=32, slots=3))
         for slot, prompt in enumerate(prompts):
             for cache in (together, alone):
-                model(prompt[None], cache, slots=(slot,), logits="none")
-        logits, hidden = model.forward_rows(torch.cat(rows), together, (0, 1, 2), (1, 4, 2), features=features)
+                model(prompt[None], cache, slots=(slot,), logits=LogitRows.NONE)
+        out = model.forward_rows(torch.cat(rows), together, (0, 1, 2), (1, 4, 2), features=features)
         singles = [model.forward_rows(r, alone, (slot,), (len(r),), features=features) for slot, r in enumerate(rows)]
         last = model.forward_rows(torch.cat(rows), model.new_cache(CacheConfig(max_len=8, slots=3)), (0, 1, 2),
-                                  (1, 4, 2), logits="last")
-    assert torch.equal(logits, torch.cat([s[0] for s in singles])), path
-    assert torch.equal(hidden, torch.cat([s[1] for s in singles])), path
-    assert last.shape == (3, config.vocab_size)
+                                  (1, 4, 2), logits=LogitRows.LAST)
+    assert torch.equal(out.logits, torch.cat([s.logits for s in singles])), path
+    assert torch.equal(out.features, torch.cat([s.features for s in singles])), path
+    assert last.logits.shape == (3, config.vocab_size) and last.features is None
     assert together.lengths == alone.lengths == [6, 21, 11]
     for layer in range(config.num_layers):
         assert torch.equal(together.k[layer], alone.k[layer]) and torch.equal(together.v[layer], alone.v[layer])
-
-
-@pytest.mark.parametrize("slots, counts", [((0, 0), (1, 1)), ((0, 1), (2,)), ((0, 1), (0, 3)), ((0, 1), (1, 1))])
-def test_forward_rows_refuses_counts_that_do_not_match(slots, counts):
-    model = varied_model(0)
-    with pytest.raises(ValueError, match="distinct slots and a count >= 1"):
-        model.forward_rows(torch.zeros(3, dtype=torch.long), model.new_cache(CacheConfig(max_len=8, slots=2)), slots,
-                           counts)
-
-
-def test_causal_hidden_mask():
-    hidden = causal_hidden(2, 4, group=2)  # new tokens at positions 2, 3
-    expected = torch.tensor([[False, False, False, True], [False, False, False, False]])
-    assert torch.equal(hidden, torch.cat([expected, expected]))
-    assert causal_hidden(1, 4, group=3) is None  # one new token sees everything
-
-
-@pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="needs oneDNN bf16 on CPU")
-@pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", False)])
-def test_packed_model_gives_the_same_logits(arch, tied):
-    config = tiny_config(arch, tie_word_embeddings=tied)
-    tensors = random_hf_tensors(config, seed=3, scale=0.2)
-    plain = Transformer.from_hf_tensors(config, tensors, dtype=torch.bfloat16)
-    packed = Transformer.from_hf_tensors(config, tensors, dtype=torch.bfloat16)
-    before = packed.weight_nbytes
-    assert packed.pack_weights("onednn") == "onednn" and packed.pack_weights("onednn") == "onednn"  # idempotent
-    head = config.vocab_size * config.hidden_size * 2
-    assert packed.weight_nbytes == before + (head if tied else 0)  # a tied head gains a packed copy
-    ids = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        want = plain(ids, plain.new_cache(CacheConfig(max_len=16)))
-        got = packed(ids, packed.new_cache(CacheConfig(max_len=16)))
-    assert torch.equal(got, want)
-
-
-def test_pack_weights_is_a_no_op_in_float32():
-    model = tiny_model("llama")
-    assert model.weight_nbytes > 0 and model.pack_weights() == "torch" and model.head_layer is None
 
 
 def test_features_are_returned_only_when_asked_and_change_nothing():
@@ -471,13 +349,15 @@ def test_features_are_returned_only_when_asked_and_change_nothing():
     n = model.config.num_layers
     ids = torch.tensor([[3, 9, 27, 81, 5]])
     plain = model(ids, model.new_cache(CacheConfig(max_len=16)))
-    logits, hidden = model(ids, model.new_cache(CacheConfig(max_len=16)), features=(1, n))
-    assert torch.equal(logits, plain) and hidden.shape == (1, 5, 2 * model.config.hidden_size)
+    out = model(ids, model.new_cache(CacheConfig(max_len=16)), features=(1, n))
+    assert plain.features is None
+    assert torch.equal(out.logits, plain.logits) and out.features.shape == (1, 5, 2 * model.config.hidden_size)
     # The last block: the normed state the output head reads.
-    assert torch.allclose(model.head(hidden[..., 64:]).float(), plain)
+    assert torch.allclose(model.head(out.features[..., 64:]).float(), plain.logits)
     # Layer 1's output: what running layers 0 and 1 alone leaves in the residual stream.
-    _, first_two = model(ids, model.new_cache(CacheConfig(max_len=16)), layers=[0, 1], logits="none", features=(1,))
-    assert torch.equal(hidden[..., :64], first_two)
+    first_two = model(ids, model.new_cache(CacheConfig(max_len=16)), layers=[0, 1], logits=LogitRows.NONE,
+                      features=(1,))
+    assert first_two.logits is None and torch.equal(out.features[..., :64], first_two.features)
     with pytest.raises(ValueError, match=r"features \[7\] are out of range 0\.\.4"):
         model(ids, model.new_cache(CacheConfig(max_len=16)), features=(7,))
     cache = model.new_cache(CacheConfig(max_len=16))

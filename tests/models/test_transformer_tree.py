@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from specdecode.kv.cache import CacheConfig
-from specdecode.models.linear import NATIVE_KERNELS
+from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.tree import children, path_to
-from tests.kernel_paths import path_params, require_path
+from tests.kernel_paths import NATIVE_PATHS, path_params, require_path
 from tests.tiny_models import random_hf_tensors, tiny_config
 
 # Rows [root, nodes...]: row-level parents of a tree two wide at the first two depths, one branch three deep.
@@ -27,7 +27,7 @@ def _model(path: str, **overrides) -> Transformer:
 
 def _decode(model, cache, tokens: list[int]) -> torch.Tensor:
     """Logits ``[len(tokens), V]`` of feeding ``tokens`` one forward each (what plain decoding computes)."""
-    return torch.cat([model.forward_rows(torch.tensor([t]), cache, (0,), (1,)) for t in tokens])
+    return torch.cat([model.forward_rows(torch.tensor([t]), cache, (0,), (1,)).logits for t in tokens])
 
 
 def _leaves(parents: list[int]) -> list[int]:
@@ -35,7 +35,7 @@ def _leaves(parents: list[int]) -> list[int]:
     return [j for j in range(len(parents)) if j not in kids]
 
 
-@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 @pytest.mark.parametrize("window", [None, 6], ids=["full", "sliding-window"])
 def test_each_tree_row_equals_decoding_its_path(path, window):
     """Every row of a tree forward gives, bitwise, the logits decoding its root-to-row path gives, on our
@@ -47,8 +47,8 @@ def test_each_tree_row_equals_decoding_its_path(path, window):
     tokens = torch.randint(0, model.config.vocab_size, (len(TREE),), generator=g)
     with torch.inference_mode():
         cache = model.new_cache(CacheConfig(max_len=40))
-        model.forward_rows(prompt, cache, (0,), (21,), logits="none")
-        tree_logits = model.forward_rows(tokens, cache, (0,), (len(TREE),), parents=[TREE])
+        model.forward_rows(prompt, cache, (0,), (21,), logits=LogitRows.NONE)
+        tree_logits = model.forward_rows(tokens, cache, (0,), (len(TREE),), parents=[TREE]).logits
         assert cache.lengths[0] == 21 + len(TREE)
         for leaf in _leaves(TREE):
             rows = path_to(TREE, leaf)
@@ -76,7 +76,7 @@ def test_an_accepted_path_compacted_leaves_the_cache_plain_decoding_builds(path,
             cache = model.new_cache(config)
             for start in range(0, len(prompt), 8):
                 chunk = prompt[start:start + 8]
-                model.forward_rows(torch.tensor(chunk), cache, (0,), (len(chunk),), logits="none")
+                model.forward_rows(torch.tensor(chunk), cache, (0,), (len(chunk),), logits=LogitRows.NONE)
                 cache.commit(0, cache.lengths[0])
             if use_tree:
                 model.forward_rows(tokens, cache, (0,), (len(TREE),), parents=[TREE])
@@ -108,11 +108,12 @@ def test_a_tree_grown_a_level_per_forward_equals_the_tree_in_one_forward(path):
     with torch.inference_mode():
         whole, grown = (model.new_cache(CacheConfig(max_len=40)) for _ in range(2))
         for cache in (whole, grown):
-            model.forward_rows(prompt, cache, (0,), (15,), logits="none")
-        one = model.forward_rows(tokens, whole, (0,), (len(TREE),), parents=[TREE])
+            model.forward_rows(prompt, cache, (0,), (15,), logits=LogitRows.NONE)
+        one = model.forward_rows(tokens, whole, (0,), (len(TREE),), parents=[TREE]).logits
         parts, done = [], 0
         for end in levels:
-            parts.append(model.forward_rows(tokens[done:end], grown, (0,), (end - done,), parents=[TREE[:end]]))
+            parts.append(model.forward_rows(tokens[done:end], grown, (0,), (end - done,),
+                                            parents=[TREE[:end]]).logits)
             done = end
     assert torch.equal(one, torch.cat(parts)), path
     for layer in range(model.config.num_layers):
@@ -129,10 +130,10 @@ def test_a_tree_shares_a_forward_with_other_sequences_row_invariantly():
         together, alone = (model.new_cache(CacheConfig(max_len=32, slots=2)) for _ in range(2))
         for slot, prompt in enumerate(prompts):
             for cache in (together, alone):
-                model.forward_rows(prompt, cache, (slot,), (len(prompt),), logits="none")
-        both = model.forward_rows(torch.cat(rows), together, (0, 1), (len(TREE), 3), parents=[TREE, None])
-        first = model.forward_rows(rows[0], alone, (0,), (len(TREE),), parents=[TREE])
-        second = model.forward_rows(rows[1], alone, (1,), (3,))
+                model.forward_rows(prompt, cache, (slot,), (len(prompt),), logits=LogitRows.NONE)
+        both = model.forward_rows(torch.cat(rows), together, (0, 1), (len(TREE), 3), parents=[TREE, None]).logits
+        first = model.forward_rows(rows[0], alone, (0,), (len(TREE),), parents=[TREE]).logits
+        second = model.forward_rows(rows[1], alone, (1,), (3,)).logits
     assert torch.equal(both, torch.cat([first, second]))
 
 

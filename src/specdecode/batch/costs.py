@@ -20,7 +20,7 @@ MAX_PADDED_ROWS = 8
 @dataclass
 class RowPadding:
     """Rows needed -> rows run. Off our kernels a one-row forward rounds differently from a multi-row one
-    (``Transformer.row_invariant``), so every forward runs at least ``min_rows``; oneDNN's bf16 kernels
+    (``Backend.row_invariant``), so every forward runs at least ``min_rows``; oneDNN's bf16 kernels
     also pick their algorithm by row count, and some counts run slower than larger ones (2 rows cost 1.5x
     what 4 rows cost on Qwen2.5-1.5B), so ``tune`` may pad further.
 

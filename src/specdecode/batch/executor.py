@@ -37,6 +37,7 @@ from specdecode.drafters.base import Draft, Drafter, OwnCache, StopRule
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
+from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from specdecode.timing import interleaved_timings
@@ -92,12 +93,6 @@ def keep_rows(cache: Cache, slot: int, held: int, verdict: Verdict) -> list[int]
     return rows
 
 
-def synchronize(device: torch.device) -> None:
-    """Waits for the work queued on a GPU, so that a timer around it sees it (CUDA runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class BatchEngine:
     """Serves requests together with per-request speculation.
 
@@ -146,12 +141,12 @@ class BatchEngine:
         self._cache_base = replace(cache, slots=scheduler.max_running)
         self._allocate(self.max_len if slot_len is None else min(slot_len, self.max_len))
         self._kv = kv_setting(cache, target.dtype)
-        self.padding = RowPadding(1 if target.row_invariant else 2)
+        self.padding = RowPadding(1 if target.backend.row_invariant else 2)
         self.step_costs = StepCostTable()
         # Prompts are prefilled a few rows at a time inside the decode forwards where rows are computed alike in
         # any forward (our kernels) and the cache neither compresses nor shares prefixes (those prefill in
         # fixed chunks at admission).
-        self._chunked_prefill = target.row_invariant and not cache.compressed and not cache.prefix_cache
+        self._chunked_prefill = target.backend.row_invariant and not cache.compressed and not cache.prefix_cache
         self.observer = observer
         self.record_signals = record_signals
 
@@ -314,9 +309,9 @@ class BatchEngine:
         real = len(rows.tokens)
         self._pad(rows)
         out = self.target.forward_rows(torch.tensor(rows.tokens, device=self.target.device), self.cache, rows.slots,
-                                       rows.counts, logits=torch.tensor(rows.scored, dtype=torch.long),
+                                       rows.counts, logits=LogitRows.at(torch.tensor(rows.scored, dtype=torch.long)),
                                        features=self._features, parents=rows.parents)
-        logits, hidden = out if self._features else (out, None)  # [scored, V], [N, F]
+        logits, hidden = out.logits, out.features  # [scored, V], [N, F] or None
         for seq, n in chunk.items():
             if hidden is not None and n:  # a head drafter reads the prompt's features as they are computed
                 seq.drafter.observe(seq.prefilled, hidden[rows.first[seq]:rows.first[seq] + n])
@@ -332,7 +327,7 @@ class BatchEngine:
             if hidden is not None:
                 start = rows.first[part.key] + len(part.prompt)
                 part.key.drafter.observe(part.held, hidden[[start + r for r in kept]])
-        synchronize(self.target.device)  # before the caller reads its timer
+        self.target.synchronize()  # before the caller reads its timer
         return {p.key: v for p, v in zip(decoding, verdicts)}, real
 
     def _pad(self, rows: ForwardRows) -> None:
@@ -386,9 +381,10 @@ class BatchEngine:
         else:
             observe = seq.drafter.observe if self._features else None
             seq.stats.prefix_hit_tokens = prefill(self.cache, seq.slot, prompt, self.target, self._prefix,
-                                                  self._features, observe, invariant_rows=self.target.row_invariant)
+                                                  self._features, observe,
+                                                  invariant_rows=self.target.backend.row_invariant)
             seq.prefilled = len(prompt)
-            synchronize(self.target.device)
+            self.target.synchronize()
             seq.stats.prefill_s = time.perf_counter() - start
         if self.observer is not None:
             self.observer.admitted(seq)
@@ -430,7 +426,7 @@ class BatchEngine:
             raise RuntimeError("warmup needs an idle engine")
         self.run([dict(prompt=[0] * 16, max_new_tokens=8, eos_token_ids=())])
         with self._borrowed_slot([0] * WARMUP_CONTEXT) as slot:
-            if not self.target.row_invariant:
+            if not self.target.backend.row_invariant:
                 self.padding.tune(lambda rows: self._time_rows(slot, rows, pad=False), repeats)
                 self.step_costs.clear()  # measured with the old padding
             self.step_costs.at(WARMUP_CONTEXT, lambda: self._time_rows(slot, 1))
@@ -453,7 +449,7 @@ class BatchEngine:
         slot = self.scheduler.slots.acquire()
         try:
             self.cache.reset(slot)
-            prefill(self.cache, slot, list(context), self.target, invariant_rows=self.target.row_invariant)
+            prefill(self.cache, slot, list(context), self.target, invariant_rows=self.target.backend.row_invariant)
             yield slot
         finally:
             self.cache.reset(slot)
@@ -467,9 +463,9 @@ class BatchEngine:
         n = self.padding.rows(rows, room) if pad else rows
         tokens = torch.zeros(n, dtype=torch.long, device=self.target.device)
         start = time.perf_counter()
-        logits = self.target.forward_rows(tokens, self.cache, (slot,), (n,), logits=torch.arange(rows))
-        logits.argmax(-1)
-        synchronize(self.target.device)
+        out = self.target.forward_rows(tokens, self.cache, (slot,), (n,), logits=LogitRows.at(torch.arange(rows)))
+        out.logits.argmax(-1)
+        self.target.synchronize()
         seconds = time.perf_counter() - start
         self.cache.trim(slot, held)
         return seconds

@@ -67,7 +67,7 @@ class Method:
         params: settings worth recording in the JSON (draft sizes, peer options).
         memory: bytes the configuration holds (weights and KV caches by part), for our engine.
         signal_names: names of the drafter's per-token signals in step records (our drafting methods).
-        kernel: what the target's projections ran on: our ``Transformer.linear_kernel`` (e.g. "tiled",
+        kernel: what the target's projections ran on: our ``Transformer.backend.name`` (e.g. "tiled",
             "onednn", "int8"), "transformers" or "llama.cpp".
         dtype: the target's parameter dtype ("bfloat16", ...); "gguf" for llama.cpp (the file's own types).
         draft_kernel: the separate draft model's kernel (``draft`` and ``hf-assisted``), else None.
@@ -173,8 +173,8 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
     drafts_with = draft_model.model if family in ("draft", "draft-tree") and draft_model is not None else None
     return Method(method_name(family, gamma), family, run, gamma, params, memory=engine.memory_bytes,
                   signal_names=drafter.signal_names if drafter is not None else (),
-                  kernel=target.model.linear_kernel, dtype=dtype_name(target.model.dtype),
-                  draft_kernel=drafts_with.linear_kernel if drafts_with else None,
+                  kernel=target.model.backend.name, dtype=dtype_name(target.model.dtype),
+                  draft_kernel=drafts_with.backend.name if drafts_with else None,
                   draft_dtype=dtype_name(drafts_with.dtype) if drafts_with else None,
                   weights=target.model.weight_format, weight_bytes=target.model.weight_nbytes,
                   draft_weights=drafts_with.weight_format if drafts_with else None)

@@ -34,7 +34,7 @@ from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel, check_weights, cpu_has_fast_bf16, from_checkpoint, resolve_dtype
 from specdecode.models.loader import load_checkpoint
 from specdecode.models.native import cpu_flags, cpu_model
-from specdecode.models.transformer import resolve_linear_kernel
+from specdecode.models.backends import resolve_backend
 from specdecode.models.weights import WEIGHT_FORMATS
 from specdecode.sampling import SamplingParams
 
@@ -332,9 +332,9 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
     """Loads the target (and draft) once; our decoder and transformers get the same tensors."""
     torch_dtype = resolve_dtype(config.dtype)
     hf_dtype = peer_dtype(config.dtype, torch_dtype)
-    linear = resolve_linear_kernel(config.linear, torch_dtype, torch.device("cpu"), log)  # refuse before loading
+    backend = resolve_backend(config.linear, torch_dtype, torch.device("cpu"), log)  # refuse before loading
     for weights in (*config.weights, *((config.draft_weights,) if config.draft_model else ())):
-        check_weights(weights, linear)
+        check_weights(weights, backend)
     wants_hf = transformers_available() and any(f.startswith("hf") for f in config.families)
     hf_error = None
 
@@ -572,7 +572,7 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
         identity_comparisons=comparisons, identity_mismatches=mismatches, peer_agreement=peer_agreement,
         rss_mb=rss, peak_rss_mb=peak_rss_mb(), rss_after_load_mb=rss_after_load,
         model_source=loaded.target.source, draft_source=loaded.draft.source if loaded.draft else None,
-        linear_kernel=loaded.target.model.linear_kernel,
+        linear_kernel=loaded.target.model.backend.name,
         torch_dtype=dtype_name(loaded.torch_dtype), peer_dtype=dtype_name(loaded.peer_dtype), load_s=load_s,
         run_s=run_s, cost_curves=curves)
 

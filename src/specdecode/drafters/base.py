@@ -15,6 +15,7 @@ import torch
 from specdecode import tree
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
+from specdecode.models.rows import LogitRows
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 
 if TYPE_CHECKING:
@@ -238,7 +239,8 @@ def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingP
     device, slots = model.device, (slot,)
 
     def advance(token: int) -> torch.Tensor:
-        return model(torch.tensor([[token]], device=device), cache, slots, layers=layers, logits="last")[0, -1]
+        out = model(torch.tensor([[token]], device=device), cache, slots, layers=layers, logits=LogitRows.LAST)
+        return out.logits[0, -1]
 
-    logits = model(torch.tensor([fed], device=device), cache, slots, layers=layers, logits="last")[0, -1]
+    logits = model(torch.tensor([fed], device=device), cache, slots, layers=layers, logits=LogitRows.LAST).logits[0, -1]
     return chain_draft(logits, advance, k, sampling, generator, stop)

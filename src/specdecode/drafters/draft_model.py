@@ -18,6 +18,7 @@ from specdecode.drafters.tree_search import grow_tree
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.kv.prefill import prefill
+from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 
@@ -96,12 +97,13 @@ class DraftModelDrafter(OwnCache):
         if not self.tree_width:
             return model_draft(self.model, self.cache, fed, k, sampling, generator, stop=stop)
         device = self.model.device
-        first = self.model.forward_rows(torch.tensor(fed, device=device), self.cache, (0,), (len(fed),), logits="last")
+        first = self.model.forward_rows(torch.tensor(fed, device=device), self.cache, (0,), (len(fed),),
+                                        logits=LogitRows.LAST).logits
         held = self.cache.lengths[0]
 
         def run(tokens: list[int], parents: list[int]) -> torch.Tensor:
             return self.model.forward_rows(torch.tensor(tokens, device=device), self.cache, (0,), (len(tokens),),
-                                           parents=[parents])
+                                           parents=[parents]).logits
         draft = grow_tree(first[-1], run, k, self.tree_width, sampling, generator)
         self.cache.trim(0, held)  # the tree's rows; the accepted ones are fed again next step
         return draft

@@ -17,6 +17,7 @@ import torch
 from specdecode.drafters.base import MODEL_SIGNALS, Draft, DrafterBase, StopRule, model_draft
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
+from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from specdecode.stats import predicted_speedup
@@ -112,7 +113,7 @@ def block_influence(model: Transformer, sequences: Sequence[list[int]]) -> list[
     try:
         for seq in sequences:
             model(torch.tensor([seq], device=model.device), model.new_cache(CacheConfig(max_len=len(seq))),
-                  logits="none")
+                  logits=LogitRows.NONE)
             count += len(seq)
     finally:
         for h in hooks:
@@ -151,7 +152,8 @@ def calibrate_skip_set(model: Transformer, prompts: Sequence[list[int]], new_tok
         hits = total = 0
         for prompt, full in references:
             cache = model.new_cache(CacheConfig(max_len=len(full)))
-            logits = model(torch.tensor([full[:-1]], device=model.device), cache, layers=layers)[0, len(prompt) - 1:]
+            out = model(torch.tensor([full[:-1]], device=model.device), cache, layers=layers)
+            logits = out.logits[0, len(prompt) - 1:]
             hits += int((logits.argmax(-1) == torch.tensor(full[len(prompt):], device=model.device)).sum())
             total += len(full) - len(prompt)
         return hits / total
@@ -178,9 +180,9 @@ def calibrate_skip_set(model: Transformer, prompts: Sequence[list[int]], new_tok
 def _greedy_continuation(model: Transformer, prompt: list[int], new_tokens: int) -> tuple[list[int], list[int]]:
     cache = model.new_cache(CacheConfig(max_len=len(prompt) + new_tokens))
     seq = list(prompt)
-    logits = model(torch.tensor([seq], device=model.device), cache, logits="last")[0, -1]
+    logits = model(torch.tensor([seq], device=model.device), cache, logits=LogitRows.LAST).logits[0, -1]
     for _ in range(new_tokens):
         seq.append(int(logits.argmax()))
-        logits = model(torch.tensor([[seq[-1]]], device=model.device), cache, logits="last")[0, -1]
+        logits = model(torch.tensor([[seq[-1]]], device=model.device), cache, logits=LogitRows.LAST).logits[0, -1]
     return prompt, seq
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from specdecode.bench.prompts import Prompt, load_prompts, render
 from specdecode.heads.file import atomic_write
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.rows import LogitRows
 
 Log = Callable[[str], None]
 DISTILLED, TEXT = 0, 1  # kinds of sequence
@@ -155,7 +156,7 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: froz
     cache = model.new_cache(CacheConfig(max_len=-(-longest // 256) * 256, slots=len(prompts)))
     answers: list[list[int]] = []
     for slot, ids in enumerate(prompts):
-        logits = model(torch.tensor([ids], device=model.device), cache, slots=(slot,), logits="last")
+        logits = model(torch.tensor([ids], device=model.device), cache, slots=(slot,), logits=LogitRows.LAST).logits
         answers.append(pick(logits[:, -1]))
     live = [s for s in range(len(prompts)) if answers[s][-1] not in eos]
     while live:
@@ -163,7 +164,7 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: froz
         if not live:
             break
         tokens = torch.tensor([[answers[s][-1]] for s in live], device=model.device)  # [B, 1]
-        for s, token in zip(live, pick(model(tokens, cache, slots=live, logits="last")[:, -1])):
+        for s, token in zip(live, pick(model(tokens, cache, slots=live, logits=LogitRows.LAST).logits[:, -1])):
             answers[s].append(int(token))
         live = [s for s in live if answers[s][-1] not in eos]
     return answers
@@ -210,9 +211,8 @@ def target_features(model, ids: list[int],
     """One forward of the target over ``ids``: its greedy guesses ``[L]``, normed final states ``[L, h]`` and,
     with ``layers``, those layers' outputs ``[L, F*h]`` (else None)."""
     cache = model.new_cache(CacheConfig(max_len=-(-len(ids) // 256) * 256))
-    logits, hidden = model(torch.tensor([ids], device=model.device), cache, logits="all",
-                           features=(model.config.num_layers, *layers))
-    hidden = hidden[0].to("cpu", torch.bfloat16)
+    out = model(torch.tensor([ids], device=model.device), cache, features=(model.config.num_layers, *layers))
+    logits, hidden = out.logits, out.features[0].to("cpu", torch.bfloat16)
     h = model.config.hidden_size
     return logits[0].argmax(-1).cpu(), hidden[:, :h], (hidden[:, h:] if layers else None)
 

@@ -25,12 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.kv.cache import Cache, CacheConfig
-from specdecode.tree import place_rows
 from specdecode.kv.factory import make_cache
+from specdecode.models import packing
+from specdecode.models.backends import TORCH, Backend, LayerRunner
+from specdecode.models.backends.base import block_formats_refused
+from specdecode.models.block import Block
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import NATIVE_KERNELS, QuantLinear, packed_linear
-from specdecode.models import native
-from specdecode.models.transformer import Block, attention_ops, rope_inv_freq, rope_rows, rope_tables
+from specdecode.models.rope import Rope
+from specdecode.models.rows import plan_rows
 from specdecode.models.weights import quantize
 
 
@@ -96,9 +98,8 @@ class EagleHead(nn.Module):
         n = len(config.fuse_layers)
         self.fuse = nn.Linear(n * h, h, bias=False) if n else None
         self.block = Block(config.layer)
-        self.register_buffer("inv_freq", rope_inv_freq(config.layer), persistent=False)
-        self._rope: tuple[int, torch.Tensor, torch.Tensor] | None = None
-        self._rope_fp32: tuple[torch.Tensor, torch.Tensor] | None = None  # the fused layer's tables
+        self.rope = Rope(config.layer)
+        self.runner: LayerRunner = TORCH.prepare([self.block], self.rope, None)  # its layer as pack() readies it
 
     @property
     def dtype(self) -> torch.dtype:
@@ -127,47 +128,39 @@ class EagleHead(nn.Module):
         return self.project(self.normalize(features))
 
     def pack_like(self, target) -> None:
-        """``pack`` on the target's kernel path, in q8_0 where the target computes with block formats."""
-        self.pack(target.linear_kernel, "q8_0" if isinstance(target.head_layer, QuantLinear) else "bf16")
+        """``pack`` on the target's backend, in q8_0 where the target computes with block formats."""
+        self.pack(target.backend, "q8_0" if packing.block_weights(target) else "bf16")
 
-    def pack(self, kernel: str, weights: str = "bf16") -> None:
-        """Runs the projections on ``kernel`` (the target's path; "torch" leaves them as they are) and,
-        on our paths, attention on our kernel, as ``Transformer.pack_weights`` does for the target.
+    def pack(self, backend: Backend, weights: str = "bf16") -> None:
+        """Runs the projections and the layer on ``backend`` (the target's), as ``Transformer.pack_weights``
+        does for the target: packed projections, and on our kernels our attention and the layer as one call.
+        A backend that packs nothing (torch) leaves the head as it is.
 
         Args:
-            kernel: the target's kernel path.
-            weights: "bf16" (the head's own dtype) or a block format (e.g. "q8_0", on our paths only):
-                half the bytes a drafted token streams, at a draft's usual cost of a slightly different guess.
+            backend: the target's backend.
+            weights: "bf16" (the head's own dtype) or a block format (e.g. "q8_0", on a backend that computes
+                them): half the bytes a drafted token streams, at a draft's usual cost of a slightly different guess.
         """
-        if kernel not in ("onednn", *NATIVE_KERNELS):
+        if not backend.packs:
             return
-        if weights != "bf16" and kernel not in NATIVE_KERNELS:
-            raise ValueError(f"a {weights} head needs one of our kernels ({', '.join(NATIVE_KERNELS)}), not {kernel}")
+        if weights != "bf16" and not backend.block_formats:
+            raise block_formats_refused(weights, backend)
 
         def project(layer: nn.Linear) -> nn.Module:
             if weights == "bf16":
-                return packed_linear(layer.weight, layer.bias, kernel)
-            return QuantLinear(quantize(layer.weight.float(), weights), layer.bias, kernel)
+                return backend.linear(layer.weight, layer.bias)
+            return backend.block_linear(quantize(layer.weight.float(), weights), layer.bias)
 
         self.fc = project(self.fc)
         if self.fuse is not None:
             self.fuse = project(self.fuse)
-        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        for name in packing.PROJECTIONS:
             setattr(self.block, name, project(getattr(self.block, name)))
-        self.block.attention_ops = attention_ops(kernel)
-        if kernel in NATIVE_KERNELS:  # the layer as one kernel call, as the target's (fp32 inside)
-            self.block.fuse(native.kernel(kernel))
+        self.runner = backend.prepare([self.block], self.rope, None)
 
     def new_cache(self, config: CacheConfig) -> Cache:
         c = self.config
         return make_cache(1, c.num_kv_heads, c.head_dim, config, dtype=self.dtype, device=self.device)
-
-    def _angles(self, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE ``cos``, ``sin`` ``[1, T, 1, D]`` of positions start..start+t-1."""
-        if self._rope is None or self._rope[0] < start + t:
-            n = max(start + t, 2 * self._rope[0] if self._rope else 256)
-            self._rope = (n, *rope_tables(self.inv_freq, n, self.dtype))
-        return self._rope[1][start:start + t][None, :, None], self._rope[2][start:start + t][None, :, None]
 
     def step(self, embedded: torch.Tensor, features: torch.Tensor, cache: Cache,
              parents: Sequence[int] | None = None) -> torch.Tensor:
@@ -180,23 +173,12 @@ class EagleHead(nn.Module):
             parents: the rows of a draft tree, as ``Transformer.forward_rows`` takes them (the new rows
                 last); None for consecutive rows.
         """
-        start, t = cache.lengths[0], embedded.shape[1]
-        seen = None
-        positions = list(range(start, start + t))
-        if parents is not None:
-            positions, seen = place_rows(parents, t, start, cache.visible(0))
-            seen = None if seen is None else (seen[0].to(self.device), seen[1].to(self.device))
+        t = embedded.shape[1]
+        plan = plan_rows(cache, (0,), (t,), t, None if parents is None else [parents], None, self.device)
         x = self.fc(torch.cat((embedded, features), dim=-1))  # [1, T, h]
-        if self.block.fused is not None:
-            if self._rope_fp32 is None or self._rope_fp32[0].shape[0] <= max(positions):
-                self._rope_fp32 = rope_rows(self.inv_freq, max(2 * max(positions), 256))
-            rope = (*self._rope_fp32, torch.tensor(positions))
-            x = self.block.forward_fused(x[0].float(), 0, cache, (0,), (start,), (t,), rope, [seen]).to(self.dtype)[None]
-        else:
-            cos, sin = self._angles(0, max(positions) + 1)
-            x = self.block.forward_rows(x, 0, cache, (0,), (start,), (t,), cos[:, positions], sin[:, positions], [seen])
+        x, _ = self.runner.run(x[0], cache, plan, (0,), ())
         cache.advance((0,), t)
-        return x
+        return x.to(self.dtype)[None]
 
     def forward(self, embedded: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
         """Training forward over whole sequences, no cache, drafting ``steps`` tokens from every row at once.
@@ -217,7 +199,8 @@ class EagleHead(nn.Module):
             meaningless and must be left out of the loss).
         """
         t = embedded.shape[1]
-        cos, sin = self._angles(0, t)
+        cos_table, sin_table = self.rope.tables(t, self.dtype)
+        cos, sin = cos_table[:t][None, :, None], sin_table[:t][None, :, None]  # [1, T, 1, D]
         features = self.project(features)
         outs, keys, values = [], [], []
         for step in range(steps):

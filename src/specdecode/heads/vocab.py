@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from specdecode.models.linear import QuantLinear, packed_linear
+from specdecode.models import packing
 
 
 def frequency_ranking(counts: torch.Tensor, always: Iterable[int] = ()) -> torch.Tensor:
@@ -41,8 +41,9 @@ class VocabHead(nn.Module):
     """The target's output head restricted to ``ids``: ``[..., h]`` -> ``[..., Vd]`` logits in float32.
 
     Args:
-        target: the target ``Transformer`` (its rows are copied once, then packed like its projections; a
-            head in a block format gives its own blocks, so draft and target score with the same weights).
+        target: the target ``Transformer`` (its rows are copied once, then packed for its backend like its
+            projections; a head in a block format gives its own blocks, so draft and target score with the same
+            weights).
         ids: ``[Vd]`` token ids (kept sorted: row i scores the i-th smallest id, so that the first of equal
             logits is the lowest id, as over the whole vocabulary).
     """
@@ -51,12 +52,11 @@ class VocabHead(nn.Module):
         super().__init__()
         self.register_buffer("ids", ids.to(target.device, torch.int64).sort().values)
         self.vocab_size = target.config.vocab_size
-        kernel = target.linear_kernel
-        if isinstance(target.head_layer, QuantLinear):
-            self.linear = QuantLinear(target.head_layer.blocks().rows(self.ids.cpu()), None, kernel)
+        backend = target.backend
+        if packing.block_weights(target):
+            self.linear = backend.block_linear(target.head_layer.blocks().rows(self.ids.cpu()), None)
         else:
-            rows = target.output_rows(self.ids)  # [Vd, h]
-            self.linear = packed_linear(rows, None, kernel if kernel != "int8" else "torch")
+            self.linear = backend.linear(target.output_rows(self.ids), None)  # rows [Vd, h]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x).float()

@@ -19,6 +19,7 @@ import torch
 
 from specdecode.kv.cache import Cache
 from specdecode.kv.prefix import LayerKV, PrefixCache
+from specdecode.models.rows import LogitRows
 
 
 class _Recorder:
@@ -54,8 +55,8 @@ def prefill(cache: Cache, slot: int, tokens: Sequence[int], model: Any, prefix: 
         cache: the cache to fill.
         slot: its slot for this sequence.
         tokens: verified token ids (a prompt, all but its last token).
-        model: called as ``model(ids [1, T], cache, slots=(slot,), logits="none", invariant_rows=...)`` (a
-            Transformer).
+        model: called as ``model(ids [1, T], cache, slots=(slot,), logits=LogitRows.NONE, features=...,
+            invariant_rows=...)`` (a Transformer).
         prefix: the model's prefix cache, or None.
         features: layers whose features ``observe`` is handed (see ``Transformer.forward``); none when empty.
         observe: called with (first position, features ``[T, F]``) for every computed chunk; positions
@@ -90,10 +91,10 @@ def prefill(cache: Cache, slot: int, tokens: Sequence[int], model: Any, prefix: 
         for a in range(start, len(tokens), chunk):
             ids = torch.tensor([tokens[a:a + chunk]], device=device)
             if features and observe is not None:
-                observe(a, model(ids, target, slots=(slot,), logits="none", features=features,
-                                 invariant_rows=invariant_rows)[1][0])
+                observe(a, model(ids, target, slots=(slot,), logits=LogitRows.NONE, features=features,
+                                 invariant_rows=invariant_rows).features[0])
             else:
-                model(ids, target, slots=(slot,), logits="none", invariant_rows=invariant_rows)
+                model(ids, target, slots=(slot,), logits=LogitRows.NONE, invariant_rows=invariant_rows)
         whole = len(tokens) // chunk * chunk
         if prefix is not None and whole > start:
             prefix.insert(tokens[:whole], target.kv(whole - start), hit)

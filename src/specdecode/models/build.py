@@ -1,7 +1,7 @@
 """From a model source (registry name, .gguf path, HF folder, hub id) to a ready model and tokenizer.
 
 Glue only: parsing and dequantizing live in ``loader.py``, the network in ``fetch.py``, the maths in
-``transformer.py``.
+``transformer.py``, the choice of backend in ``backends/``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from specdecode.models.loader import Checkpoint, load_checkpoint
 from specdecode.models import native
 from specdecode.models.tokenizer import Tokenizer
-from specdecode.models.linear import NATIVE_KERNELS
-from specdecode.models.transformer import Transformer, resolve_linear_kernel
+from specdecode.models.backends import Backend, resolve_backend
+from specdecode.models.transformer import Transformer
 from specdecode.models.weights import BLOCK_FORMATS, WEIGHT_FORMATS
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -33,7 +33,7 @@ def cpu_runs_bf16() -> bool:
     registers (AVX512F, AVX2 + FMA), from half the bytes of fp32 weights. Judged from the CPU flags
     alone, without compiling; a build that then fails to compile falls back (see ``native``)."""
     flags = native.cpu_flags()
-    return any(set(native.BUILDS[name].needs) <= flags for name in NATIVE_KERNELS)
+    return any(set(build.needs) <= flags for build in native.BUILDS.values())
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
@@ -93,19 +93,19 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def check_weights(weights: str, linear: str) -> None:
-    """Refuses, before any weights are read, a block format (``--weights``) on a path that computes bf16 only.
+def check_weights(weights: str, backend: Backend) -> None:
+    """Refuses, before any weights are read, a block format (``--weights``) on a backend that computes bf16 only.
 
     Args:
         weights: one of WEIGHT_FORMATS.
-        linear: the resolved kernel path.
+        backend: the resolved backend.
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
-    if weights in BLOCK_FORMATS and linear not in NATIVE_KERNELS:
-        raise ValueError(f"--weights {weights} needs one of our kernels ({', '.join(NATIVE_KERNELS)}); the projections "
-                         f"would run on {linear}" + ("" if linear != "torch" else
-                                                      " (no AVX2+FMA CPU, another device, or a float32 model)"))
+    if weights in BLOCK_FORMATS and not backend.block_formats:
+        why = "" if backend.packs else " (no AVX2+FMA CPU, another device, or a float32 model)"
+        raise ValueError(f"--weights {weights} needs one of our kernels (a backend that computes block formats); the "
+                         f"projections would run on {backend.name}{why}")
 
 
 def load_model(source: str, dtype: str = "auto", device: str = "cpu",
@@ -128,8 +128,9 @@ def load_model(source: str, dtype: str = "auto", device: str = "cpu",
     if quantize not in DRAFT_QUANT:
         raise ValueError(f"quantize {quantize!r} is not one of {', '.join(DRAFT_QUANT)}")
     if quantize == "none":  # a kernel or format that cannot run is refused before any weights are read
-        linear = resolve_linear_kernel(linear, torch_dtype, torch.device(device), progress)
-        check_weights(weights, linear)
+        backend = resolve_backend(linear, torch_dtype, torch.device(device), progress)
+        check_weights(weights, backend)
+        linear = backend.name
     return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, device, linear=linear,
                            quantize=quantize, progress=progress, weights=weights)
 

@@ -23,8 +23,8 @@ int8 weight-only kernel: half the bytes of bf16 to stream per step, and differen
 meant for draft models, whose output only has to be a good guess (verification keeps the result
 exact); a target quantized this way is a different model.
 
-This module does not choose between kernels (``Transformer.pack_weights`` does); packed layers cannot
-be saved, moved to another device or trained.
+This module does not choose between kernels (``backends/`` do, and ``packing.py`` swaps these layers in);
+packed layers cannot be saved, moved to another device or trained.
 """
 
 from __future__ import annotations
@@ -34,10 +34,6 @@ from torch import nn
 
 from specdecode.models import native
 from specdecode.models.weights import FORMAT_CODES, BlockWeight, pack as pack_blocks, unpack as unpack_blocks
-
-# What --linear offers (see Transformer.pack_weights); the first three are ours (native.BUILDS).
-LINEAR_KERNELS = ("auto", "tiled", "avx512", "avx2", "onednn", "torch")
-NATIVE_KERNELS = tuple(native.BUILDS)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -90,7 +86,7 @@ class NativeLinear(nn.Module):
         if ops is None:
             raise RuntimeError(f"the {path} kernel is unavailable: {native.unavailable_reason(path)}")
         self.path = path
-        self._op = ops.tiled_linear if path == "tiled" else ops.widened_linear
+        self._op = getattr(ops, native.BUILDS[path].bf16_linear)
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed", native.pack(weight, native.BUILDS[path].tile))  # [N/T, K/2, T, 2]
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
@@ -186,15 +182,3 @@ class Int8Linear(nn.Module):
         y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
-
-def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> nn.Module:
-    """``y = x W^T + b`` on ``kernel``: one of ours, oneDNN, or (for "torch") a plain ``nn.Linear`` copy."""
-    if kernel in NATIVE_KERNELS:
-        return NativeLinear(weight, bias, kernel)
-    if kernel == "onednn":
-        return PackedLinear(weight, bias)
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
-    layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    if bias is not None:
-        layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
-    return layer

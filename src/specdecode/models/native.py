@@ -12,7 +12,7 @@ Every build carries the bf16 projections, the quantized projections (``linear_qu
 and the fused decoder layer (``layer.h``). Where a build cannot run, ``unavailable_reason`` names the
 missing CPU feature or tool and callers fall back. An AVX512 CPU without VNNI (Skylake-SP) runs ``avx2``.
 
-This module does not choose between paths (``transformer.resolve_linear_kernel`` does) and never
+This module does not choose between paths (``backends.resolve_backend`` does) and never
 compiles anything at import time.
 """
 
@@ -43,13 +43,14 @@ class Build:
     cflags: tuple[str, ...]
     tile: int  # outputs per packed bf16 weight tile
     quant_tile: int  # outputs per packed quantized weight tile
+    bf16_linear: str  # the compiled op of its bf16 projections
 
 
 BUILDS: dict[str, Build] = {
     "tiled": Build(SOURCE, ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
-                   (*_AVX512, "-mavx512bf16", "-DSPECDECODE_TILED"), 64, 32),
-    "avx512": Build(SOURCE, ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"), _AVX512, 64, 32),
-    "avx2": Build(SOURCE, ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), 32, 16),
+                   (*_AVX512, "-mavx512bf16", "-DSPECDECODE_TILED"), 64, 32, "tiled_linear"),
+    "avx512": Build(SOURCE, ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"), _AVX512, 64, 32, "widened_linear"),
+    "avx2": Build(SOURCE, ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), 32, 16, "widened_linear"),
 }
 # Sums are never reassociated or contracted behind our back: the kernels spell out every FMA they use.
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")

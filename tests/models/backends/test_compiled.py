@@ -1,6 +1,7 @@
-"""The fused decoder layer (``kernels/layer.h``, ``Block.forward_fused``): its maths against a float64 reference
-of the same steps, its two forms (plain cache written in the kernel, other caches through ``update``) giving the
-same bits, thread counts giving the same bits, and what a fused model hands out (features, weight formats)."""
+"""Our compiled kernels' backend (``backends/compiled.py``): the fused decoder layer (``kernels/layer.h``) against a
+float64 reference of the same steps, its two forms (plain cache written in the kernel, other caches through
+``update``) giving the same bits, thread counts giving the same bits, and what a fused model hands out (features,
+weight formats)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch.nn.functional as F
 
 from specdecode.kv.cache import CacheConfig
 from specdecode.kv.prefill import _Recorder
-from specdecode.models.linear import NATIVE_KERNELS, NativeLinear, QuantLinear
+from specdecode.models.linear import NativeLinear, QuantLinear
+from specdecode.models.rows import LogitRows, plan_rows
 from specdecode.models.weights import BLOCK_FORMATS
-from kernel_paths import block_activations, path_params
+from kernel_paths import NATIVE_PATHS, block_activations, path_params
 from tiny_models import tiny_model, varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -60,26 +62,26 @@ def _reference_layer(block, x: torch.Tensor, past_k: torch.Tensor, past_v: torch
     return x + _project(block.w_down, F.silu(gate) * up), keys, values
 
 
-@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 @pytest.mark.parametrize("weights", FORMATS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_fused_layers_compute_the_float64_reference(path, weights, arch):
     model = tiny_model(arch, seed=3, dtype=torch.bfloat16)
-    model.pack_weights(path, weights=weights)
-    assert model.fused
+    assert model.pack_weights(path, weights=weights).row_invariant
+    assert model.runner.fused
     g = torch.Generator().manual_seed(9)
     tokens = torch.randint(0, model.config.vocab_size, (11,), generator=g)
     cache = model.new_cache(CacheConfig(max_len=32))
     with torch.inference_mode():
-        model.forward_rows(tokens[:7], cache, (0,), (7,), logits="none")
+        model.forward_rows(tokens[:7], cache, (0,), (7,), logits=LogitRows.NONE)
         x = torch.randn(4, model.config.hidden_size, generator=g)
-        rope = (*model._rope_rows(16), torch.arange(7, 11))
+        plan = plan_rows(cache, (0,), (4,), 4, None, None, model.device)  # positions 7..10
         for i, block in enumerate(model.layers):
             past_k = cache.k[i][0, :, :7].double()
             past_v = cache.v[i][0, :, :7].double()
-            got = block.forward_fused(x, i, cache, (0,), (7,), (4,), rope, [None])
+            got, _ = model.runner.run(x, cache, plan, [i], ())
             want, keys, values = _reference_layer(block, x.double(), past_k, past_v, torch.arange(7, 11),
-                                                  model.inv_freq, model.config.rms_norm_eps)
+                                                  model.rope.inv_freq, model.config.rms_norm_eps)
             # Seen: ~1e-7 (fp32 arithmetic). The bound leaves room for an activation code (or a bf16 input)
             # rounded the other way near a tie (~1e-3); a wrong step (RoPE angle, head mapping, bias) is ~1e-1.
             err = (got.double() - want).abs().max().item()
@@ -89,7 +91,7 @@ def test_fused_layers_compute_the_float64_reference(path, weights, arch):
             x = got
 
 
-@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 @pytest.mark.parametrize("weights", ["bf16", "q4_1"])
 def test_a_cache_that_sees_every_write_gives_the_same_bits(path, weights):
     """layer_rows writes a plain cache's buffers itself; through update (a recorder, a compressing cache) the
@@ -103,11 +105,11 @@ def test_a_cache_that_sees_every_write_gives_the_same_bits(path, weights):
         assert direct.direct_buffers((0,), (0,), (0,), (20,)) is not None and recorder.direct_buffers((0,)) is None
         a = model.forward_rows(tokens, direct, (0,), (20,))
         b = model.forward_rows(tokens, recorder, (0,), (20,))
-        assert torch.equal(a, b)
+        assert torch.equal(a.logits, b.logits)
         assert all(torch.equal(x, y) for x, y in zip(direct.k, recorded.k))
 
 
-@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 @pytest.mark.parametrize("weights", ["bf16", "q8_0"])
 def test_ragged_slots_and_a_tree_give_the_same_bits_in_both_forms(path, weights):
     """Two sequences in one forward, one of them a token tree: the all-layers call over a plain cache and the
@@ -122,15 +124,15 @@ def test_ragged_slots_and_a_tree_give_the_same_bits_in_both_forms(path, weights)
             target = _Recorder(cache) if recorded else cache
             g.manual_seed(4)
             for slot, n in ((0, 11), (1, 17)):
-                model.forward_rows(torch.randint(0, 97, (n,), generator=g), target, (slot,), (n,), logits="none")
+                model.forward_rows(torch.randint(0, 97, (n,), generator=g), target, (slot,), (n,), logits=LogitRows.NONE)
             tokens = torch.randint(0, 97, (3 + 5,), generator=g)
-            outs.append(model.forward_rows(tokens, target, (0, 1), (3, 5), parents=[None, [-1, 0, 0, 1, 2]]))
+            outs.append(model.forward_rows(tokens, target, (0, 1), (3, 5), parents=[None, [-1, 0, 0, 1, 2]]).logits)
             caches.append(cache)
         assert torch.equal(*outs)
         assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
 
 
-@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 def test_fused_forwards_give_the_same_bits_on_one_and_two_threads(path):
     model = varied_model(0, dtype=torch.bfloat16)
     model.pack_weights(path, weights="q8_0")
@@ -139,26 +141,28 @@ def test_fused_forwards_give_the_same_bits_on_one_and_two_threads(path):
     for threads in (1, 2):
         torch.set_num_threads(threads)
         with torch.inference_mode():
-            outs.append(model.forward_rows(tokens, model.new_cache(CacheConfig(max_len=16)), (0,), (13,)))
+            outs.append(model.forward_rows(tokens, model.new_cache(CacheConfig(max_len=16)), (0,), (13,)).logits)
     torch.set_num_threads(1)
     assert torch.equal(*outs)
 
 
-@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 def test_a_fused_model_hands_out_features_in_its_dtype_and_unfused_packing_stays_available(path):
     fused, plain = varied_model(0, dtype=torch.bfloat16), varied_model(0, dtype=torch.bfloat16)
     fused.pack_weights(path, weights="q4_1")
     plain.pack_weights(path, weights="q4_1", fuse=False)
-    assert fused.fused and not plain.fused and isinstance(plain.layers[0].wqkv, QuantLinear)
+    assert fused.runner.fused and not plain.runner.fused and isinstance(plain.layers[0].wqkv, QuantLinear)
+    assert plain.backend == fused.backend and all(block.attention_ops is not None for block in plain.layers)
     tokens = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        logits, feats = fused(tokens, fused.new_cache(CacheConfig(max_len=16)), features=(1, 4))
-        unfused = plain(tokens, plain.new_cache(CacheConfig(max_len=16)), invariant_rows=True)
+        out = fused(tokens, fused.new_cache(CacheConfig(max_len=16)), features=(1, 4))
+        unfused = plain(tokens, plain.new_cache(CacheConfig(max_len=16)), invariant_rows=True).logits
+    logits, feats = out.logits, out.features
     assert logits.dtype == torch.float32 and feats.dtype == torch.bfloat16 and feats.shape == (1, 9, 2 * 64)
     assert (logits.argmax(-1) == unfused.argmax(-1)).float().mean() > 0.8  # same model, other rounding steps
 
 
-@pytest.mark.parametrize("path", path_params(NATIVE_KERNELS))
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 def test_kept_layers_cut_the_fused_forward_without_changing_a_bit(path):
     """Features of middle layers (an EAGLE-3 head's) come from runs of layers cut after each kept one: the
     logits stay bitwise those of the uncut forward, and a kept layer's output is that of a forward ending there."""
@@ -166,13 +170,14 @@ def test_kept_layers_cut_the_fused_forward_without_changing_a_bit(path):
     model.pack_weights(path, weights="q4_1")
     tokens = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
-        whole = model(tokens, model.new_cache(CacheConfig(max_len=16)))
-        logits, feats = model(tokens, model.new_cache(CacheConfig(max_len=16)), features=(0, 2, 4))
-        _, upto = model(tokens, model.new_cache(CacheConfig(max_len=16)), layers=[0, 1, 2], logits="none", features=(2,))
+        whole = model(tokens, model.new_cache(CacheConfig(max_len=16))).logits
+        out = model(tokens, model.new_cache(CacheConfig(max_len=16)), features=(0, 2, 4))
+        upto = model(tokens, model.new_cache(CacheConfig(max_len=16)), layers=[0, 1, 2], logits=LogitRows.NONE,
+                     features=(2,)).features
         # adjacent cuts and a kept last layer, against the one-call-per-layer form (a cache that sees every write)
         kept = (0, 1, 3, 4)
         cut = model(tokens, model.new_cache(CacheConfig(max_len=16)), features=kept)
         per_layer = model(tokens, _Recorder(model.new_cache(CacheConfig(max_len=16))), features=kept)
-    assert torch.equal(logits, whole)
-    assert torch.equal(feats[..., 64:128], upto)
-    assert torch.equal(cut[0], per_layer[0]) and torch.equal(cut[1], per_layer[1])
+    assert torch.equal(out.logits, whole)
+    assert torch.equal(out.features[..., 64:128], upto)
+    assert torch.equal(cut.logits, per_layer.logits) and torch.equal(cut.features, per_layer.features)

@@ -1,0 +1,111 @@
+"""One pre-norm decoder layer of the Llama/Qwen2/Mistral family as torch modules: attention with GQA, then a
+SwiGLU MLP, with q/k/v fused into one projection and gate/up into another (on a CPU the per-call overhead
+of small matmuls dominates small models).
+
+Its projections are whatever a backend packed in (``backends/``); its row-invariant attention is our
+compiled kernel where a backend set ``attention_ops``, else ``attention.rowwise_attention``. A backend that
+runs whole layers as one kernel call (``backends/compiled.py``) reads this block's weights and does not call
+these forwards. This module does not choose a backend, place rows or touch the output head.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.kv.cache import Cache
+from specdecode.models.attention import indexed_attention, rowwise_attention
+from specdecode.models.config import ModelConfig
+from specdecode.models.rope import apply_rope
+from specdecode.models.rows import RowPlan
+
+
+class Block(nn.Module):
+    """One decoder layer.
+
+    Args:
+        config: the architecture.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.eps = c.rms_norm_eps
+        self.window = c.sliding_window
+        self.attn_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.wqkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.attention_bias)
+        self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.attention_ops: ModuleType | None = None  # our compiled attention, set by a backend (``native``)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Row-invariant attention of the T newest tokens (``[B, H, T, D]``) over the keys (``[B, Hkv, L, D]``):
+        our kernel where a backend set it, else ``rowwise_attention``."""
+        if self.attention_ops is not None:
+            return self.attention_ops.attention(q, keys, values, self.window or 0, self.head_dim ** -0.5)
+        return rowwise_attention(q, keys, values, self.window)
+
+    def attend_indexed(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
+                       counts: torch.Tensor) -> torch.Tensor:
+        """Row-invariant attention of one sequence's T new tokens (``[1, H, T, D]``), token t over the keys
+        ``index[t, :counts[t]]`` (a token tree, ``tree.key_index``): our kernel, else ``indexed_attention``."""
+        if self.attention_ops is not None:
+            return self.attention_ops.attention_indexed(q, keys, values, index, counts, self.head_dim ** -0.5)
+        return indexed_attention(q, keys, values, index, counts)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[B, H, T, D]``, keys and values ``[B, Hkv, T, D]`` of ``x [B, T, hidden]``, RoPE applied."""
+        b, t, _ = x.shape
+        h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
+        qkv = self.wqkv(h).view(b, t, self.heads + 2 * self.kv_heads, self.head_dim)  # [B, T, H + 2 Hkv, D]
+        qk = apply_rope(qkv[:, :, :self.heads + self.kv_heads], cos, sin)  # queries and keys in one go
+        q = qk[:, :, :self.heads].transpose(1, 2)  # [B, H, T, D]
+        k = qk[:, :, self.heads:].transpose(1, 2)  # [B, Hkv, T, D]
+        return q, k, qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the output projection of ``attn [B, H, T, D]`` and the MLP."""
+        b, t, _ = x.shape
+        x = x + self.wo(attn.transpose(1, 2).reshape(b, t, -1))
+        h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
+        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The batched path: all rows of ``x [B, T, hidden]`` attend in one call under ``mask``
+        (``attention.batch_mask``; None: every key visible, then attention is row-invariant)."""
+        q, k, v = self.qkv(x, cos, sin)
+        keys, values = cache.update(layer, slots, starts, k, v)  # [B, Hkv, L, D]
+        if mask is None:
+            attn = self.attend(q, keys, values)  # [B, H, T, D]
+        else:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                  enable_gqa=self.heads != self.kv_heads)
+        return self.finish(x, attn)
+
+    def forward_rows(self, x: torch.Tensor, layer: int, cache: Cache, plan: RowPlan, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+        """The row-invariant path: ``x [1, N, hidden]`` holds the rows ``plan`` places; each sequence's rows
+        attend over its own cache alone (``attend``), or, where ``plan.trees`` gives a key index, each row over
+        its context and ancestors, so a row's result does not depend on what else shares the forward.
+        ``cos``/``sin`` are the rows' RoPE angles ``[1, N, 1, D]``."""
+        q, k, v = self.qkv(x, cos, sin)  # q [1, H, N, D], k/v [1, Hkv, N, D]
+        parts, offset = [], 0
+        for slot, start, n, seen in zip(plan.slots, plan.starts, plan.counts, plan.trees):
+            rows = slice(offset, offset + n)
+            keys, values = cache.update(layer, (slot,), (start,), k[:, :, rows], v[:, :, rows])  # [1, Hkv, L, D]
+            if seen is None:
+                parts.append(self.attend(q[:, :, rows], keys, values))
+            else:
+                parts.append(self.attend_indexed(q[:, :, rows], keys, values, *seen))
+            offset += n
+        return self.finish(x, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))

@@ -1,0 +1,52 @@
+"""From checkpoint tensors named as Hugging Face's Llama/Qwen2/Mistral models name them to our decoder's
+parameters: q/k/v stacked into one projection, gate/up into another, a tied output head read from the
+embedding table.
+
+This module maps names and checks that nothing is missing; it does not read files (``loader.py``) or pack
+weights (``packing.py``, which asks ``projection_parts`` where a packed projection's stored blocks are).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from specdecode.models.config import ModelConfig, expected_tensor_shapes
+
+
+def projection_parts(layer: int) -> dict[str, list[str]]:
+    """Each fused projection of layer ``layer`` and the checkpoint tensors (HF names, without ``.weight``)
+    stacked into it, in order."""
+    p = f"model.layers.{layer}."
+    return {"wqkv": [f"{p}self_attn.{n}_proj" for n in "qkv"], "wo": [f"{p}self_attn.o_proj"],
+            "w_gate_up": [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"], "w_down": [f"{p}mlp.down_proj"]}
+
+
+def head_part(config: ModelConfig) -> str:
+    """The checkpoint tensor the output head computes with (the embedding table when tied)."""
+    return "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
+
+
+def hf_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Our ``Transformer``'s state dict, in ``dtype``, from HF-named weights.
+
+    Raises:
+        ValueError: a tensor the architecture needs is missing (the first few are named).
+    """
+    missing = [n for n in expected_tensor_shapes(config) if n not in tensors]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    state = {"embed.weight": tensors["model.embed_tokens.weight"], "norm": tensors["model.norm.weight"]}
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = tensors["lm_head.weight"]
+    for i in range(config.num_layers):
+        for name, parts in projection_parts(i).items():
+            state[f"layers.{i}.{name}.weight"] = torch.cat([tensors[f"{p}.weight"] for p in parts])
+        if config.attention_bias:
+            state[f"layers.{i}.wqkv.bias"] = torch.cat([tensors[f"{p}.bias"] for p in projection_parts(i)["wqkv"]])
+        p = f"model.layers.{i}."
+        state[f"layers.{i}.attn_norm"] = tensors[f"{p}input_layernorm.weight"]
+        state[f"layers.{i}.mlp_norm"] = tensors[f"{p}post_attention_layernorm.weight"]
+    return {k: v.to(dtype) for k, v in state.items()}

@@ -1,0 +1,111 @@
+"""Packing a model's projections for a backend: every fused projection and the output head swapped for the
+backend's packed copy, in bf16 or a block format (q8_0, q4_0, q4_1) chosen per projection
+(``weights.choose_format``), read from a GGUF's stored blocks where they already are in that format, else
+quantized from the float weights. Also int8 weight-only quantization (draft models) and the description of
+a model's weight formats.
+
+A tied output head keeps the embedding table for lookups and gains a packed copy. This module does not choose
+the backend (``backends/resolve_backend``) and does not run anything.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import nn
+
+from specdecode.models.backends import AUTO, Backend
+from specdecode.models.hf_import import head_part, projection_parts
+from specdecode.models.linear import Int8Linear, NativeLinear, QuantLinear
+from specdecode.models.weights import WeightSource, as_format, choose_format, concat, quantize
+
+PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+class _HeadView(NamedTuple):
+    """A tied output head seen as a bias-free linear layer over the embedding table."""
+
+    weight: torch.Tensor
+    bias: None = None
+
+
+def check_repack(model, kernel: str, weights: str) -> None:
+    """Refuses to pack an already packed (or quantized) ``model`` again for another backend or other weights.
+
+    Args:
+        model: a packed ``Transformer``.
+        kernel: the ``--linear`` name asked for ("auto" accepts the current backend).
+        weights: the format asked for ("auto" accepts the current one).
+    """
+    current = model.backend.name
+    same_weights = weights in (AUTO, model.packed_as, model.weight_format)
+    if not same_weights:
+        raise ValueError(f"the projections are already packed with {model.weight_format} weights on {current}; "
+                         f"cannot repack them as {weights}")
+    if kernel not in (AUTO, current):
+        raise ValueError(f"the projections already run on {current}; cannot switch to {kernel}")
+
+
+def pack_projections(model, backend: Backend, weights: str, source: WeightSource | None) -> None:
+    """Swaps each projection of ``model`` (and its output head) for ``backend``'s packed copy.
+
+    Args:
+        model: an unpacked ``Transformer``.
+        backend: where the projections will run.
+        weights: "bf16" or a block format for every projection (the output head at least q8_0), or "auto":
+            as ``source`` stores them (block formats only where ``backend.block_formats``).
+        source: the checkpoint's float weights and stored formats; without it, block formats are quantized from
+            the model's own weights.
+    """
+    def make(layer: nn.Module, parts: list[str], head: bool) -> nn.Module:
+        fmt = choose_format(weights, [source.format(f"{p}.weight") for p in parts] if source else ["bf16"], head)
+        if fmt == "bf16":
+            return backend.linear(layer.weight, layer.bias)
+        if source is None:
+            blocks = quantize(layer.weight, fmt)
+        else:  # stored blocks are read only where they can be kept
+            blocks = concat([as_format(source.blocks(f"{p}.weight") if source.format(f"{p}.weight") == fmt else None,
+                                       source.tensors[f"{p}.weight"], fmt) for p in parts])
+        bias = layer.bias
+        if bias is not None and source is not None:  # the checkpoint's fp32 biases, not the bf16 copies
+            bias = torch.cat([source.tensors[f"{p}.bias"] for p in parts])
+        return backend.block_linear(blocks, bias)
+
+    swap_projections(model, make)
+
+
+def swap_projections(model, make: Callable[[nn.Module, list[str], bool], nn.Module]) -> None:
+    """Replaces each projection of ``model`` by ``make(layer, its checkpoint names, is the output head)``."""
+    for i, block in enumerate(model.layers):
+        for name, parts in projection_parts(i).items():
+            setattr(block, name, make(getattr(block, name), parts, False))
+    head = model.lm_head or _HeadView(model.embed.weight)
+    model.head_layer, model.lm_head = make(head, [head_part(model.config)], True), None
+
+
+def int8_projections(model) -> None:
+    """Swaps each projection of ``model`` (and its output head) for an int8 weight-only copy (``Int8Linear``)."""
+    swap_projections(model, lambda layer, parts, head: Int8Linear(layer.weight, layer.bias, model.dtype))
+
+
+def weight_format(model) -> str:
+    """``model``'s projection formats, e.g. "bf16", "q4_1" or "q4_1+q8_0, head q8_0" (the head named where it
+    differs); "int8" for int8 weight-only copies; the model dtype ("float32", ...) for unpacked weights."""
+    dtype = {torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype).replace("torch.", ""))
+
+    def fmt(m: nn.Module | None) -> str:
+        if isinstance(m, Int8Linear):
+            return "int8"
+        return m.weight_format if isinstance(m, (NativeLinear, QuantLinear)) else dtype
+
+    layers = sorted({fmt(getattr(b, n)) for b in model.layers for n in PROJECTIONS})
+    head = fmt(model.head_layer)
+    text = "+".join(layers) or head
+    return text if layers == [head] or not layers else f"{text}, head {head}"
+
+
+def block_weights(model) -> bool:
+    """Whether ``model``'s output head computes with a block format (its projections were packed in one)."""
+    return isinstance(model.head_layer, QuantLinear)
+

@@ -1,0 +1,97 @@
+"""Rotary position embeddings: the inverse frequencies (with the config's scaling), the tables the layers
+read, and the rotation itself.
+
+Two table forms serve two kinds of layers: ``rope_tables`` (model dtype, ``[P, D]``, one angle per half,
+the sine's first half negated) for the torch-op layers' ``apply_rope``, and ``rope_rows`` (fp32, ``[P, D/2]``,
+angles in float64) for our fused layers (``kernels/layer.h``). :class:`Rope` keeps both, grown by doubling.
+
+This module does not run attention or decide positions (``rows.py`` places a forward's rows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from specdecode.models.config import ModelConfig
+
+FIRST_TABLE = 256  # positions in a first table; later ones double
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` with the config's RoPE scaling applied."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv.float()
+    if kind == "linear":
+        return (inv / scaling["factor"]).float()
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_ctx / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def rope_tables(inv_freq: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``, ``sin`` ``[n, D]`` for positions 0..n-1 (on ``inv_freq``'s device), as ``apply_rope`` takes them."""
+    angles = torch.outer(torch.arange(n, dtype=torch.float32, device=inv_freq.device), inv_freq)
+    sin = angles.sin()
+    # Halves of one frequency: the sine's first half is negated for apply_rope's roll.
+    return torch.cat((angles, angles), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+def rope_rows(inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``cos``, ``sin`` ``[n, D/2]`` of positions 0..n-1, one frequency per pair of halves: the fused
+    layers' tables (angles computed in float64)."""
+    angles = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq.double().cpu())
+    return angles.cos().float().contiguous(), angles.sin().float().contiguous()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x [B, T, H, D]`` by angles given as ``cos``/``sin [B, T, 1, D]`` (rotate-half layout).
+
+    ``sin`` comes with its first half negated (see ``rope_tables``), so the rotation is one roll:
+    ``x * cos + roll(x, D/2) * sin`` equals ``x * cos + cat(-x2, x1) * sin`` bitwise.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+class Rope(nn.Module):
+    """A model's RoPE frequencies (a buffer: it moves with the model) and its tables, built on first need
+    and rebuilt by doubling, so that a long generation rebuilds them O(log n) times.
+
+    Args:
+        config: the architecture (head size, theta, scaling).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tables(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` ``[>= length, D]`` in ``dtype`` on the frequencies' device (``rope_tables``)."""
+        held, device = self._tables, self.inv_freq.device
+        if held is None or held[0].shape[0] < length or held[0].dtype != dtype or held[0].device != device:
+            grown = 2 * held[0].shape[0] if held is not None else FIRST_TABLE
+            self._tables = held = rope_tables(self.inv_freq, max(length, grown), dtype)
+        return held
+
+    def rows(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``cos``, ``sin`` ``[>= length, D/2]`` on the CPU, for our fused layers (``rope_rows``)."""
+        held = self._rows
+        if held is None or held[0].shape[0] < length:
+            grown = 2 * held[0].shape[0] if held is not None else FIRST_TABLE
+            self._rows = held = rope_rows(self.inv_freq, max(length, grown))
+        return held
