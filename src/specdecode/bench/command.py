@@ -101,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Runs the benchmark; exit status 0, or 1 when a lossless method changed a greedy output or one of ours failed."""
-    from specdecode.bench.prompts import default_prompts, load_prompts, select
+    from specdecode.bench.prompts import default_prompts, select
+    from specdecode.prompts import load_prompts
     from specdecode.bench.report import build_document, format_table, matplotlib_available, write_report
     from specdecode.bench.runner import BenchConfig, environment, run_bench
     from specdecode.control.model_file import load_controller_file

@@ -26,7 +26,6 @@ from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILI
                                       build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
                                       llamacpp_method, plain_of)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
-from specdecode.bench.prompts import Prompt, render
 from specdecode.drafters import HEAD_DRAFTERS, TREE_WIDTH, base_kind
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import shipped_head
@@ -36,6 +35,8 @@ from specdecode.models.loader import load_checkpoint
 from specdecode.models.native import cpu_flags, cpu_model
 from specdecode.models.transformer import resolve_linear_kernel
 from specdecode.models.weights import WEIGHT_FORMATS
+from specdecode.progress import ProgressBar
+from specdecode.prompts import Prompt, render
 from specdecode.sampling import SamplingParams
 
 Log = Callable[[str], None]
@@ -204,7 +205,7 @@ class RunResult:
 
 
 # ----------------------------------------------------------------------------------------------
-# memory and progress
+# memory
 
 def _proc_status_mb(key: str) -> float | None:
     try:
@@ -229,66 +230,6 @@ def peak_rss_mb() -> float:
         return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1024.0 * 1024.0) if sys.platform == "darwin" else peak / 1024.0
-
-
-class ProgressBar:
-    """A one-line progress bar on a terminal stream (stderr), redrawn at most ten times a second.
-
-    On a stream that is not a terminal (a log file) it prints a plain status line at most every
-    ``log_every`` seconds, and one summary line on ``close``.
-    """
-
-    def __init__(self, total: int, stream: TextIO | None = None, width: int = 28, enabled: bool = True,
-                 log_every: float = 30.0, unit: str = "timed calls") -> None:
-        self.total, self.done, self.width, self.unit = max(total, 1), 0, width, unit
-        self.log_every = log_every
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.start = time.perf_counter()
-        self._last_draw = 0.0
-        self._last_len = 0
-
-    def update(self, label: str = "", step: int = 1) -> None:
-        self.done = min(self.total, self.done + step)
-        now = time.perf_counter()
-        if self.tty and (now - self._last_draw > 0.1 or self.done == self.total):
-            self._last_draw = now
-            self._draw(label)
-        elif self.enabled and not self.tty and now - max(self._last_draw, self.start) >= self.log_every:
-            self._last_draw = now
-            self.stream.write(self._status(label) + "\n")
-            self.stream.flush()
-
-    def _status(self, label: str) -> str:
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
-        return f"{self.done}/{self.total} {self.unit}, {elapsed:.0f}s elapsed, ~{eta:.0f}s left  {label[:40]}"
-
-    def _draw(self, label: str) -> None:
-        filled = int(self.done / self.total * self.width)
-        line = f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self._status(label)}"
-        pad = max(0, self._last_len - len(line))
-        self.stream.write(line + " " * pad)
-        self.stream.flush()
-        self._last_len = len(line)
-
-    def message(self, text: str) -> None:
-        """Prints a line without garbling the bar."""
-        if self.tty and self._last_len:
-            self.stream.write("\r" + " " * self._last_len + "\r")
-            self._last_len = 0
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        if self.tty:
-            self.stream.write("\n")
-        else:
-            self.stream.write(f"ran {self.done}/{self.total} {self.unit} in {time.perf_counter() - self.start:.1f} s\n")
-        self.stream.flush()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,8 +33,9 @@ from typing import Any, Callable
 
 from specdecode.argtypes import positive_int
 from specdecode.bench.load import run_level, summarize
-from specdecode.bench.prompts import default_prompts, load_prompts, select
+from specdecode.bench.prompts import default_prompts, select
 from specdecode.models.native import cpu_flags, cpu_model
+from specdecode.prompts import load_prompts
 
 SERVED_DRAFTERS = ("ngram", "eagle", "medusa")  # batched drafters that need no other model (the heads: the shipped ones)
 PEERS = ("llamacpp",)  # llama-cpp-python's server (`pip install 'llama-cpp-python[server]'`), a GGUF model only
