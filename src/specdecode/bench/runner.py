@@ -45,7 +45,7 @@ RELEVANT_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", 
                       "amx_bf16", "amx_int8", "avx_vnni")
 
 
-@dataclass
+@dataclass(frozen=True)
 class BenchConfig:
     """What to run.
 
