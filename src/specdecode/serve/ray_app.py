@@ -3,7 +3,7 @@
 Three deployments make the application (:func:`build_application`):
 
 - ``EngineServer`` (``--replicas`` of them): each loads the model and runs the very server
-  ``specdecode serve`` runs (``command.build_server``: the batch engine, its loop, the FastAPI app), and
+  ``specdecode serve`` runs (``server.build_server``: the batch engine, its loop, the FastAPI app), and
   answers forwarded HTTP requests with it in-process (``forward.call_asgi``), streaming its body back
   chunk by chunk. It pushes its Prometheus text to the hub every second.
 - ``Ingress`` (Ray Serve's HTTP proxy sends every request here): reads the request, hands it to an
