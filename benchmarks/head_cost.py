@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from specdecode.drafters import EagleDrafter
-from specdecode.heads import load_head_drafter, shipped_head
+from specdecode.drafters.head_loader import load_head_drafter
+from specdecode.heads import shipped_head
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import load_model
 from specdecode.models.native import cpu_model

@@ -20,12 +20,13 @@ import time
 
 import torch
 
-from specdecode.bench.prompts import default_prompts, render
+from specdecode.bench.prompts import default_prompts
 from specdecode.bench.runner import current_rss_mb
 from specdecode.engine import Engine
 from specdecode.kv.cache import CacheConfig
 from specdecode.kv.factory import make_cache
 from specdecode.models.build import load_model
+from specdecode.prompts import render
 
 SETTINGS = {"bfloat16": CacheConfig(), "int8": CacheConfig(kv_dtype="int8"), "int4": CacheConfig(kv_dtype="int4"),
             "window 128 + 4 sinks": CacheConfig(window=128, sinks=4)}

@@ -117,8 +117,9 @@ def replay(data: dict[str, Any], policies: Sequence[int | str], draft_cost: floa
 
 
 def _record_command(args: argparse.Namespace) -> None:
-    from specdecode.bench.prompts import default_prompts, render, select
+    from specdecode.bench.prompts import default_prompts, select
     from specdecode.models.build import load_model
+    from specdecode.prompts import render
 
     torch.set_num_threads(args.threads)
     target = load_model(args.model, progress=lambda m: print(m, file=sys.stderr))

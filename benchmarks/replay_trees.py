@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from specdecode.bench.prompts import default_prompts, render, select
+from specdecode.bench.prompts import default_prompts, select
 from specdecode.drafters import NgramDrafter, NgramTreeDrafter
 from specdecode.engine import Engine
 from specdecode.models.build import load_model
+from specdecode.prompts import render
 from specdecode.sampling import SamplingParams
 from specdecode.tree import chain_parents, depths
 from specdecode.verify import verify_tree_greedy

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from specdecode.bench.prompts import default_prompts, render, select
+from specdecode.bench.prompts import default_prompts, select
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import from_checkpoint
 from specdecode.models.loader import load_checkpoint
 from specdecode.models.native import cpu_model
+from specdecode.prompts import render
 from specdecode.sampling import SamplingParams
 
 

@@ -119,7 +119,7 @@ def test_cli_device_cuda_without_cuda_is_one_error_line_before_loading(no_cuda, 
     def never(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("specdecode.cli.load_model", never)
+    monkeypatch.setattr("specdecode.target.load_model", never)
     rc, out, err = run(capsys, command[0], "--model", "/no/such/model", "--device", "cuda", *command[1:])
     line = _one_error_line(rc, out, err)
     assert line == ("specdecode: error: --device cuda: torch.cuda.is_available() is False (this torch build is "
@@ -140,7 +140,7 @@ def test_cli_device_reaches_load_model(no_cuda, monkeypatch, capsys, tmp_path):
         devices.append(device)
         return load_model(source, dtype, device, **kwargs)
 
-    monkeypatch.setattr("specdecode.cli.load_model", spy)  # the target
+    monkeypatch.setattr("specdecode.target.load_model", spy)  # the target
     monkeypatch.setattr("specdecode.drafter_setup.load_model", spy)  # the draft model
     for flag in ([], ["--device", "auto"], ["--device", "cpu"]):
         rc, out, err = run(capsys, "generate", "--model", folder, "--threads", "1", "--dtype", "float32", "--json",

@@ -1,7 +1,9 @@
 """Command line: ``specdecode generate | serve | bench | bench-serve | models | calibrate-layerskip | fit-controller | train-head``.
 
-Parsing, loading and printing only; the loop lives in ``engine.py``. Every user error ends with one
-line ``specdecode: error: ...`` on stderr and exit status 2.
+Parsing, loading and printing only; the loop lives in ``engine.py``. The parsed flags become typed configs
+in one place per command (``flags.py``, ``serve/flags.py``, ``bench/command.py``, ``bench/serve_command.py``);
+what runs takes those, never the flags. Every user error ends with one line ``specdecode: error: ...`` on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -14,26 +16,26 @@ from typing import Sequence
 
 import torch
 
+from specdecode.argtypes import positive_int
 from specdecode.bench.command import add_arguments as add_bench_arguments
-from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, positive_int, weight_formats
+from specdecode.bench.serve_command import add_arguments as add_bench_serve_arguments
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.model_file import load_controller_file
-from specdecode.drafter_setup import add_drafter_arguments, drafter_factory, drafter_kind
-from specdecode.drafters import base_kind
-from specdecode.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
+from specdecode.drafter_setup import DrafterConfig, drafter_factory
 from specdecode.engine import Engine, SpeculativeConfig
+from specdecode.flags import (add_drafter_arguments, add_kv_arguments, add_model_arguments, cache_configs,
+                              drafter_config, gamma, target_config)
 from specdecode.heads.command import add_arguments as add_head_arguments
-from specdecode.bench.serve_command import add_arguments as add_bench_serve_arguments
-from specdecode.serve.command import add_arguments as add_serve_arguments
 from specdecode.kv.cache import CacheConfig, CacheFullError
 from specdecode.kv.memory import KVBudgetError
-from specdecode.models.build import DEVICES, LoadedModel, load_model, resolve_device
-from specdecode.models.backends import LINEAR_CHOICES
-from specdecode.models.weights import WEIGHT_FORMATS
+from specdecode.models.build import LoadedModel, resolve_device
 from specdecode.models.fetch import FetchError
 from specdecode.models.loader import LoadError
 from specdecode.models.registry import DEFAULT_MODEL, UnknownModelError
 from specdecode.sampling import SamplingParams
+from specdecode.serve.flags import add_arguments as add_serve_arguments
+from specdecode.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
+from specdecode.target import TargetConfig
 
 
 class UsageError(Exception):
@@ -44,37 +46,12 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-WEIGHTS_HELP = ("the projections' weight format: auto = a GGUF's own block formats (Q4_1 -> q4_1, Q8_0 -> q8_0, Q4_K -> "
-                "q4_1, Q6_K -> q8_0 ...) where our kernels run, else bf16 (default); bf16; q8_0, q4_0, q4_1 (llama.cpp's "
-                "blocks, kept quantized, int8 activations; the output head stays >= q8_0 under q4)")
-
-
-def _model_args(p: argparse.ArgumentParser, device: bool = True, weights_list: bool = False) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name, .gguf path, HF folder or hub id (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="weights and activations; auto = bf16 where one of our kernels runs (x86-64 with AVX2+FMA) or the GPU supports it, else fp32")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--linear", choices=LINEAR_CHOICES, default="auto",
-                   help="kernel path for the bf16 projections: ours, compiled once: tiled (AVX512-BF16), avx512 "
-                        "(AVX512F), avx2 (AVX2+FMA); onednn; torch (F.linear; the only one on a GPU); auto = "
-                        "$SPECDECODE_LINEAR if set, else the first of those that runs here (default)")
-    if weights_list:
-        p.add_argument("--weights", type=weight_formats, default=("auto",), metavar="FORMATS",
-                       help=WEIGHTS_HELP.replace("the projections' weight format", "comma list of the target's weight "
-                                                 "formats, each run as its own set of methods (method@format)"))
-    else:
-        p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto", help=WEIGHTS_HELP)
-    if device:
-        p.add_argument("--device", choices=DEVICES, default="auto",
-                       help="where the models run: auto = cuda when torch sees a GPU, else cpu (default)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
-    _model_args(g)
+    add_model_arguments(g)
     g.add_argument("prompt", help="the prompt; '-' reads it from stdin")
     add_drafter_arguments(g)
     g.add_argument("--gamma", type=gamma, default="adaptive",
@@ -94,15 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_kv_arguments(g)
 
-    b = sub.add_parser("bench", help="benchmark every method and its peers side by side on prompt suites")
-    _model_args(b, device=False, weights_list=True)  # the benchmark runs on the CPU
-    add_bench_arguments(b)
+    add_bench_arguments(sub.add_parser("bench", help="benchmark every method and its peers side by side on prompt suites"))
 
     m = sub.add_parser("models", help="list the named models and whether each is cached")
     m.add_argument("--json", action="store_true")
 
     c = sub.add_parser("calibrate-layerskip", help="search the layers to skip for self-speculation")
-    _model_args(c)
+    add_model_arguments(c)
     c.add_argument("--gamma", type=positive_int, default=4, help="draft length the prediction assumes")
     c.add_argument("--new-tokens", type=positive_int, default=48, help="reference tokens per calibration prompt")
     c.add_argument("--json", action="store_true")
@@ -116,16 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--merge", default=None, metavar="FILE",
                    help="keep this controller file's models for the drafters the records do not cover")
 
-    bs = sub.add_parser("bench-serve", help="load-test the server: plain vs speculative decoding at several concurrencies")
-    _model_args(bs, device=False)
-    add_bench_serve_arguments(bs)
-
-    s = sub.add_parser("serve", help="serve an OpenAI-compatible API with continuous batching and speculation")
-    _model_args(s)
-    add_serve_arguments(s)
+    add_bench_serve_arguments(sub.add_parser(
+        "bench-serve", help="load-test the server: plain vs speculative decoding at several concurrencies"))
+    add_serve_arguments(sub.add_parser(
+        "serve", help="serve an OpenAI-compatible API with continuous batching and speculation"))
 
     t = sub.add_parser("train-head", help="train an EAGLE or Medusa draft head on the target's own answers")
-    _model_args(t, device=False)  # trains on the CPU
+    add_model_arguments(t, device=False)  # trains on the CPU; heads/ sits below flags.py, so the flags are added here
     add_head_arguments(t)
     return parser
 
@@ -148,11 +120,11 @@ def _read_prompt(prompt: str) -> str:
     return prompt
 
 
-def _engine_for(args: argparse.Namespace, target: LoadedModel, spec: SpeculativeConfig,
-                caches: tuple[CacheConfig, CacheConfig]) -> Engine:
-    skip = resolve_skip_set(target, args.dtype, args.skip_layers, progress=_log) if drafter_kind(args) == "layerskip" \
+def _engine_for(drafter: DrafterConfig, skip_layers: str, target_config: TargetConfig, target: LoadedModel,
+                spec: SpeculativeConfig, caches: tuple[CacheConfig, CacheConfig]) -> Engine:
+    skip = resolve_skip_set(target, target_config.dtype, skip_layers, progress=_log) if drafter.kind == "layerskip" \
         else None
-    new = drafter_factory(args, target, caches[1], _log, skip)
+    new = drafter_factory(drafter, target_config, target, caches[1], _log, skip)
     return Engine(target.model, target.tokenizer, new() if new is not None else None, spec, cache=caches[0])
 
 
@@ -164,13 +136,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)  # validated before any model is loaded
     if args.gamma in ("confidence", "adaptive"):
         load_controller_file(args.controller_file)
-    caches = cache_configs(args, draft=base_kind(drafter_kind(args)) in ("draft", "eagle"))
-    target = load_model(args.model, args.dtype, args.device, progress=_log, linear=args.linear, weights=args.weights)
+    drafter = drafter_config(args)
+    caches = cache_configs(args, draft=drafter.has_draft_cache)
+    target_settings = target_config(args)
+    target = target_settings.load(progress=_log)
     if args.chat:
         if not target.tokenizer.chat_template:
             raise UsageError(f"model {args.model} has no chat template; drop --chat")
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    engine = _engine_for(args, target, spec, caches)
+    engine = _engine_for(drafter, args.skip_layers, target_settings, target, spec, caches)
     engine.warmup()
     if args.json:
         result = engine.generate(prompt, sampling, args.max_new_tokens, args.stop)
@@ -207,7 +181,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    target = load_model(args.model, args.dtype, args.device, progress=_log, linear=args.linear, weights=args.weights)
+    target = target_config(args).load(progress=_log)
     result = calibrate_and_store(target, args.dtype, gamma=args.gamma, new_tokens=args.new_tokens, progress=_log)
     if args.json:
         print(json.dumps({"model": target.source, "skip": list(result.skip), "agreement": result.agreement,
@@ -247,21 +221,22 @@ def cmd_fit_controller(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from specdecode.bench.command import run_command
+    from specdecode.bench.command import bench_command, run_command
 
-    return run_command(args)
+    return run_command(bench_command(args))
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from specdecode.bench.serve_command import run_command
+    from specdecode.bench.serve_command import bench_serve_config, run_command
 
-    return run_command(args, _log)
+    return run_command(bench_serve_config(args), _log)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specdecode.serve.command import run_command
+    from specdecode.serve.flags import serve_config
 
-    return run_command(args, _log)
+    return run_command(serve_config(args), _log)
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from specdecode.bench.methods import Method
-from specdecode.bench.prompts import Prompt
 from specdecode.bench.report import (aggregate, build_document, format_table, gamma_comparison, markdown,
                                      prompt_tokens_per_s)
-from specdecode.bench.runner import BenchConfig, ProgressBar, RunResult, Sample
+from specdecode.bench.runner import BenchConfig, RunResult, Sample
+from specdecode.prompts import Prompt
 
 
 def _stats(generated: int, forwards: int, drafted: list[int], accepted: list[int], predicted: float,
@@ -131,17 +131,6 @@ def test_text_outputs_flag_mismatches(samples):
     assert "## Verification cost v(k): m.gguf" in md and "| v(k) | 1.05 | 1.1 |" in md
     assert "## KV cache" not in md  # an older document without KV settings still renders
     assert "65" in table.splitlines()[3]  # the KV B/tok column
-
-
-def test_progress_bar_on_a_plain_stream_prints_one_summary(tmp_path):
-    with open(tmp_path / "err.txt", "w") as stream:
-        bar = ProgressBar(3, stream)
-        for _ in range(3):
-            bar.update("x")
-        bar.message("hello")
-        bar.close()
-    assert (tmp_path / "err.txt").read_text().splitlines()[0] == "hello"
-    assert (tmp_path / "err.txt").read_text().splitlines()[1].startswith("ran 3/3 timed calls")
 
 
 def test_gamma_comparison_pairs_each_controller_with_the_best_fixed_gamma():

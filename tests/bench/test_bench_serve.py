@@ -9,7 +9,7 @@ import pytest
 
 from specdecode.bench.load import RequestResult, percentile, summarize
 from specdecode.bench import serve_command
-from specdecode.bench.serve_command import _levels, _methods
+from specdecode.bench.serve_command import BenchServeConfig, _levels, _methods
 
 
 def test_methods_always_include_plain_decoding_and_name_bad_ones():
@@ -22,13 +22,13 @@ def test_methods_always_include_plain_decoding_and_name_bad_ones():
 
 def test_the_llamacpp_peer_is_a_method_and_needs_its_server_and_a_gguf(monkeypatch, tmp_path):
     assert _methods("llamacpp,ngram:adaptive") == ["none", "llamacpp", "ngram:adaptive"]
-    args = argparse.Namespace(model=str(tmp_path / "model-folder"), threads=1)
+    config = BenchServeConfig(model=str(tmp_path / "model-folder"), threads=1)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"needs llama-cpp-python's server: pip install 'llama-cpp-python\[server\]'"):
-        serve_command._peer_command(args)
+        serve_command._peer_command(config)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     with pytest.raises(ValueError, match="needs a GGUF model"):
-        serve_command._peer_command(args)
+        serve_command._peer_command(config)
 
 
 def test_ray_methods_name_their_replicas_and_share_the_cores():
@@ -36,15 +36,14 @@ def test_ray_methods_name_their_replicas_and_share_the_cores():
     for bad in ("ray2", "ray0:none", "rayx:none", "ray2:ngram", "ray2:llamacpp"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad):
             _methods(bad)
-    args = argparse.Namespace(model="m", dtype="auto", linear="auto", weights="auto", threads=2, max_rows=None,
-                              prefill_chunk=None)
-    flags = serve_command._server_flags("ray2:ngram:adaptive", args, 4)
+    config = BenchServeConfig(model="m", threads=2)
+    flags = serve_command._server_flags("ray2:ngram:adaptive", config, 4)
     assert flags[flags.index("--drafter") + 1] == "ngram" and flags[flags.index("--gamma") + 1] == "adaptive"
     assert flags[flags.index("--replicas") + 1] == "2" and flags[flags.index("--cpus-per-replica") + 1] == "1"
     assert "--threads" not in flags and "--ray" in flags
-    flags = serve_command._server_flags("ray3:none", args, 4)
+    flags = serve_command._server_flags("ray3:none", config, 4)
     assert 3 * float(flags[flags.index("--cpus-per-replica") + 1]) <= 2  # rounded down, never above the cores
-    assert "--ray" not in serve_command._server_flags("none", args, 4)
+    assert "--ray" not in serve_command._server_flags("none", config, 4)
 
 
 def test_levels():

@@ -8,8 +8,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from specdecode.bench.prompts import CATEGORIES, default_prompts, load_prompts
+from specdecode.bench.prompts import CATEGORIES, default_prompts
 from specdecode.heads.data import packaged_prompts
+from specdecode.prompts import load_prompts
 
 COMPOSER = Path(__file__).resolve().parents[2] / "tools" / "compose_head_prompts.py"
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from specdecode.cli import build_parser, main
+from specdecode.serve.flags import serve_config
 from specdecode.serve.ray_command import run_ray
 
 
@@ -24,9 +25,9 @@ def test_the_ray_flags_parse_and_refuse_bad_values(capsys):
 
 def test_without_ray_installed_the_error_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    args = build_parser().parse_args(["serve", "--ray"])
+    config = serve_config(build_parser().parse_args(["serve", "--ray"]))
     with pytest.raises(ValueError, match=r"needs Ray Serve \(ray is missing\): pip install 'specdecode\[ray\]'"):
-        run_ray(args, print)
+        run_ray(config, print)
 
 
 def test_the_cli_prints_it_as_one_line(monkeypatch, capsys):
@@ -52,7 +53,7 @@ def test_the_config_file_builder_checks_its_args():
 
 def test_more_replicas_than_free_cpus_are_refused_and_the_cluster_is_shut_down():
     ray = pytest.importorskip("ray")
-    args = build_parser().parse_args(["serve", "--ray", "--replicas", str(64 * (os.cpu_count() or 1))])
+    config = serve_config(build_parser().parse_args(["serve", "--ray", "--replicas", str(64 * (os.cpu_count() or 1))]))
     with pytest.raises(ValueError, match=r"replica\(s\) of 1 CPU need \d+ CPUs; the Ray cluster has \d+ free"):
-        run_ray(args, print)
+        run_ray(config, print)
     assert not ray.is_initialized()

@@ -36,7 +36,7 @@ from specdecode.control.config import SpeculativeConfig
 from specdecode.drafters.base import Draft, Drafter, OwnCache, StopRule
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
-from specdecode.kv.prefill import prefill
+from specdecode.models.prefill import prefill
 from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams

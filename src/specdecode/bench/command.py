@@ -1,4 +1,5 @@
-"""The ``specdecode bench`` command: its arguments and the glue from parsed arguments to output files.
+"""The ``specdecode bench`` command: its flags, the :class:`BenchCommand` they make (:func:`bench_command`,
+the one place they are read), and the glue from that config to output files.
 
 Kept out of ``cli.py`` so that the CLI stays a thin dispatcher; it only parses, calls the runner and the
 report, and prints.
@@ -9,14 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.control.config import MAX_GAMMA
-from specdecode.argtypes import add_kv_arguments, cache_configs, gamma, ngram_sizes, nonnegative_int, positive_int
-from specdecode.control import GAMMA_POLICIES
+from specdecode.argtypes import ngram_sizes, nonnegative_int, positive_int
 from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
+from specdecode.bench.runner import BenchConfig
+from specdecode.control import GAMMA_POLICIES
+from specdecode.control.config import MAX_GAMMA
 from specdecode.drafters import TREE_WIDTH, base_kind
+from specdecode.flags import add_kv_arguments, add_model_arguments, cache_configs, gamma
 from specdecode.models.build import DRAFT_QUANT
 from specdecode.models.weights import WEIGHT_FORMATS
 
@@ -47,7 +51,8 @@ def _gammas(value: str) -> tuple[int | str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The bench options (``--model``, ``--dtype`` and ``--threads`` come from the CLI's shared set)."""
+    """Every ``bench`` flag, the shared model flags first (no ``--device``: the benchmark runs on the CPU)."""
+    add_model_arguments(p, device=False, weights_list=True)
     p.add_argument("--draft-model", default=None,
                    help="draft model for the 'draft' and 'hf-assisted' methods (same vocabulary as --model)")
     p.add_argument("--methods", type=_families, default=None,
@@ -99,60 +104,98 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_kv_arguments(p)
 
 
-def run_command(args: argparse.Namespace) -> int:
-    """Runs the benchmark; exit status 0, or 1 when a lossless method changed a greedy output or one of ours failed."""
-    from specdecode.bench.prompts import default_prompts, load_prompts, select
-    from specdecode.bench.report import build_document, format_table, matplotlib_available, write_report
-    from specdecode.bench.runner import BenchConfig, environment, run_bench
-    from specdecode.control.model_file import load_controller_file
+@dataclass(frozen=True)
+class BenchCommand:
+    """One ``specdecode bench`` run: what runs, on which prompts, and where the results go.
 
-    if args.report and not matplotlib_available():
-        raise ValueError("--report needs matplotlib, which is not installed: pip install 'specdecode[bench]'")
-    if any(g in ("confidence", "adaptive") for g in args.gammas):
-        load_controller_file(args.controller_file)  # a damaged or mismatched file fails before any model loads
-    prompts = load_prompts(args.prompts) if args.prompts else default_prompts()
-    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-    prompts = select(prompts, categories, args.limit)
+    Args:
+        run: the methods, models and settings (``runner.BenchConfig``).
+        prompts: a JSONL prompt file; None = the packaged suites.
+        categories: the categories to run; None = all.
+        limit: at most this many prompts per category; None = all.
+        json: write the results as JSON there ("-" = stdout, no table); None = the table only.
+        report: write report.md, results.json and PNG plots into this folder; None = none.
+        progress: draw a progress bar on stderr.
+        threads: torch's intra-op threads as ``--threads`` set them (recorded with the results).
+    """
+
+    run: BenchConfig
+    prompts: str | None = None
+    categories: tuple[str, ...] | None = None
+    limit: int | None = None
+    json: str | None = None
+    report: str | None = None
+    progress: bool = True
+    threads: int | None = None
+
+
+def bench_command(args: argparse.Namespace) -> BenchCommand:
+    """The run the flags describe; contradictory flags raise ValueError (naming them) before anything loads."""
     families = args.methods
     if families is None:
         families = tuple(f for f in FAMILIES if args.draft_model or f not in DRAFT_MODEL_FAMILIES)
     cache, draft_cache = cache_configs(args, draft=bool(args.draft_model) or
                                        any(base_kind(m) == "eagle" for m in args.methods or ()))
-    config = BenchConfig(model=args.model, draft_model=args.draft_model, families=families, gammas=args.gammas,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
-                         dtype=args.dtype, seed=args.seed, skip_layers=args.skip_layers, ngram_sizes=args.ngram,
-                         gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, linear=args.linear,
-                         draft_quant=args.draft_quant, controller_file=args.controller_file,
-                         record_steps=args.record_steps, cache=cache, draft_cache=draft_cache,
-                         heads={"eagle": args.eagle_head, "medusa": args.medusa_head}, draft_vocab=args.draft_vocab,
-                         tree_width=args.tree_width, weights=args.weights, draft_weights=args.draft_weights)
-    result = run_bench(config, prompts, progress=args.progress)
-    echo: dict[str, Any] = {
-        "model": args.model, "draft_model": args.draft_model, "methods": list(families),
-        "gammas": list(args.gammas), "gamma_max": args.gamma_max, "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "dtype": args.dtype,
-        "prompts_file": args.prompts, "categories": categories, "limit": args.limit, "skip_layers": args.skip_layers,
-        "eagle_head": args.eagle_head, "medusa_head": args.medusa_head, "draft_vocab": args.draft_vocab,
-        "tree_width": args.tree_width,
-        "ngram": list(args.ngram), "chat": args.chat, "threads": getattr(args, "threads", None),
-        "cost_curve": args.cost_curve, "linear": args.linear, "draft_quant": args.draft_quant,
-        "weights": list(args.weights), "draft_weights": args.draft_weights,
-        "controller_file": args.controller_file, "record_steps": args.record_steps,
-        "kv_dtype": args.kv_dtype, "draft_kv_dtype": args.draft_kv_dtype, "kv_window": args.kv_window,
-        "kv_sinks": args.kv_sinks, "kv_budget": args.kv_budget, "prefix_cache": args.prefix_cache}
-    doc = build_document(result, echo, environment())
+    run = BenchConfig(model=args.model, draft_model=args.draft_model, families=families, gammas=args.gammas,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
+                      dtype=args.dtype, seed=args.seed, skip_layers=args.skip_layers, ngram_sizes=args.ngram,
+                      gamma_max=args.gamma_max, chat=args.chat, cost_curve=args.cost_curve, linear=args.linear,
+                      draft_quant=args.draft_quant, controller_file=args.controller_file,
+                      record_steps=args.record_steps, cache=cache, draft_cache=draft_cache,
+                      heads={"eagle": args.eagle_head, "medusa": args.medusa_head}, draft_vocab=args.draft_vocab,
+                      tree_width=args.tree_width, weights=args.weights, draft_weights=args.draft_weights)
+    categories = tuple(c.strip() for c in args.categories.split(",") if c.strip()) if args.categories else None
+    return BenchCommand(run, args.prompts, categories, args.limit, args.json, args.report, args.progress,
+                        args.threads)
+
+
+def _echo(command: BenchCommand) -> dict[str, Any]:
+    """The settings as the results' ``config`` records them (flag names, flag values)."""
+    run = command.run
+    return {
+        "model": run.model, "draft_model": run.draft_model, "methods": list(run.families),
+        "gammas": list(run.gammas), "gamma_max": run.gamma_max, "max_new_tokens": run.max_new_tokens,
+        "temperature": run.temperature, "seed": run.seed, "repeats": run.repeats, "dtype": run.dtype,
+        "prompts_file": command.prompts, "categories": None if command.categories is None else list(command.categories),
+        "limit": command.limit, "skip_layers": run.skip_layers, "eagle_head": run.heads.get("eagle"),
+        "medusa_head": run.heads.get("medusa"), "draft_vocab": run.draft_vocab, "tree_width": run.tree_width,
+        "ngram": list(run.ngram_sizes), "chat": run.chat, "threads": command.threads,
+        "cost_curve": run.cost_curve, "linear": run.linear, "draft_quant": run.draft_quant,
+        "weights": list(run.weights), "draft_weights": run.draft_weights,
+        "controller_file": run.controller_file, "record_steps": run.record_steps,
+        "kv_dtype": run.cache.kv_dtype, "draft_kv_dtype": run.draft_cache.kv_dtype, "kv_window": run.cache.window,
+        "kv_sinks": run.cache.sinks, "kv_budget": run.cache.budget, "prefix_cache": run.cache.prefix_cache}
+
+
+def run_command(command: BenchCommand) -> int:
+    """Runs the benchmark; exit status 0, or 1 when a lossless method changed a greedy output or one of ours failed."""
+    from specdecode.bench.prompts import default_prompts, select
+    from specdecode.bench.report import build_document, format_table, matplotlib_available, write_report
+    from specdecode.bench.runner import environment, run_bench
+    from specdecode.control.model_file import load_controller_file
+    from specdecode.prompts import load_prompts
+
+    run = command.run
+    if command.report and not matplotlib_available():
+        raise ValueError("--report needs matplotlib, which is not installed: pip install 'specdecode[bench]'")
+    if any(g in ("confidence", "adaptive") for g in run.gammas):
+        load_controller_file(run.controller_file)  # a damaged or mismatched file fails before any model loads
+    prompts = load_prompts(command.prompts) if command.prompts else default_prompts()
+    prompts = select(prompts, command.categories, command.limit)
+    result = run_bench(run, prompts, progress=command.progress)
+    doc = build_document(result, _echo(command), environment())
     text = json.dumps(doc, indent=1)
-    if args.json == "-":
+    if command.json == "-":
         print(text)
     else:
         print(format_table(doc))
-        if args.json:
-            Path(args.json).write_text(text)
-            print(f"wrote {args.json}", file=sys.stderr)
-    if args.record_steps:
-        print(f"wrote {args.record_steps}", file=sys.stderr)
-    if args.report:
-        files = write_report(doc, args.report)
+        if command.json:
+            Path(command.json).write_text(text)
+            print(f"wrote {command.json}", file=sys.stderr)
+    if run.record_steps:
+        print(f"wrote {run.record_steps}", file=sys.stderr)
+    if command.report:
+        files = write_report(doc, command.report)
         print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
     ours_failed = [f for f in doc["failed"]
                    if base_kind(f["name"].partition("@")[0].split(":")[0]) in ("none", "ngram", "draft", "layerskip")]

@@ -444,38 +444,41 @@ def _md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
-    """The report; every number is the JSON document's value, spelled as in the JSON."""
-    c = doc["config"]
+def _md_header(doc: dict[str, Any]) -> list[str]:
+    """The run in a few lines: model, prompts, memory, machine, KV cache, and the identity verdict."""
+    c, env = doc["config"], doc["environment"]
     cats = doc["prompts"]["categories"]
-    ok = [e for e in doc["methods"] if e["overall"]["samples"]]
     out = ["# specdecode bench report", "",
            f"- model: `{c['model']}` ({c['model_source']}), {dtypes(c)}"
            + (f", draft model `{c['draft_model']}`" if c.get("draft_model") else ""),
            f"- prompts: {doc['prompts']['count']} in {len(cats)} categories ({', '.join(cats)}), "
            f"{c['repeats']} repeat(s), budget {c['max_new_tokens']} new tokens, temperature {c['temperature']}",
            f"- peak RSS of the process: {_n(doc['memory']['peak_rss_mb'])} MB; "
-           f"torch threads {doc['environment'].get('torch_threads')}; torch {doc['environment'].get('torch')}, "
-           f"transformers {doc['environment'].get('transformers')}",
-           ""]
-    env = doc["environment"]
+           f"torch threads {env.get('torch_threads')}; torch {env.get('torch')}, "
+           f"transformers {env.get('transformers')}"]
     if "cpu_model" in env:  # documents written before the machine was recorded lack it
         flags = " ".join(env["cpu_flags"]) or "none of the relevant x86 flags"
-        out.insert(-1, f"- machine: {env['cpu_model']} ({env['cpu_family']}; {flags}), {env['cpu_count']} CPUs")
+        out.append(f"- machine: {env['cpu_model']} ({env['cpu_family']}; {flags}), {env['cpu_count']} CPUs")
     if "kv_dtype" in c:  # documents written before the KV settings existed lack them
         window = "none" if c["kv_window"] is None else f"{c['kv_window']} + {c['kv_sinks']} sinks"
-        out.insert(-1, f"- KV cache: {c['kv_dtype']} (draft {c['draft_kv_dtype']}), window {window}, budget "
-                       f"{_n(c['kv_budget'])} bytes, prefix cache {'on' if c['prefix_cache'] else 'off'}")
+        out.append(f"- KV cache: {c['kv_dtype']} (draft {c['draft_kv_dtype']}), window {window}, budget "
+                   f"{_n(c['kv_budget'])} bytes, prefix cache {'on' if c['prefix_cache'] else 'off'}")
+    out.append("")
     if doc["identical_outputs"] is not None:
         flag = "" if doc["identical_outputs"] == doc["identity_comparisons"] else " **MISMATCH: lossless methods changed the output**"
         out += [f"Greedy outputs of our speculative methods identical to `none`: "
                 f"**{_n(doc['identical_outputs'])} / {_n(doc['identity_comparisons'])}**{flag}", ""]
     elif doc["identity_note"]:
         out += [f"Identity check {doc['identity_note']}.", ""]
-    out += ["## Overall", "",
-            "Tokens/s: median over prompts. Speedups: per-prompt ratio of tokens/s, then median [min, max]. "
-            "tau: tokens per target forward. Predicted: E / (k*c + v(k)) with measured acceptance and costs "
-            "(compare with the measured speedup vs `none`).", ""]
+    return out
+
+
+def _md_overall(doc: dict[str, Any]) -> list[str]:
+    """Every method's overall figures in one table."""
+    out = ["## Overall", "",
+           "Tokens/s: median over prompts. Speedups: per-prompt ratio of tokens/s, then median [min, max]. "
+           "tau: tokens per target forward. Predicted: E / (k*c + v(k)) with measured acceptance and costs "
+           "(compare with the measured speedup vs `none`).", ""]
     rows = []
     llama = any(e["overall"].get("speedup_vs_llamacpp") is not None for e in doc["methods"])
     for e in doc["methods"]:
@@ -490,20 +493,29 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
                      "-" if e["compared_to_none"] is None else f"{e['identical_to_none']}/{e['compared_to_none']}",
                      _n(f["kv_bytes_per_token"]), _n(memory_total(e)), _n(e["rss_mb"]), _n(f["control_share"]),
                      runs_on(e)])
-    out += [_md_table(["method", "tokens/s", "vs hf", "vs none", *(["vs llamacpp"] if llama else []), "tau",
-                       "acceptance", "mean gamma", "predicted", "identical", "KV bytes/token", "memory MB", "RSS MB",
-                       "control share", "runs on"], rows), "",
-            "memory MB: what the configuration holds (weights, packed copies included, and KV caches); "
-            "RSS MB: the whole process after the method's calls (every method's weights are loaded at once); "
-            "runs on: the kernel of the projections, the dtype and the weight formats (the draft model's after "
-            "`draft`).", ""]
+    return out + [_md_table(["method", "tokens/s", "vs hf", "vs none", *(["vs llamacpp"] if llama else []), "tau",
+                             "acceptance", "mean gamma", "predicted", "identical", "KV bytes/token", "memory MB",
+                             "RSS MB", "control share", "runs on"], rows), "",
+                  "memory MB: what the configuration holds (weights, packed copies included, and KV caches); "
+                  "RSS MB: the whole process after the method's calls (every method's weights are loaded at once); "
+                  "runs on: the kernel of the projections, the dtype and the weight formats (the draft model's after "
+                  "`draft`).", ""]
+
+
+def _md_weights(ok: Sequence[dict[str, Any]]) -> list[str]:
+    """Plain decoding in each weight format, with the weights' resident bytes (when there are several)."""
     plains = [e for e in ok if e["family"] == "none" and e.get("weight_mb")]
-    if plains:
-        out += ["## Weights", "", "Resident bytes of the target's weights (packed copies and the embedding table "
-                "included) and plain decoding in each format.", "",
-                _md_table(["method", "weights", "weight MB", "tokens/s", "vs llamacpp"],
-                          ([f"`{e['name']}`", e["weights"], _n(e["weight_mb"]), _n(e["overall"]["tokens_per_s"]),
-                            _n(e["overall"].get("speedup_vs_llamacpp"))] for e in plains)), ""]
+    if not plains:
+        return []
+    return ["## Weights", "", "Resident bytes of the target's weights (packed copies and the embedding table "
+            "included) and plain decoding in each format.", "",
+            _md_table(["method", "weights", "weight MB", "tokens/s", "vs llamacpp"],
+                      ([f"`{e['name']}`", e["weights"], _n(e["weight_mb"]), _n(e["overall"]["tokens_per_s"]),
+                        _n(e["overall"].get("speedup_vs_llamacpp"))] for e in plains)), ""]
+
+
+def _md_cost_curves(doc: dict[str, Any]) -> list[str]:
+    out = []
     for curve in doc.get("cost_curves", []):
         width = len(curve["v"]) - 1
         out += [f"## Verification cost v(k): {Path(curve['model']).name}", "",
@@ -512,6 +524,11 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
                 _md_table(["k", *(str(k) for k in range(1, width + 1))],
                           [["v(k)", *(_n(v) for v in curve["v"][1:])],
                            ["ms", *(_n(m) for m in curve["verify_ms"][1:])]]), ""]
+    return out
+
+
+def _md_by_category(ok: Sequence[dict[str, Any]], cats: Sequence[str]) -> list[str]:
+    out = []
     for title, key in (("Speedup vs `none` by category", "speedup_vs_none"),
                        ("Speedup vs transformers `generate` by category", "speedup_vs_hf"),
                        ("Speedup vs llama.cpp's plain decoding by category", "speedup_vs_llamacpp"),
@@ -521,6 +538,11 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
         out += [f"## {title}", "", _md_table(["method", *cats, "overall"],
                                              ([f"`{e['name']}`", *(_n(e["by_category"][ct][key]) for ct in cats),
                                                _n(e["overall"][key])] for e in ok)), ""]
+    return out
+
+
+def _md_gamma_comparison(doc: dict[str, Any], cats: Sequence[str]) -> list[str]:
+    out = []
     for comp in doc.get("gamma_comparison", []):
         best = comp["best_fixed_by_category"]
         out += [f"## Gamma controllers vs fixed gamma: {comp['family']}", "",
@@ -537,6 +559,12 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
                     _md_table(["controller", *cats], ([f"`{e['name']}`", *(_n(e["by_category_held_out"].get(ct))
                                                                            for ct in cats)]
                                                       for e in comp["controllers"])), ""]
+    return out
+
+
+def _md_acceptance(ok: Sequence[dict[str, Any]]) -> list[str]:
+    """Acceptance by draft position, and accepted length by draft size when some method drafted trees."""
+    out = []
     with_pos = [e for e in ok if e["overall"]["acceptance_by_position"]]
     if with_pos:
         width = max(len(e["overall"]["acceptance_by_position"]) for e in with_pos)
@@ -554,6 +582,12 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
                           ([f"`{e['name']}`", _n(e["overall"]["tree_steps"]),
                             *(_n(v) for v in e["overall"]["accepted_length_by_budget"]),
                             *["-"] * (width - len(e["overall"]["accepted_length_by_budget"]))] for e in by_budget)), ""]
+    return out
+
+
+def _md_problems(doc: dict[str, Any]) -> list[str]:
+    """Output mismatches, failed methods and notes."""
+    out = []
     if doc["identity_mismatches"]:
         out += ["## Output mismatches", "", _md_table(["method", "prompt", "repeat", "first differing token"],
                                                        ([m["method"], m["prompt_id"], str(m["repeat"]),
@@ -562,6 +596,15 @@ def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
     extra += [f"- {n}" for n in doc["notes"]]
     if extra:
         out += ["## Notes", "", *extra, ""]
+    return out
+
+
+def markdown(doc: dict[str, Any], plots: Sequence[str] = PLOTS) -> str:
+    """The report; every number is the JSON document's value, spelled as in the JSON."""
+    cats = doc["prompts"]["categories"]
+    ok = [e for e in doc["methods"] if e["overall"]["samples"]]
+    out = [*_md_header(doc), *_md_overall(doc), *_md_weights(ok), *_md_cost_curves(doc), *_md_by_category(ok, cats),
+           *_md_gamma_comparison(doc, cats), *_md_acceptance(ok), *_md_problems(doc)]
     if plots:
         out += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots] + [""]
     return "\n".join(out)
@@ -584,43 +627,52 @@ def write_report(doc: dict[str, Any], folder: str | Path) -> list[Path]:
 
 
 def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
+    """Writes the report's PNG plots into ``folder`` (those the document has data for); returns them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
     ok = [e for e in doc["methods"] if e["overall"]["samples"]]
-    cats = doc["prompts"]["categories"]
     palette = plt.get_cmap("tab20")
     # One colour per method, the same in every panel and plot.
     color_of = {e["name"]: palette(i % 20) for i, e in enumerate(ok)}
+    written = [_plot_speedup(ok, doc["prompts"]["categories"], color_of, folder, plt),
+               _plot_acceptance(ok, color_of, folder, plt), _plot_gamma_sweep(ok, palette, folder, plt),
+               _plot_cost_curves(doc.get("cost_curves", []), folder, plt), _plot_by_budget(ok, color_of, folder, plt)]
+    return [path for path in written if path is not None]
 
-    # 1. speedup by category per method
+
+def _plot_speedup(ok: Sequence[dict[str, Any]], cats: list[str], color_of: dict[str, Any], folder: Path,
+                  plt) -> Path | None:
+    """Speedup by category per method, against ``none`` and against ``hf`` (a panel each, where measured)."""
     keys = [k for k in ("speedup_vs_none", "speedup_vs_hf") if any(e["overall"][k] is not None for e in ok)]
-    if keys:
-        groups = cats + ["overall"]
-        fig, axes = plt.subplots(len(keys), 1, figsize=(max(8.0, 1.3 * len(groups) + 4), 4.2 * len(keys)), squeeze=False)
-        for ax, key in zip(axes[:, 0], keys):
-            shown = [e for e in ok if e["overall"][key] is not None and not (key == "speedup_vs_none" and e["family"] == "none")
-                     and not (key == "speedup_vs_hf" and e["name"] == "hf")]
-            width = 0.8 / max(len(shown), 1)
-            for i, e in enumerate(shown):
-                vals = [e["by_category"][ct][key] for ct in cats] + [e["overall"][key]]
-                xs = [g + (i - (len(shown) - 1) / 2) * width for g in range(len(groups))]
-                ax.bar(xs, [v if v is not None else 0.0 for v in vals], width, label=e["name"], color=color_of[e["name"]])
-            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-            ax.set_xticks(range(len(groups)), groups, rotation=20)
-            ax.set_ylabel(f"speedup vs {key.rsplit('_', 1)[1]} (median)")
-            ax.set_title(f"Speedup vs {'our plain decoding (none)' if key.endswith('none') else 'transformers generate (hf)'}")
-            ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        written.append(_save(fig, folder / "speedup_by_category.png", plt))
+    if not keys:
+        return None
+    groups = cats + ["overall"]
+    fig, axes = plt.subplots(len(keys), 1, figsize=(max(8.0, 1.3 * len(groups) + 4), 4.2 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        shown = [e for e in ok if e["overall"][key] is not None and not (key == "speedup_vs_none" and e["family"] == "none")
+                 and not (key == "speedup_vs_hf" and e["name"] == "hf")]
+        width = 0.8 / max(len(shown), 1)
+        for i, e in enumerate(shown):
+            vals = [e["by_category"][ct][key] for ct in cats] + [e["overall"][key]]
+            xs = [g + (i - (len(shown) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(xs, [v if v is not None else 0.0 for v in vals], width, label=e["name"], color=color_of[e["name"]])
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(groups)), groups, rotation=20)
+        ax.set_ylabel(f"speedup vs {key.rsplit('_', 1)[1]} (median)")
+        ax.set_title(f"Speedup vs {'our plain decoding (none)' if key.endswith('none') else 'transformers generate (hf)'}")
+        ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return _save(fig, folder / "speedup_by_category.png", plt)
 
-    # 2. acceptance by draft position
+
+def _plot_acceptance(ok: Sequence[dict[str, Any]], color_of: dict[str, Any], folder: Path, plt) -> Path:
+    """Acceptance by draft position (an empty plot, saying so, when no method drafted)."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     with_pos = [e for e in ok if e["overall"]["acceptance_by_position"]]
-    for i, e in enumerate(with_pos):
+    for e in with_pos:
         pos = e["overall"]["acceptance_by_position"]
         ax.plot(range(1, len(pos) + 1), pos, marker="o", label=e["name"], color=color_of[e["name"]])
     width = max((len(e["overall"]["acceptance_by_position"]) for e in with_pos), default=1)
@@ -632,9 +684,11 @@ def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
     if with_pos:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    written.append(_save(fig, folder / "acceptance_by_position.png", plt))
+    return _save(fig, folder / "acceptance_by_position.png", plt)
 
-    # 3. tau and tokens/s against gamma
+
+def _plot_gamma_sweep(ok: Sequence[dict[str, Any]], palette, folder: Path, plt) -> Path:
+    """tau and tokens/s against gamma per family; controllers (and ``none``, ``hf``) as flat lines."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     families = list(dict.fromkeys(e["family"] for e in ok if e["kind"] == "ours" and e["family"] != "none"))
     # Each family's fixed-gamma curve and each controller its own colour: the ten dark hues first.
@@ -667,40 +721,45 @@ def plot_all(doc: dict[str, Any], folder: Path) -> list[Path]:
     ax1.set_ylabel("tau")
     ax2.set_ylabel("tokens/s")
     fig.tight_layout()
-    written.append(_save(fig, folder / "gamma_sweep.png", plt))
+    return _save(fig, folder / "gamma_sweep.png", plt)
 
-    # 4. verification cost curves
-    if doc.get("cost_curves"):
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for curve in doc["cost_curves"]:
-            ax.plot(range(len(curve["v"])), curve["v"], marker="o",
-                    label=f"{Path(curve['model']).name} (step {curve['step_ms']:.1f} ms)")
-        ax.plot([0, len(doc["cost_curves"][0]["v"]) - 1], [1, len(doc["cost_curves"][0]["v"])], color="grey",
-                linestyle=":", label="linear: k+1 steps")
-        ax.set_ylim(0, max(3.0, max(max(c["v"]) for c in doc["cost_curves"]) * 1.1))
-        ax.set_xlabel("drafted tokens verified (k)")
-        ax.set_ylabel("v(k): cost / one decode step")
-        ax.set_title("Verification cost curve")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(_save(fig, folder / "verification_cost.png", plt))
 
-    # 5. accepted length against draft (tree) size
+def _plot_cost_curves(curves: Sequence[dict[str, Any]], folder: Path, plt) -> Path | None:
+    """The verification cost curves v(k) against k + 1 plain steps."""
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for curve in curves:
+        ax.plot(range(len(curve["v"])), curve["v"], marker="o",
+                label=f"{Path(curve['model']).name} (step {curve['step_ms']:.1f} ms)")
+    ax.plot([0, len(curves[0]["v"]) - 1], [1, len(curves[0]["v"])], color="grey", linestyle=":",
+            label="linear: k+1 steps")
+    ax.set_ylim(0, max(3.0, max(max(c["v"]) for c in curves) * 1.1))
+    ax.set_xlabel("drafted tokens verified (k)")
+    ax.set_ylabel("v(k): cost / one decode step")
+    ax.set_title("Verification cost curve")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, folder / "verification_cost.png", plt)
+
+
+def _plot_by_budget(ok: Sequence[dict[str, Any]], color_of: dict[str, Any], folder: Path, plt) -> Path | None:
+    """Accepted length against the draft's (tree's) size, when some method drafted trees."""
     by_budget = _by_budget(ok)
-    if by_budget:
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for e in by_budget:
-            pts = [(i, v) for i, v in enumerate(e["overall"]["accepted_length_by_budget"]) if v is not None and i]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=e["name"], color=color_of[e["name"]],
-                        linestyle="-" if e["family"].endswith("-tree") else "--")
-        ax.set_xlabel("tokens drafted in the step (tree nodes for trees)")
-        ax.set_ylabel("tokens emitted per step")
-        ax.set_title("Accepted length by draft size (solid: trees, dashed: chains)")
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        written.append(_save(fig, folder / "accepted_length_by_budget.png", plt))
-    return written
+    if not by_budget:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for e in by_budget:
+        pts = [(i, v) for i, v in enumerate(e["overall"]["accepted_length_by_budget"]) if v is not None and i]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=e["name"], color=color_of[e["name"]],
+                    linestyle="-" if e["family"].endswith("-tree") else "--")
+    ax.set_xlabel("tokens drafted in the step (tree nodes for trees)")
+    ax.set_ylabel("tokens emitted per step")
+    ax.set_title("Accepted length by draft size (solid: trees, dashed: chains)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return _save(fig, folder / "accepted_length_by_budget.png", plt)
 
 
 def _by_budget(ok: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -20,13 +20,12 @@ from typing import Any, Callable, Sequence, TextIO
 import torch
 
 from specdecode.control import GAMMA_POLICIES
-from specdecode.control.records import record_json
 from specdecode.control.config import MAX_GAMMA
-from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method, method_name,
+from specdecode.control.records import record_json
+from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method, Output, method_name,
                                       build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
                                       llamacpp_method, plain_of)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
-from specdecode.bench.prompts import Prompt, render
 from specdecode.drafters import HEAD_DRAFTERS, TREE_WIDTH, base_kind
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import shipped_head
@@ -36,6 +35,8 @@ from specdecode.models.loader import load_checkpoint
 from specdecode.models.native import cpu_flags, cpu_model
 from specdecode.models.backends import resolve_backend
 from specdecode.models.weights import WEIGHT_FORMATS
+from specdecode.progress import ProgressBar
+from specdecode.prompts import Prompt, render
 from specdecode.sampling import SamplingParams
 
 Log = Callable[[str], None]
@@ -44,7 +45,7 @@ RELEVANT_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", 
                       "amx_bf16", "amx_int8", "avx_vnni")
 
 
-@dataclass
+@dataclass(frozen=True)
 class BenchConfig:
     """What to run.
 
@@ -204,7 +205,7 @@ class RunResult:
 
 
 # ----------------------------------------------------------------------------------------------
-# memory and progress
+# memory
 
 def _proc_status_mb(key: str) -> float | None:
     try:
@@ -229,66 +230,6 @@ def peak_rss_mb() -> float:
         return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1024.0 * 1024.0) if sys.platform == "darwin" else peak / 1024.0
-
-
-class ProgressBar:
-    """A one-line progress bar on a terminal stream (stderr), redrawn at most ten times a second.
-
-    On a stream that is not a terminal (a log file) it prints a plain status line at most every
-    ``log_every`` seconds, and one summary line on ``close``.
-    """
-
-    def __init__(self, total: int, stream: TextIO | None = None, width: int = 28, enabled: bool = True,
-                 log_every: float = 30.0, unit: str = "timed calls") -> None:
-        self.total, self.done, self.width, self.unit = max(total, 1), 0, width, unit
-        self.log_every = log_every
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.start = time.perf_counter()
-        self._last_draw = 0.0
-        self._last_len = 0
-
-    def update(self, label: str = "", step: int = 1) -> None:
-        self.done = min(self.total, self.done + step)
-        now = time.perf_counter()
-        if self.tty and (now - self._last_draw > 0.1 or self.done == self.total):
-            self._last_draw = now
-            self._draw(label)
-        elif self.enabled and not self.tty and now - max(self._last_draw, self.start) >= self.log_every:
-            self._last_draw = now
-            self.stream.write(self._status(label) + "\n")
-            self.stream.flush()
-
-    def _status(self, label: str) -> str:
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
-        return f"{self.done}/{self.total} {self.unit}, {elapsed:.0f}s elapsed, ~{eta:.0f}s left  {label[:40]}"
-
-    def _draw(self, label: str) -> None:
-        filled = int(self.done / self.total * self.width)
-        line = f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self._status(label)}"
-        pad = max(0, self._last_len - len(line))
-        self.stream.write(line + " " * pad)
-        self.stream.flush()
-        self._last_len = len(line)
-
-    def message(self, text: str) -> None:
-        """Prints a line without garbling the bar."""
-        if self.tty and self._last_len:
-            self.stream.write("\r" + " " * self._last_len + "\r")
-            self._last_len = 0
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        if self.tty:
-            self.stream.write("\n")
-        else:
-            self.stream.write(f"ran {self.done}/{self.total} {self.unit} in {time.perf_counter() - self.start:.1f} s\n")
-        self.stream.flush()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,6 +392,117 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def _render_prompts(prompts: list[Prompt], loaded: _Loaded, chat: bool) -> dict[str, list[int]]:
+    """Each prompt's token ids, as every method is fed them; refuses prompts that tokenize to nothing or
+    to ids outside the target's vocabulary."""
+    rendered = {p.id: render(p, loaded.target.tokenizer, chat=chat) for p in prompts}
+    empty = [pid for pid, ids in rendered.items() if not ids]
+    if empty:
+        raise ValueError(f"prompts {empty[:5]} tokenize to nothing")
+    vocab = loaded.target.model.config.vocab_size
+    bad = [pid for pid, ids in rendered.items() if any(not 0 <= t < vocab for t in ids)]
+    if bad:
+        raise ValueError(f"prompts {bad[:5]} tokenize to ids outside the model's vocabulary of {vocab}")
+    return rendered
+
+
+class _Calls:
+    """Runs methods on prompts: a method that raises is reported (on the bar), recorded in ``failed`` and
+    dropped from ``alive``; the process's resident memory is kept per method after each call.
+
+    Args:
+        methods: the methods, in display order.
+        rendered: each prompt's token ids.
+        bar: the progress bar its messages go through.
+        failed: method name -> error, shared with the methods that failed to build.
+    """
+
+    def __init__(self, methods: list[Method], rendered: dict[str, list[int]], bar: ProgressBar,
+                 failed: dict[str, str]) -> None:
+        self.alive, self.rendered, self.bar, self.failed = list(methods), rendered, bar, failed
+        self.rss: dict[str, float] = {}
+
+    def __call__(self, method: Method, prompt: Prompt, seed: int) -> Output | None:
+        try:
+            out = method.run(self.rendered[prompt.id], seed)
+        except Exception as exc:  # reported, never hidden; the method is dropped from the rest of the run
+            self.failed[method.name] = f"{type(exc).__name__}: {exc}"
+            self.bar.message(f"!! {method.name} FAILED on {prompt.id}: {self.failed[method.name]}")
+            self.alive.remove(method)
+            return None
+        self.rss[method.name] = max(self.rss.get(method.name, 0.0), current_rss_mb())
+        return out
+
+
+@dataclass
+class _Identity:
+    """Greedy outputs compared turn by turn: ours against their plain decoding (a mismatch is a bug), peers
+    against the first ``none`` (agreement only)."""
+
+    comparisons: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    peer_agreement: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def check(self, methods: list[Method], outputs: dict[str, Output], prompt: Prompt, repeat: int,
+              bar: ProgressBar) -> None:
+        """Compares one turn's ``outputs`` (method name -> output) on ``prompt``."""
+        first_plain = next((m.name for m in methods if m.family == "none"), "none")
+        for method in methods:
+            reference = outputs.get(plain_of(method.name) if method.kind == "ours" else first_plain)
+            if method.family == "none" or method.name not in outputs or reference is None:
+                continue
+            got, expected = outputs[method.name].token_ids, reference.token_ids
+            if method.kind == "ours":
+                self.comparisons += 1
+                if got != expected:
+                    m = Mismatch(method.name, prompt.id, repeat, _first_difference(expected, got), expected, got)
+                    self.mismatches.append(m)
+                    bar.message(f"!!!! OUTPUT MISMATCH: {method.name} on {prompt.id} (repeat {repeat}) differs from "
+                                f"plain decoding at generated token {m.first_difference}: greedy speculative "
+                                f"decoding must be token-identical !!!!")
+            else:
+                same, total = self.peer_agreement.get(method.name, (0, 0))
+                self.peer_agreement[method.name] = (same + (got == expected), total + 1)
+
+
+def _write_steps(records: TextIO, out: Output, method: Method, prompt: Prompt, repeat: int, model: str) -> None:
+    """One timed call's step records as JSON lines (``--record-steps``)."""
+    for step, record in enumerate(out.steps):
+        records.write(json.dumps(record_json(
+            record, method.signal_names, model=model, method=method.name, drafter=method.family,
+            prompt_id=prompt.id, category=prompt.category, repeat=repeat, step=step)) + "\n")
+
+
+def _timed_runs(config: BenchConfig, prompts: list[Prompt], methods: list[Method], calls: _Calls,
+                identity: _Identity) -> list[Sample]:
+    """Every alive method on every prompt and repeat, in alternating order; identity checked per turn."""
+    samples: list[Sample] = []
+    records = open(config.record_steps, "w") if config.record_steps else None
+    try:
+        for index, prompt in enumerate(prompts):
+            seed = config.seed + index
+            for repeat in range(config.repeats):
+                turn = index * config.repeats + repeat
+                order = list(calls.alive) if turn % 2 == 0 else list(reversed(calls.alive))
+                outputs = {}
+                for method in order:
+                    out = calls(method, prompt, seed)
+                    calls.bar.update(f"{method.name} {prompt.id}")
+                    if out is None:
+                        continue
+                    outputs[method.name] = out
+                    samples.append(Sample(method.name, prompt.id, prompt.category, repeat, len(out.token_ids),
+                                          out.seconds, out.stats, out.finish, list(out.token_ids)))
+                    if records:
+                        _write_steps(records, out, method, prompt, repeat, config.model)
+                if config.greedy:
+                    identity.check(methods, outputs, prompt, repeat, calls.bar)
+    finally:
+        if records:
+            records.close()
+    return samples
+
+
 def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None,
               progress: bool = True, stream: TextIO | None = None) -> RunResult:
     """Loads, builds the methods, warms up and runs every method on every prompt.
@@ -475,15 +527,7 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
 
     t_load = time.perf_counter()
     loaded = _load(config, log)
-    tokenizer = loaded.target.tokenizer
-    rendered = {p.id: render(p, tokenizer, chat=config.chat) for p in prompts}
-    empty = [pid for pid, ids in rendered.items() if not ids]
-    if empty:
-        raise ValueError(f"prompts {empty[:5]} tokenize to nothing")
-    vocab = loaded.target.model.config.vocab_size
-    bad = [pid for pid, ids in rendered.items() if any(not 0 <= t < vocab for t in ids)]
-    if bad:
-        raise ValueError(f"prompts {bad[:5]} tokenize to ids outside the model's vocabulary of {vocab}")
+    rendered = _render_prompts(prompts, loaded, config.chat)
     longest = max(prompts, key=lambda p: len(rendered[p.id]))
     budget_ctx = -(-(len(rendered[longest.id]) + config.max_new_tokens + 2 * max(config.int_gammas, default=8) + 16)
                    // 256) * 256
@@ -495,70 +539,14 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
                      "so the token-identity check against 'none' is skipped")
 
     bar = ProgressBar(len(methods) * (1 + len(prompts) * config.repeats), stream, enabled=progress)
-    rss: dict[str, float] = {}
-    alive = list(methods)
-
-    def call(method: Method, prompt: Prompt, seed: int):
-        try:
-            out = method.run(rendered[prompt.id], seed)
-        except Exception as exc:  # reported, never hidden; the method is dropped from the rest of the run
-            failed[method.name] = f"{type(exc).__name__}: {exc}"
-            bar.message(f"!! {method.name} FAILED on {prompt.id}: {failed[method.name]}")
-            alive.remove(method)
-            return None
-        rss[method.name] = max(rss.get(method.name, 0.0), current_rss_mb())
-        return out
-
+    calls = _Calls(methods, rendered, bar, failed)
     t_run = time.perf_counter()
-    for method in list(alive):  # warm-up: untimed, longest prompt, full budget
-        call(method, longest, config.seed)
+    for method in list(calls.alive):  # warm-up: untimed, longest prompt, full budget
+        calls(method, longest, config.seed)
         bar.update(f"warm-up {method.name}")
-
-    samples: list[Sample] = []
-    records = open(config.record_steps, "w") if config.record_steps else None
-    mismatches: list[Mismatch] = []
-    comparisons = 0
-    peer_agreement: dict[str, tuple[int, int]] = {}
-    for index, prompt in enumerate(prompts):
-        seed = config.seed + index
-        for repeat in range(config.repeats):
-            turn = index * config.repeats + repeat
-            order = list(alive) if turn % 2 == 0 else list(reversed(alive))
-            outputs = {}
-            for method in order:
-                out = call(method, prompt, seed)
-                bar.update(f"{method.name} {prompt.id}")
-                if out is None:
-                    continue
-                outputs[method.name] = out
-                samples.append(Sample(method.name, prompt.id, prompt.category, repeat, len(out.token_ids), out.seconds,
-                                      out.stats, out.finish, list(out.token_ids)))
-                for step, record in enumerate(out.steps if records else ()):
-                    records.write(json.dumps(record_json(
-                        record, method.signal_names, model=config.model, method=method.name, drafter=method.family,
-                        prompt_id=prompt.id, category=prompt.category, repeat=repeat, step=step)) + "\n")
-            if not config.greedy:
-                continue
-            first_plain = next((m.name for m in methods if m.family == "none"), "none")
-            for method in methods:
-                reference = outputs.get(plain_of(method.name) if method.kind == "ours" else first_plain)
-                if method.family == "none" or method.name not in outputs or reference is None:
-                    continue
-                got, reference = outputs[method.name].token_ids, reference.token_ids
-                if method.kind == "ours":
-                    comparisons += 1
-                    if got != reference:
-                        m = Mismatch(method.name, prompt.id, repeat, _first_difference(reference, got), reference, got)
-                        mismatches.append(m)
-                        bar.message(f"!!!! OUTPUT MISMATCH: {method.name} on {prompt.id} (repeat {repeat}) differs from "
-                                    f"plain decoding at generated token {m.first_difference}: greedy speculative "
-                                    f"decoding must be token-identical !!!!")
-                else:
-                    same, total = peer_agreement.get(method.name, (0, 0))
-                    peer_agreement[method.name] = (same + (got == reference), total + 1)
+    identity = _Identity()
+    samples = _timed_runs(config, prompts, methods, calls, identity)
     bar.close()
-    if records:
-        records.close()
     run_s = time.perf_counter() - t_run
     curves = []
     if config.cost_curve:
@@ -569,10 +557,10 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
         config=config, prompts=prompts, prompt_tokens={pid: len(ids) for pid, ids in rendered.items()},
         methods=methods, samples=samples, skipped=skipped, failed=failed, notes=notes,
         identity_checked=config.greedy and any(m.family == "none" for m in methods),
-        identity_comparisons=comparisons, identity_mismatches=mismatches, peer_agreement=peer_agreement,
-        rss_mb=rss, peak_rss_mb=peak_rss_mb(), rss_after_load_mb=rss_after_load,
-        model_source=loaded.target.source, draft_source=loaded.draft.source if loaded.draft else None,
-        linear_kernel=loaded.target.model.backend.name,
+        identity_comparisons=identity.comparisons, identity_mismatches=identity.mismatches,
+        peer_agreement=identity.peer_agreement, rss_mb=calls.rss, peak_rss_mb=peak_rss_mb(),
+        rss_after_load_mb=rss_after_load, model_source=loaded.target.source,
+        draft_source=loaded.draft.source if loaded.draft else None, linear_kernel=loaded.target.model.backend.name,
         torch_dtype=dtype_name(loaded.torch_dtype), peer_dtype=dtype_name(loaded.peer_dtype), load_s=load_s,
         run_s=run_s, cost_curves=curves)
 

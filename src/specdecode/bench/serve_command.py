@@ -28,13 +28,16 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from specdecode.argtypes import positive_int
 from specdecode.bench.load import run_level, summarize
-from specdecode.bench.prompts import default_prompts, load_prompts, select
+from specdecode.bench.prompts import default_prompts, select
+from specdecode.flags import add_model_arguments
 from specdecode.models.native import cpu_flags, cpu_model
+from specdecode.prompts import load_prompts
 
 SERVED_DRAFTERS = ("ngram", "eagle", "medusa")  # batched drafters that need no other model (the heads: the shipped ones)
 PEERS = ("llamacpp",)  # llama-cpp-python's server (`pip install 'llama-cpp-python[server]'`), a GGUF model only
@@ -76,6 +79,8 @@ def _methods(value: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every ``bench-serve`` flag, the shared model flags first (no ``--device``: the servers choose theirs)."""
+    add_model_arguments(p, device=False)
     p.add_argument("--methods", type=_methods, default=_methods("none,ngram:adaptive"),
                    help="comma list: none (plain decoding, always run), DRAFTER:GAMMA for DRAFTER in "
                         f"{', '.join(SERVED_DRAFTERS)}, either prefixed by rayN: (served by N replicas on Ray Serve, "
@@ -95,6 +100,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=positive_int, default=None,
                    help="the servers' --prefill-chunk (default: theirs)")
     p.add_argument("--out", default=None, metavar="DIR", help="write bench-serve.json, report.md and plots there")
+
+
+@dataclass(frozen=True)
+class BenchServeConfig:
+    """One ``specdecode bench-serve`` run.
+
+    Args:
+        model: the target every server serves (registry name, .gguf path, HF folder or hub id).
+        dtype: the servers' ``--dtype``.
+        linear: the servers' ``--linear``.
+        weights: the servers' ``--weights``.
+        threads: the servers' kernel threads (shared out among a Ray method's replicas); None = all cores.
+        methods: ``none`` first, then ``DRAFTER:GAMMA``, ``rayN:...`` and peers (see :func:`_methods`).
+        concurrency: concurrent clients of each level.
+        requests: requests per level; None = one per prompt, at least 2 per client.
+        max_tokens: completion budget of each request.
+        repeats: runs per method and level (medians are reported).
+        prompts: a JSONL prompt file; None = the packaged suites.
+        limit: prompts per category.
+        max_running: the servers' ``--max-running``; None = the highest concurrency level.
+        max_rows: the servers' ``--max-rows``; None = theirs.
+        prefill_chunk: the servers' ``--prefill-chunk``; None = theirs.
+        out: write bench-serve.json, report.md and plots into this folder; None = print only.
+    """
+
+    model: str
+    dtype: str = "auto"
+    linear: str = "auto"
+    weights: str = "auto"
+    threads: int | None = None
+    methods: tuple[str, ...] = ("none", "ngram:adaptive")
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    requests: int | None = None
+    max_tokens: int = 96
+    repeats: int = 1
+    prompts: str | None = None
+    limit: int = 2
+    max_running: int | None = None
+    max_rows: int | None = None
+    prefill_chunk: int | None = None
+    out: str | None = None
+
+
+def bench_serve_config(args: argparse.Namespace) -> BenchServeConfig:
+    """The run :func:`add_arguments`' flags describe."""
+    return BenchServeConfig(args.model, args.dtype, args.linear, args.weights, args.threads, tuple(args.methods),
+                            tuple(args.concurrency), args.requests, args.max_tokens, args.repeats, args.prompts,
+                            args.limit, args.max_running, args.max_rows, args.prefill_chunk, args.out)
 
 
 def _free_port() -> int:
@@ -152,30 +205,30 @@ class Server:
         self.log.close()
 
 
-def _server_flags(method: str, args: argparse.Namespace, max_running: int) -> list[str]:
+def _server_flags(method: str, config: BenchServeConfig, max_running: int) -> list[str]:
     """The ``serve`` flags of one method's server; a ``rayN:`` method's replicas share this machine's cores
     (each reserves cores / N Ray CPUs, rounded down to Ray's 1e-4, and runs that many kernel threads, at
     least one)."""
     replicas, method = _on_ray(method)
     drafter, _, gamma = method.partition(":")
-    flags = ["--model", args.model, "--served-model-name", "m", "--drafter", drafter, "--max-running", str(max_running),
-             "--max-waiting", "1024", "--log-level", "warning", "--dtype", args.dtype, "--linear", args.linear,
-             "--weights", args.weights]
+    flags = ["--model", config.model, "--served-model-name", "m", "--drafter", drafter, "--max-running", str(max_running),
+             "--max-waiting", "1024", "--log-level", "warning", "--dtype", config.dtype, "--linear", config.linear,
+             "--weights", config.weights]
     if gamma:
         flags += ["--gamma", gamma]
     if replicas:
-        cores = args.threads or os.cpu_count() or 1
+        cores = config.threads or os.cpu_count() or 1
         cpus = max(math.floor(cores / replicas * 1e4) / 1e4, 1e-4)  # N x cpus never exceeds the cores
         flags += ["--ray", "--replicas", str(replicas), "--cpus-per-replica", f"{cpus:.4f}".rstrip("0").rstrip(".")]
-    elif args.threads:
-        flags += ["--threads", str(args.threads)]
-    for flag in ("max_rows", "prefill_chunk"):
-        if getattr(args, flag) is not None:
-            flags += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    elif config.threads:
+        flags += ["--threads", str(config.threads)]
+    for flag, value in (("--max-rows", config.max_rows), ("--prefill-chunk", config.prefill_chunk)):
+        if value is not None:
+            flags += [flag, str(value)]
     return flags
 
 
-def _peer_command(args: argparse.Namespace) -> list[str]:
+def _peer_command(config: BenchServeConfig) -> list[str]:
     """The command line of llama-cpp-python's OpenAI server on the GGUF ``--model`` names, with the servers'
     thread count and context; refused with the reason where it cannot run."""
     import importlib.util
@@ -186,12 +239,12 @@ def _peer_command(args: argparse.Namespace) -> list[str]:
     from specdecode.models.fetch import fetch
 
     try:
-        path = str(fetch(registry.get(args.model)))
+        path = str(fetch(registry.get(config.model)))
     except registry.UnknownModelError:
-        path = args.model
+        path = config.model
     if not path.endswith(".gguf"):
-        raise ValueError(f"--methods llamacpp needs a GGUF model; {args.model!r} is not one")
-    threads = str(args.threads or os.cpu_count())
+        raise ValueError(f"--methods llamacpp needs a GGUF model; {config.model!r} is not one")
+    threads = str(config.threads or os.cpu_count())
     return [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "m", "--host", "127.0.0.1",
             "--port", "{port}", "--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads,
             "--interrupt_requests", "False"]  # its default cuts a running stream short when the next request comes
@@ -207,13 +260,13 @@ def _bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, Any]]:
     return bodies
 
 
-def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
-    levels = sorted(set(args.concurrency))
-    max_running = args.max_running or max(levels)
-    prompts = select(load_prompts(args.prompts) if args.prompts else default_prompts(), limit=args.limit)
-    peer = _peer_command(args) if any(m in PEERS for m in args.methods) else None  # checked before any server starts
-    servers = [Server(m, [], peer, ready="/v1/models") if m in PEERS else Server(m, _server_flags(m, args, max_running))
-               for m in args.methods]
+def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
+    levels = sorted(set(config.concurrency))
+    max_running = config.max_running or max(levels)
+    prompts = select(load_prompts(config.prompts) if config.prompts else default_prompts(), limit=config.limit)
+    peer = _peer_command(config) if any(m in PEERS for m in config.methods) else None  # checked before any server starts
+    servers = [Server(m, [], peer, ready="/v1/models") if m in PEERS else Server(m, _server_flags(m, config, max_running))
+               for m in config.methods]
     try:
         for s in servers:
             log(f"starting the {s.name} server on port {s.port} ...")
@@ -221,10 +274,10 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
         texts: dict[tuple[str, int], list[list[str]]] = {}  # per repeat, each request's answer
         for level in levels:
-            bodies = _bodies(prompts, args.max_tokens, args.requests or max(len(prompts), 2 * level))
+            bodies = _bodies(prompts, config.max_tokens, config.requests or max(len(prompts), 2 * level))
             for s in servers:  # an untimed run, so that no level starts cold
                 run_level("127.0.0.1", s.port, bodies[:level], level)
-            for r in range(args.repeats):
+            for r in range(config.repeats):
                 for s in servers:
                     results, wall = run_level("127.0.0.1", s.port, bodies, level)
                     summary = summarize(results, wall)
@@ -235,10 +288,10 @@ def run_command(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     finally:
         for s in servers:
             s.stop()
-    report = _report(args, levels, runs, texts)
+    report = _report(config, levels, runs, texts)
     _print_table(report, log)
-    if args.out:
-        _write(report, Path(args.out), log)
+    if config.out:
+        _write(report, Path(config.out), log)
     print(json.dumps(report["summary"]))
     return 0
 
@@ -248,11 +301,11 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _report(args: argparse.Namespace, levels: list[int], runs: dict, texts: dict) -> dict[str, Any]:
+def _report(config: BenchServeConfig, levels: list[int], runs: dict, texts: dict) -> dict[str, Any]:
     rows = []
     for level in levels:
         plain = {m: _median([r[m] for r in runs[("none", level)]]) for m in METRICS}
-        for method in args.methods:
+        for method in config.methods:
             row = {"method": method, "concurrency": level,
                    **{m: _median([r[m] for r in runs[(method, level)]]) for m in METRICS},
                    "errors": sum(r["errors"] for r in runs[(method, level)]),
@@ -261,7 +314,7 @@ def _report(args: argparse.Namespace, levels: list[int], runs: dict, texts: dict
             rows.append(row)
     single = next(r for r in rows if r["method"] == "none" and r["concurrency"] == min(levels))
     step_s = single["itl_p50_s"]
-    summary = {"bench": "serve", "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats,
+    summary = {"bench": "serve", "model": config.model, "max_tokens": config.max_tokens, "repeats": config.repeats,
                "cpu": cpu_model(), "flags": sorted(cpu_flags() & {
                    "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "avx2"}),
                "single_stream_tokens_per_s": single["tokens_per_s"], "single_stream_step_s": step_s,

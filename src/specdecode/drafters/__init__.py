@@ -8,11 +8,11 @@ from typing import Sequence
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleDrafter
+from specdecode.drafters.head_loader import load_head_drafter
 from specdecode.drafters.layer_skip import LayerSkipDrafter
 from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.ngram_tree import NgramTreeDrafter
-from specdecode.heads import load_head_drafter
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.transformer import Transformer
 

@@ -17,7 +17,7 @@ from specdecode.drafters.base import MODEL_SIGNALS, Draft, OwnCache, StopRule, m
 from specdecode.drafters.tree_search import grow_tree
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
-from specdecode.kv.prefill import prefill
+from specdecode.models.prefill import prefill
 from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams

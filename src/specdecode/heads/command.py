@@ -101,13 +101,13 @@ def _check_eagle_flags(args: argparse.Namespace) -> None:
 
 
 def run_command(args: argparse.Namespace, log) -> int:
-    from specdecode.bench.prompts import load_prompts
-    from specdecode.bench.runner import ProgressBar
     from specdecode.heads.data import DataConfig, build_features
     from specdecode.heads.file import HeadFile, save_head, target_identity
     from specdecode.heads.train import TrainConfig, Trainer, train
     from specdecode.models.build import load_model
     from specdecode.models.fetch import cache_dir
+    from specdecode.progress import ProgressBar
+    from specdecode.prompts import load_prompts
 
     out = Path(args.out)
     if out.suffix != ".safetensors":

@@ -22,10 +22,10 @@ from typing import Callable, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdecode.bench.prompts import Prompt, load_prompts, render
 from specdecode.heads.file import atomic_write
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.rows import LogitRows
+from specdecode.prompts import Prompt, load_prompts, render
 
 Log = Callable[[str], None]
 DISTILLED, TEXT = 0, 1  # kinds of sequence

@@ -6,7 +6,8 @@ an OpenAI-style error body naming the field (``{"error": {"message", "type", "pa
 full queue a 429 with ``Retry-After``; a client that goes away cancels its request, which frees its KV
 slot at the next step. Each response's ``usage`` carries the request's speculation figures.
 
-It does not step the engine (``loop.py``) nor parse command lines (``command.py``).
+The routes are plain functions over one explicit state object, :class:`ServedModel` (``app.state.served``).
+It does not step the engine (``loop.py``) nor parse command lines (``flags.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
@@ -102,54 +104,87 @@ class _Handle:
         self._loop.call_soon_threadsafe(self.outputs.put_nowait, output)
 
 
-def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, lifespan=None) -> FastAPI:
-    """The FastAPI application serving ``loop``'s engine under ``model_name``; ``lifespan`` starts and stops
-    the loop with the server (see ``command.py``)."""
-    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, lifespan=lifespan)
-    engine = loop.engine
-    tokenizer = engine.tokenizer
-    created = int(time.time())
-    app.state.accepting = True
-    app.state.loop = loop
+def usage(seq: Sequence) -> dict[str, Any]:
+    """A finished request's ``usage``, with its speculation figures."""
+    s = seq.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(seq.generated),
+            "total_tokens": s.prompt_tokens + len(seq.generated),
+            "speculation": {"drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+                            "mean_accepted_length": round(s.mean_accepted_length, 4)}}
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": None}},
-                            status_code=exc.status, headers=exc.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        where = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            message, param = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
-        else:
-            param = ".".join(where) or None
-            message = f"{param or 'body'}: {first['msg']}" + ("" if "input" not in first or param is None else
-                                                             f" (got {json.dumps(first['input'], default=str)[:80]})")
-        return await api_error(request, APIError(400, message, param))
+def failed(seq: Sequence) -> APIError:
+    return APIError(500, f"generation failed: {seq.error}", kind="server_error")
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(400, f"model {name!r} is not served here; this server serves {model_name!r}", "model")
 
-    def budget(body: _Sampling, prompt_len: int) -> int:
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class ServedModel:
+    """What the routes serve: the engine loop, the name clients ask for, the metrics, and whether new
+    requests are still accepted (not while shutting down). One per application, at ``app.state.served``.
+
+    Args:
+        loop: the engine loop (started and stopped by the application's lifespan).
+        name: the model name clients pass.
+        metrics: the Prometheus metrics ``/metrics`` renders.
+    """
+
+    def __init__(self, loop: EngineLoop, name: str, metrics: ServeMetrics) -> None:
+        self.loop, self.name, self.metrics = loop, name, metrics
+        self.engine = loop.engine
+        self.tokenizer = loop.engine.tokenizer
+        self.created = int(time.time())
+        self.accepting = True
+
+    def check_model(self, name: str) -> None:
+        if name != self.name:
+            raise APIError(400, f"model {name!r} is not served here; this server serves {self.name!r}", "model")
+
+    def budget(self, body: _Sampling, prompt_len: int) -> int:
+        """The completion's token budget: what the request asks, within what a KV slot holds."""
         asked = body.max_completion_tokens or body.max_tokens
-        room = engine.max_len - prompt_len
+        max_len = self.engine.max_len
+        room = max_len - prompt_len
         if room < 1:
-            raise APIError(400, f"the prompt is {prompt_len} tokens; this server holds at most {engine.max_len} "
+            raise APIError(400, f"the prompt is {prompt_len} tokens; this server holds at most {max_len} "
                                 "tokens per request (prompt + completion)", "prompt")
         if asked is not None and asked > room:
             raise APIError(400, f"max_tokens {asked} plus the prompt's {prompt_len} tokens exceed the "
-                                f"{engine.max_len} tokens this server holds per request", "max_tokens")
+                                f"{max_len} tokens this server holds per request", "max_tokens")
         return asked or room
 
-    async def start(ids: list[int], body: _Sampling) -> _Handle:
-        if not app.state.accepting or not loop.alive:
+    def encode_prompt(self, prompt: str | list[str] | list[int]) -> list[int]:
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise APIError(400, f"one prompt per request (n = 1); got {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            ids = list(prompt)
+            vocab = self.engine.target.config.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty", "prompt")
+        return ids
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise APIError(400, f"model {self.name!r} has no chat template; use /v1/completions", "messages")
+        rendered = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
+                     else "".join(part.text for part in m.content)} for m in messages]
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(rendered))
+
+    async def start(self, ids: list[int], body: _Sampling) -> _Handle:
+        """Submits the request to the engine loop; a full queue is a 429, a refused request a 400."""
+        if not self.accepting or not self.loop.alive:
             raise APIError(503, "the server is shutting down", kind="service_unavailable")
         handle = _Handle()
-        future = loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(),
-                             max_new_tokens=budget(body, len(ids)), stop=body.stops())
+        future = self.loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(),
+                                  max_new_tokens=self.budget(body, len(ids)), stop=body.stops())
         try:
             handle.seq = await asyncio.wrap_future(future)
         except QueueFullError as exc:
@@ -158,7 +193,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, lifespan
             raise APIError(400, str(exc), "prompt")
         return handle
 
-    async def outputs(handle: _Handle, request: Request) -> AsyncIterator[Output]:
+    async def outputs(self, handle: _Handle, request: Request) -> AsyncIterator[Output]:
         """The request's outputs until its last; cancels it if the client goes away."""
         try:
             while True:
@@ -173,118 +208,138 @@ def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, lifespan
                     return
         finally:
             if not handle.seq.finished:
-                loop.cancel(handle.seq)
+                self.loop.cancel(handle.seq)
 
-    def usage(seq: Sequence) -> dict[str, Any]:
-        s = seq.stats
-        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(seq.generated),
-                "total_tokens": s.prompt_tokens + len(seq.generated),
-                "speculation": {"drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
-                                "mean_accepted_length": round(s.mean_accepted_length, 4)}}
-
-    def failed(seq: Sequence) -> APIError:
-        return APIError(500, f"generation failed: {seq.error}", kind="server_error")
-
-    def encode_prompt(prompt: str | list[str] | list[int]) -> list[int]:
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise APIError(400, f"one prompt per request (n = 1); got {len(prompt)}", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt) if prompt else []
-        else:
-            ids = list(prompt)
-            vocab = engine.target.config.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
-        if not ids:
-            raise APIError(400, "the prompt is empty", "prompt")
-        return ids
-
-    def encode_chat(messages: list[ChatMessage]) -> list[int]:
-        if not tokenizer.chat_template:
-            raise APIError(400, f"model {model_name!r} has no chat template; use /v1/completions", "messages")
-        rendered = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
-                     else "".join(part.text for part in m.content)} for m in messages]
-        return tokenizer.encode(tokenizer.apply_chat_template(rendered))
-
-    def sse(payload: dict[str, Any]) -> str:
-        return f"data: {json.dumps(payload)}\n\n"
-
-    async def respond(request: Request, body: _Sampling, ids: list[int], chat: bool) -> Response:
-        handle = await start(ids, body)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        kind = "chat.completion" if chat else "text_completion"
-        base = {"id": rid, "created": int(time.time()), "model": model_name}
+    async def respond(self, request: Request, body: _Sampling, ids: list[int], chat: bool) -> Response:
+        """The answer to a completion (``chat`` false) or chat request: one JSON body, or an SSE stream."""
+        handle = await self.start(ids, body)
+        reply = _Reply(chat, {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                              "model": self.name})
         if not body.stream:
-            text = []
-            async for out in outputs(handle, request):
-                text.append(out.text)
-            seq = handle.seq
-            if seq.finish_reason == "error":
-                raise failed(seq)
-            if seq.finish_reason == "cancelled":
-                return Response(status_code=499)  # the client is gone: nobody reads this
-            content = "".join(text)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if chat else
-                      {"index": 0, "text": content, "logprobs": None})
-            choice["finish_reason"] = FINISH[seq.finish_reason]
-            return JSONResponse({**base, "object": kind, "choices": [choice], "usage": usage(seq)})
-
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+            return await self._whole(request, handle, reply)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-                if text:
-                    delta["content"] = text
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return {**base, "object": chunk_kind, "choices": [choice]}
-
-        async def events() -> AsyncIterator[str]:
-            if chat:
-                yield sse(chunk(None, None, first=True))
-            async for out in outputs(handle, request):
-                if out.finish_reason == "error":
-                    err = failed(handle.seq)
-                    yield sse({"error": {"message": err.message, "type": err.kind, "param": None, "code": None}})
-                    break
-                finish = FINISH[out.finish_reason] if out.finish_reason else None
-                if out.text or finish:
-                    yield sse(chunk(out.text, finish))
-            if include_usage and handle.seq.finish_reason not in ("error", "cancelled"):
-                yield sse({**base, "object": chunk_kind, "choices": [], "usage": usage(handle.seq)})
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream",
+        return StreamingResponse(self._events(request, handle, reply, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        check_model(body.model)
-        return await respond(request, body, encode_prompt(body.prompt), chat=False)
+    async def _whole(self, request: Request, handle: _Handle, reply: _Reply) -> Response:
+        text = [out.text async for out in self.outputs(handle, request)]
+        seq = handle.seq
+        if seq.finish_reason == "error":
+            raise failed(seq)
+        if seq.finish_reason == "cancelled":
+            return Response(status_code=499)  # the client is gone: nobody reads this
+        return JSONResponse(reply.whole("".join(text), FINISH[seq.finish_reason], usage(seq)))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatRequest) -> Response:
-        check_model(body.model)
-        return await respond(request, body, encode_chat(body.messages), chat=True)
+    async def _events(self, request: Request, handle: _Handle, reply: _Reply,
+                      include_usage: bool) -> AsyncIterator[str]:
+        if reply.chat:
+            yield sse(reply.chunk(None, None, first=True))
+        async for out in self.outputs(handle, request):
+            if out.finish_reason == "error":
+                err = failed(handle.seq)
+                yield sse({"error": {"message": err.message, "type": err.kind, "param": None, "code": None}})
+                break
+            finish = FINISH[out.finish_reason] if out.finish_reason else None
+            if out.text or finish:
+                yield sse(reply.chunk(out.text, finish))
+        if include_usage and handle.seq.finish_reason not in ("error", "cancelled"):
+            yield sse(reply.usage_chunk(usage(handle.seq)))
+        yield "data: [DONE]\n\n"
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "specdecode", "max_model_len": engine.max_len}]}
 
-    @app.get("/health")
-    async def health() -> Response:
-        if not loop.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+@dataclass
+class _Reply:
+    """One answer's bodies in OpenAI's shapes: ``base`` is its id, creation time and model."""
 
-    @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        return Response(metrics.render(), media_type=metrics.content_type)
+    chat: bool
+    base: dict[str, Any]
 
+    @property
+    def chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def whole(self, content: str, finish: str, usage: dict[str, Any]) -> dict[str, Any]:
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if self.chat else
+                  {"index": 0, "text": content, "logprobs": None})
+        choice["finish_reason"] = finish
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self.base, "object": kind, "choices": [choice], "usage": usage}
+
+    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**self.base, "object": self.chunk_kind, "choices": [choice]}
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self.base, "object": self.chunk_kind, "choices": [], "usage": usage}
+
+
+def _served(request: Request) -> ServedModel:
+    return request.app.state.served
+
+
+async def api_error(request: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": None}},
+                        status_code=exc.status, headers=exc.headers)
+
+
+async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's validation errors as OpenAI-style 400s naming the first bad field."""
+    first = exc.errors()[0]
+    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        message, param = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    else:
+        param = ".".join(where) or None
+        message = f"{param or 'body'}: {first['msg']}" + ("" if "input" not in first or param is None else
+                                                         f" (got {json.dumps(first['input'], default=str)[:80]})")
+    return await api_error(request, APIError(400, message, param))
+
+
+async def completions(request: Request, body: CompletionRequest) -> Response:
+    served = _served(request)
+    served.check_model(body.model)
+    return await served.respond(request, body, served.encode_prompt(body.prompt), chat=False)
+
+
+async def chat_completions(request: Request, body: ChatRequest) -> Response:
+    served = _served(request)
+    served.check_model(body.model)
+    return await served.respond(request, body, served.encode_chat(body.messages), chat=True)
+
+
+async def models(request: Request) -> dict[str, Any]:
+    served = _served(request)
+    return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
+                                        "owned_by": "specdecode", "max_model_len": served.engine.max_len}]}
+
+
+async def health(request: Request) -> Response:
+    if not _served(request).loop.alive:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    metrics = _served(request).metrics
+    return Response(metrics.render(), media_type=metrics.content_type)
+
+
+def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, lifespan=None) -> FastAPI:
+    """The FastAPI application serving ``loop``'s engine under ``model_name``; ``lifespan`` starts and stops
+    the loop with the server (see ``command.py``)."""
+    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.served = ServedModel(loop, model_name, metrics)
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, bad_request)
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics_endpoint, methods=["GET"])
     return app

@@ -3,7 +3,7 @@
 Three deployments make the application (:func:`build_application`):
 
 - ``EngineServer`` (``--replicas`` of them): each loads the model and runs the very server
-  ``specdecode serve`` runs (``command.build_server``: the batch engine, its loop, the FastAPI app), and
+  ``specdecode serve`` runs (``server.build_server``: the batch engine, its loop, the FastAPI app), and
   answers forwarded HTTP requests with it in-process (``forward.call_asgi``), streaming its body back
   chunk by chunk. It pushes its Prometheus text to the hub every second.
 - ``Ingress`` (Ray Serve's HTTP proxy sends every request here): reads the request, hands it to an
@@ -15,15 +15,16 @@ Three deployments make the application (:func:`build_application`):
   answers the hub's merged view.
 - ``MetricsHub`` (one, no CPU): every replica's latest metrics, merged with a ``replica`` label.
 
-It does not own the Ray cluster nor run the command (``ray_command.py``); :func:`serve_flags` only
-reuses ``serve``'s parser for Python callers and config files.
+Every replica is handed the command's :class:`~specdecode.serve.config.ServeConfig` (``flags.serve_flags``
+makes one from a list of ``serve`` flags, for Python callers and config files). It does not own the Ray
+cluster nor run the command (``ray_command.py``).
 """
 
-import argparse
 import json
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -35,9 +36,11 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from specdecode.argtypes import byte_size
-from specdecode.serve.command import SHUTDOWN_GRACE_S, build_server
+from specdecode.serve.config import RayConfig, ServeConfig
+from specdecode.serve.flags import serve_flags
 from specdecode.serve.forward import ForwardedRequest, ResponseHead, call_asgi
 from specdecode.serve.metrics import merge_replicas
+from specdecode.serve.server import SHUTDOWN_GRACE_S, build_server
 
 APP_NAME = "specdecode"
 METRICS_PUSH_S = 1.0  # how often a replica sends its metrics to the hub
@@ -54,19 +57,19 @@ class EngineServer:
     """One replica: ``specdecode serve``'s server, answering forwarded requests.
 
     Args:
-        args: ``specdecode serve``'s parsed flags.
+        config: the server's configuration.
         hub: the ``MetricsHub`` deployment.
         threads: the step kernels' threads (Ray's CPUs for the replica).
     """
 
-    def __init__(self, args: argparse.Namespace, hub: DeploymentHandle, threads: int) -> None:
+    def __init__(self, config: ServeConfig, hub: DeploymentHandle, threads: int) -> None:
         import torch
 
         from specdecode.models.build import resolve_device
 
         torch.set_num_threads(threads)
-        args.device = resolve_device(args.device)
-        served = build_server(args, log.info)
+        target = replace(config.target, device=resolve_device(config.target.device))  # this replica's device
+        served = build_server(replace(config, target=target), log.info)
         self.app, self.loop, self.metrics = served.app, served.loop, served.metrics
         self.loop.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
@@ -229,13 +232,13 @@ class Ingress:
         return await answer(self.engine, forwarded, self.retries)
 
 
-def build_application(args: argparse.Namespace, replicas: int = 1, cpus_per_replica: float = 1.0,
+def build_application(config: ServeConfig, replicas: int = 1, cpus_per_replica: float = 1.0,
                       routing: str = "prefix", retries: int = 2, memory_per_replica: int | None = None,
                       ingress_replicas: int = 1) -> serve.Application:
-    """The Ray Serve application for ``specdecode serve``'s flags ``args``.
+    """The Ray Serve application serving ``config`` (its ``ray`` part aside: the deployment is given here).
 
     Args:
-        args: parsed ``specdecode serve`` flags (:func:`serve_flags` parses a list); ``--threads`` sets the
+        config: the server (``flags.serve_flags`` makes one from a list of flags); its ``threads`` sets the
             step kernels' threads per replica (default: ``cpus_per_replica``, at least 1).
         replicas: engine replicas.
         cpus_per_replica: Ray CPUs each replica reserves.
@@ -245,30 +248,29 @@ def build_application(args: argparse.Namespace, replicas: int = 1, cpus_per_repl
         ingress_replicas: ingress replicas (with Ray's proxy, ~445 streamed chunks per CPU second here, see
             BENCHMARKS.md; each keeps its own prefix index).
     """
-    if routing not in ("prefix", "pow2"):
-        raise ValueError(f"routing must be 'prefix' or 'pow2'; got {routing!r}")
-    if replicas < 1 or ingress_replicas < 1 or cpus_per_replica <= 0:
-        raise ValueError(f"replicas and ingress_replicas must be >= 1 and cpus_per_replica > 0; got {replicas}, "
-                         f"{ingress_replicas} and {cpus_per_replica}")
-    threads = args.threads or max(1, int(cpus_per_replica))
+    ray = RayConfig(replicas, cpus_per_replica, ingress_replicas, memory_per_replica, routing, retries)
+    threads = config.threads or max(1, int(ray.cpus_per_replica))
+    scheduler = config.scheduler
     router = {}
-    if routing == "prefix":
+    if ray.routing == "prefix":
         from specdecode.serve.ray_router import PrefixAffinityRouter
 
         router = {"request_router_config": RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter, request_router_kwargs={"imbalance": max(1, args.max_running // 2)})}
+            request_router_class=PrefixAffinityRouter,
+            request_router_kwargs={"imbalance": max(1, scheduler.max_running // 2)})}
     hub = serve.deployment(MetricsHub, name="MetricsHub", ray_actor_options={"num_cpus": 0},
                            logging_config={"enable_access_log": False}).bind()  # a push per replica per second
-    actor = {"num_cpus": cpus_per_replica, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
-    if memory_per_replica:
-        actor["memory"] = memory_per_replica
+    actor = {"num_cpus": ray.cpus_per_replica, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
+    if ray.memory_per_replica:
+        actor["memory"] = ray.memory_per_replica
     engine = serve.deployment(
-        EngineServer, name="EngineServer", num_replicas=replicas, ray_actor_options=actor,
-        max_ongoing_requests=args.max_running + args.max_waiting, max_queued_requests=max(1, args.max_waiting),
+        EngineServer, name="EngineServer", num_replicas=ray.replicas, ray_actor_options=actor,
+        max_ongoing_requests=scheduler.max_running + scheduler.max_waiting,
+        max_queued_requests=max(1, scheduler.max_waiting),
         health_check_period_s=2, max_constructor_retry_count=2,  # one retry in all, then the deployment fails
         graceful_shutdown_timeout_s=SHUTDOWN_GRACE_S + 5, **router,
-    ).bind(args, hub, threads)
-    return Ingress.options(num_replicas=ingress_replicas).bind(engine, hub, retries)
+    ).bind(config, hub, threads)
+    return Ingress.options(num_replicas=ray.ingress_replicas).bind(engine, hub, ray.retries)
 
 
 class DeploymentError(RuntimeError):
@@ -295,17 +297,6 @@ def _last_error_line(message: str) -> str:
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     errors = [line for line in lines if line.split(":", 1)[0].rsplit(".", 1)[-1].endswith(("Error", "Exception"))]
     return (errors or lines or [message])[-1]
-
-
-def serve_flags(flags: list[str]) -> argparse.Namespace:
-    """``specdecode serve``'s flags (e.g. ``["--model", "smollm2-135m", "--drafter", "ngram"]``), parsed;
-    bad flags raise ValueError (not argparse's exit)."""
-    from specdecode.cli import build_parser
-
-    try:
-        return build_parser().parse_args(["serve", *flags])
-    except SystemExit:
-        raise ValueError(f"bad specdecode serve flags: {' '.join(flags)} (see `specdecode serve --help`)") from None
 
 
 def app_builder(config: dict[str, Any]) -> serve.Application:

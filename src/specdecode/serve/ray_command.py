@@ -8,19 +8,20 @@ one ``ray start`` began here) only its application is deleted. It does not defin
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import time
 from typing import Callable
+
+from specdecode.serve.config import ServeConfig
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM as SIGINT: the clean-up below runs for both
 
 
-def run_ray(args: argparse.Namespace, log: Callable[[str], None]) -> int:
-    """Deploys ``serve``'s flags ``args`` on Ray Serve and serves until SIGINT or SIGTERM (module docstring).
+def run_ray(config: ServeConfig, log: Callable[[str], None]) -> int:
+    """Deploys ``config`` (its ``ray`` part set) on Ray Serve and serves until SIGINT or SIGTERM (module docstring).
 
     Raises:
         ValueError: Ray is missing, the cluster lacks the CPUs, an application of this name already runs
@@ -34,36 +35,37 @@ def run_ray(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     except ImportError as exc:
         raise ValueError(f"specdecode serve --ray needs Ray Serve ({exc.name} is missing): "
                          "pip install 'specdecode[ray]'") from None
-    application = build_application(args, args.replicas, args.cpus_per_replica, args.routing,
-                                    memory_per_replica=args.memory_per_replica,
-                                    ingress_replicas=args.ingress_replicas)
-    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    ray_config = config.ray
+    application = build_application(config, ray_config.replicas, ray_config.cpus_per_replica, ray_config.routing,
+                                    ray_config.retries, ray_config.memory_per_replica, ray_config.ingress_replicas)
+    address = ray_config.address or os.environ.get("RAY_ADDRESS")
     own_cluster = address is None
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     deployed = False
     try:
         if own_cluster:  # a cluster of this machine's cores for this server alone
-            ray.init(address="local", include_dashboard=False, log_to_driver=args.log_level == "debug")
+            ray.init(address="local", include_dashboard=False, log_to_driver=config.log_level == "debug")
         else:
-            ray.init(address=address, log_to_driver=args.log_level == "debug")
+            ray.init(address=address, log_to_driver=config.log_level == "debug")
         for sig in previous:  # again: Ray's core worker installs its own SIGTERM handler, which exits at once
             signal.signal(sig, _interrupt)
         cpus = ray.available_resources().get("CPU", 0)
-        if args.replicas * args.cpus_per_replica > cpus + 1e-6:  # Ray would wait for them forever
-            raise ValueError(f"{args.replicas} replica(s) of {args.cpus_per_replica:g} CPU need "
-                             f"{args.replicas * args.cpus_per_replica:g} CPUs; the Ray cluster has {cpus:g} free")
-        serve.start(http_options={"host": args.host, "port": args.port})
+        needed = ray_config.replicas * ray_config.cpus_per_replica
+        if needed > cpus + 1e-6:  # Ray would wait for them forever
+            raise ValueError(f"{ray_config.replicas} replica(s) of {ray_config.cpus_per_replica:g} CPU need "
+                             f"{needed:g} CPUs; the Ray cluster has {cpus:g} free")
+        serve.start(http_options={"host": config.host, "port": config.port})
         if APP_NAME in serve.status().applications:
             raise ValueError(f"an application named {APP_NAME!r} already runs on this Ray cluster; "
                              f"stop it first (serve.delete({APP_NAME!r}))")
-        log(f"deploying {args.replicas} replica(s) of {args.served_model_name or args.model} on Ray "
-            f"({args.cpus_per_replica:g} CPU each, routing {args.routing}) ...")
+        log(f"deploying {ray_config.replicas} replica(s) of {config.name} on Ray "
+            f"({ray_config.cpus_per_replica:g} CPU each, routing {ray_config.routing}) ...")
         deployed = True  # from here on, what was deployed is deleted on the way out
         try:
             run_application(application)
         except DeploymentError as exc:
             raise ValueError(str(exc)) from None
-        log(f"serving on http://{args.host}:{args.port}/v1 through Ray Serve; Ctrl-C or SIGTERM stops")
+        log(f"serving on http://{config.host}:{config.port}/v1 through Ray Serve; Ctrl-C or SIGTERM stops")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

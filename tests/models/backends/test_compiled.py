@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kv.cache import CacheConfig
-from specdecode.kv.prefill import _Recorder
+from specdecode.models.prefill import _Recorder
 from specdecode.models.linear import NativeLinear, QuantLinear
 from specdecode.models.rows import LogitRows, plan_rows
 from specdecode.models.weights import BLOCK_FORMATS

@@ -8,7 +8,7 @@ import torch
 
 from specdecode.kv.cache import CacheConfig
 from specdecode.kv.memory import KVMemory
-from specdecode.kv.prefill import prefill
+from specdecode.models.prefill import prefill
 from specdecode.kv.prefix import PrefixCache
 from tiny_models import random_hf_tensors, tiny_config
 from specdecode.models.transformer import Transformer

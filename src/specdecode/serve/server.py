@@ -1,0 +1,64 @@
+"""The server a :class:`~specdecode.serve.config.ServeConfig` describes: the model loaded, the batch engine
+built and warmed up, its loop and the API over it (not yet started). ``specdecode serve`` runs it under
+uvicorn (``command.py``); each Ray replica builds its own (``ray_app.py``).
+
+It does not define the API (``app.py``), step the engine (``loop.py``) nor listen on a port.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from specdecode.batch.executor import BatchEngine
+from specdecode.drafter_setup import drafter_factory
+from specdecode.serve.config import ServeConfig
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from specdecode.serve.loop import EngineLoop
+    from specdecode.serve.metrics import ServeMetrics
+
+SHUTDOWN_GRACE_S = 30  # running requests may finish for this long after SIGTERM, then they are cancelled
+
+
+@dataclass
+class Served:
+    """What ``specdecode serve`` runs: the application and the loop stepping its engine (not yet started)."""
+
+    app: "FastAPI"
+    loop: "EngineLoop"
+    metrics: "ServeMetrics"
+    name: str
+    kind: str
+
+
+def build_server(config: ServeConfig, log: Callable[[str], None], lifespan=None) -> Served:
+    """Loads the model, builds and warms the batch engine and the API over it; ``lifespan`` starts and
+    stops the loop with the application (see ``command.py``).
+
+    Raises:
+        ValueError: the serve extra is missing, or the drafter's head cannot be found.
+    """
+    try:
+        from specdecode.serve.app import build_app
+    except ImportError as exc:
+        raise ValueError(f"specdecode serve needs the serve extra ({exc.name} is missing): "
+                         "pip install 'specdecode[serve]'") from None
+    from specdecode.serve.loop import EngineLoop
+    from specdecode.serve.metrics import ServeMetrics
+
+    loaded = config.target.load(progress=log)
+    new_drafter = drafter_factory(config.drafter, config.target, loaded, config.draft_cache, log)
+    metrics = ServeMetrics(config.name)
+    engine = BatchEngine(loaded.model, loaded.tokenizer, new_drafter, config.speculation, config.cache,
+                         config.scheduler, config.max_len)
+    log(f"warming up ({config.scheduler.max_running} slots of {engine.max_len} tokens, "
+        f"KV {engine.cache.nbytes / 2**20:.0f} MiB) ...")
+    engine.warmup()
+    engine.observer = metrics  # the warm-up request is not counted
+    loop = EngineLoop(engine, on_step=lambda e: metrics.gauges(len(e.scheduler.running), len(e.scheduler.waiting),
+                                                               e.kv_usage))
+    return Served(build_app(loop, config.name, metrics, lifespan=lifespan), loop, metrics, config.name,
+                  config.drafter.kind)
