@@ -1,4 +1,4 @@
-"""What one drafted token of a trained head costs, next to a target decode step (BENCHMARKS.md, "Trained
+"""What one drafted token of a trained head costs, next to a target decode step (docs/benchmarks/history.md, "Trained
 draft heads": the draft vocabulary swept).
 
 On the real SmolLM2 (or ``--model``) and its shipped head (or ``--head``), after a ``--context``-token prompt:

@@ -1,4 +1,4 @@
-"""KV-cache figures that a per-prompt benchmark cannot give (BENCHMARKS.md, "Compressed KV cache").
+"""KV-cache figures that a per-prompt benchmark cannot give (docs/benchmarks/history.md, "Compressed KV cache").
 
 1. bytes per cached token of each setting (scales and zero points included) vs bf16;
 2. greedy agreement of a compressed target with the uncompressed one over 256 generated tokens;

@@ -1,4 +1,4 @@
-"""Time of the projections of one forward, per kernel and row count (BENCHMARKS.md, "Runtime speed").
+"""Time of the projections of one forward, per kernel and row count (docs/benchmarks/history.md, "Runtime speed").
 
 For each model geometry it builds random bf16 weights of every projection of every layer plus the output
 head (so that, as in a real step, they stream from memory rather than sit in cache), then times one pass

@@ -4,7 +4,7 @@ Starts ``specdecode serve --ray --replicas 1`` (a local cluster), sends the pack
 ``--concurrency`` closed-loop clients, and reads the CPU seconds (user + system, from /proc) that the
 proxy actor, the ingress replica, the engine replica and the rest of Ray's processes used during the run;
 divides by the content chunks relayed. The proxy's and ingress's share bounds how many chunks per second
-one head node can relay: the input of the N-machine throughput model in BENCHMARKS.md.
+one head node can relay: the input of the N-machine throughput model in docs/benchmarks/history.md ("Scale-out on Ray Serve").
 
 Prints a table and one JSON line. It does not measure latency (``specdecode bench-serve`` does).
 

@@ -1,4 +1,4 @@
-"""How a decode step is run, measured side by side (BENCHMARKS.md, "Weights as stored and a fused step").
+"""How a decode step is run, measured side by side (docs/benchmarks/history.md, "Weights as stored and a fused step").
 
 Three ways to run the same packed model, each with bf16 weights and with a block format, on the real
 SmolLM2 (or ``--model``), interleaved call by call:

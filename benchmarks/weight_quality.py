@@ -1,4 +1,4 @@
-"""What each weight format costs in quality (BENCHMARKS.md, "Weights as stored and a fused step").
+"""What each weight format costs in quality (docs/benchmarks/history.md, "Weights as stored and a fused step").
 
 For each ``--weights`` format of one model (SmolLM2 by default):
 

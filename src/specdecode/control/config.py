@@ -19,7 +19,7 @@ class SpeculativeConfig:
     Args:
         gamma: tokens drafted per step (0 = speculation off), or the name of a controller in GAMMA_POLICIES
             (default ``adaptive``: in ``specdecode bench`` it beat the best fixed gamma with a draft model,
-            with self-speculation and with n-gram lookup; see BENCHMARKS.md).
+            with self-speculation and with n-gram lookup; see docs/benchmarks/history.md, "Adaptive gamma").
         gamma_max: upper bound for controllers.
         controller_file: the acceptance models of the ``confidence`` and ``adaptive`` controllers
             (written by ``specdecode fit-controller``); None = the file shipped with the package.

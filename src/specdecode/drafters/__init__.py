@@ -19,7 +19,7 @@ from specdecode.models.transformer import Transformer
 DRAFTERS = ("none", "ngram", "ngram-tree", "draft", "draft-tree", "layerskip", "eagle", "eagle-tree", "medusa")
 # Trained heads: a head file, or the one shipped for the target (eagle-tree uses the eagle head).
 HEAD_DRAFTERS = ("eagle", "eagle-tree", "medusa")
-TREE_WIDTH = 3  # children per expanded node of draft-tree and eagle-tree (see BENCHMARKS.md, "Token trees")
+TREE_WIDTH = 3  # children per expanded node of draft-tree and eagle-tree (see docs/benchmarks/history.md, "Token trees")
 
 
 def base_kind(kind: str) -> str:

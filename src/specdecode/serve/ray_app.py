@@ -246,7 +246,7 @@ def build_application(config: ServeConfig, replicas: int = 1, cpus_per_replica: 
         retries: see :class:`Ingress`.
         memory_per_replica: bytes each replica reserves from Ray's scheduler (None: none).
         ingress_replicas: ingress replicas (with Ray's proxy, ~445 streamed chunks per CPU second here, see
-            BENCHMARKS.md; each keeps its own prefix index).
+            BENCHMARKS.md, "Ray Serve"; each keeps its own prefix index).
     """
     ray = RayConfig(replicas, cpus_per_replica, ingress_replicas, memory_per_replica, routing, retries)
     threads = config.threads or max(1, int(ray.cpus_per_replica))
