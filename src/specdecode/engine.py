@@ -8,11 +8,13 @@ command lines or serve several requests at once (``BatchEngine`` does, behind ``
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, Sequence
 
 from specdecode.batch.executor import BatchEngine
+from specdecode.batch.observer import RecordObserver
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.batch.sequence import GenerationResult, Output, Sequence as Running
+from specdecode.batch.stream import TextStream
 from specdecode.control import StepRecord
 from specdecode.control.config import SpeculativeConfig
 from specdecode.drafters.base import Drafter
@@ -24,44 +26,6 @@ from specdecode.sampling import SamplingParams
 FIRST_SLOT_LEN = 0  # tokens the KV slot holds before the first request grows it to its size
 
 __all__ = ["Engine", "GenerationResult", "SpeculativeConfig", "TextStream"]
-
-
-class TextStream:
-    """Iterates over text pieces as they are generated; ``result`` is set once iteration ends.
-
-    The pieces are the sequence's showable text (``Sequence.output``): an incomplete UTF-8 character, and
-    a tail that could still grow into a stop string, are held back until they are settled.
-    """
-
-    def __init__(self, outputs: Iterator[Output]) -> None:
-        self._outputs = outputs
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        while True:
-            try:
-                out = next(self._outputs)
-            except StopIteration as done:
-                self.result = done.value
-                return
-            if out.text:
-                yield out.text
-
-
-class _Records:
-    """Hands every step's record to ``on_step`` (the batch engine's observer protocol)."""
-
-    def __init__(self, on_step: Callable[[StepRecord], None]) -> None:
-        self.on_step = on_step
-
-    def admitted(self, seq: Running) -> None:
-        pass
-
-    def stepped(self, seq: Running, record: StepRecord, emitted: int, now: float) -> None:
-        self.on_step(record)
-
-    def finished(self, seq: Running) -> None:
-        pass
 
 
 class Engine:
@@ -86,7 +50,7 @@ class Engine:
         scheduler = SchedulerConfig(max_running=1, max_waiting=0, max_rows=max(2, 1 + spec.max_draft),
                                     prefill_chunk=context)
         self.batch = BatchEngine(target, tokenizer, (lambda: drafter) if drafter is not None else None, spec, cache,
-                                 scheduler, max_len=context, observer=_Records(on_step) if on_step else None,
+                                 scheduler, max_len=context, observer=RecordObserver(on_step) if on_step else None,
                                  slot_len=FIRST_SLOT_LEN, record_signals=on_step is not None)
         self.target, self.tokenizer, self.drafter, self.spec = target, tokenizer, drafter, self.batch.spec
         self._running: Running | None = None
@@ -102,33 +66,31 @@ class Engine:
         return self.batch.memory
 
     def warmup(self) -> None:
-        """Runs a short dummy request and times what the controllers and the stats need (``BatchEngine.warmup``)."""
+        """A dummy request, then the timings the controllers and the stats need (``BatchEngine.warmup``)."""
         self.batch.warmup()
 
-    def verify_timer(self, context: Sequence[int]):
-        """A context manager: ``seconds(k)`` of a verification of k drafted tokens after ``context``
-        (``BatchEngine.verify_timer``)."""
+    def verify_timer(self, context: Sequence[int]) -> ContextManager[Callable[[int], float]]:
+        """``seconds(k)`` of verifying k drafted tokens after ``context`` (``BatchEngine.verify_timer``)."""
         return self.batch.verify_timer(context)
 
     def memory_bytes(self) -> dict[str, int]:
-        """What this configuration holds: target and draft weights, and their KV caches."""
+        """Target and draft weights, and their KV caches as allocated."""
         return self.batch.memory_bytes()
 
     def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 128, stop: str | Iterable[str] = (),
                  eos_token_ids: Iterable[int] | None = None) -> GenerationResult:
         """Generates a continuation of ``prompt``; see :meth:`stream` for the arguments."""
-        steps = self._run(prompt, sampling, max_new_tokens, stop, eos_token_ids)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        stream = self.stream(prompt, sampling, max_new_tokens, stop, eos_token_ids)
+        for _ in stream:  # runs the request to its end
+            pass
+        return stream.result
 
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                max_new_tokens: int = 128, stop: str | Iterable[str] = (),
                eos_token_ids: Iterable[int] | None = None) -> TextStream:
-        """Like :meth:`generate`, but yields text as it is accepted.
+        """Like :meth:`generate`, but yields text as it is accepted. The request is submitted at once, so bad
+        input is refused here.
 
         Args:
             prompt: text (tokenized without special tokens) or token ids.
@@ -138,17 +100,12 @@ class Engine:
                 one (as plain decoding would), and the text is cut before it.
             eos_token_ids: ids that end generation; default: the tokenizer's end-of-sequence ids.
         """
-        return TextStream(self._run(prompt, sampling, max_new_tokens, stop, eos_token_ids))
-
-    def _run(self, prompt, sampling: SamplingParams, max_new_tokens: int, stop,
-             eos_token_ids) -> Iterator[Output]:
-        """Submits the request now (bad input is refused at once) and returns the generator that steps it."""
         if self._running is not None and not self._running.finished:  # a stream abandoned before its end
             self.batch.cancel(self._running)
         outputs: list[Output] = []
         seq = self._running = self.batch.submit(prompt, sampling, max_new_tokens, stop, eos_token_ids,
                                                 on_output=lambda _, out: outputs.append(out))
-        return self._steps(seq, outputs)
+        return TextStream(self._steps(seq, outputs))
 
     def _steps(self, seq: Running, outputs: list[Output]) -> Iterator[Output]:
         try:

@@ -23,11 +23,12 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Iterator, Protocol, Sequence as Seq
+from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import torch
 
 from specdecode.batch.costs import MAX_PADDED_ROWS, RowPadding, StepCostTable, fastest
+from specdecode.batch.observer import StepObserver
 from specdecode.batch.rows import ForwardRows, SequenceRows, lay_out
 from specdecode.batch.scheduler import Scheduler, SchedulerConfig, fit_rows
 from specdecode.batch.sequence import GenerationResult, Output, Request, Sequence, eos_ids, prompt_ids, stop_strings
@@ -46,19 +47,6 @@ from specdecode.verify import Pending, Verdict, verify_batch
 SEEDED_ROWS = 17  # longest forward timed for the cost curve (a fed token + 16 drafts); longer ones extrapolated
 WARMUP_CONTEXT = 64  # tokens of context the warm-up timings run at: projections, which grow with rows, dominate
 NO_DRAFT = Draft([])
-
-
-class StepObserver(Protocol):
-    """Told what the engine does, from the thread that steps it (e.g. ``serve/metrics.py``)."""
-
-    def admitted(self, seq: Sequence) -> None:
-        """A sequence got a slot and its prompt was prefilled."""
-
-    def stepped(self, seq: Sequence, record: StepRecord, emitted: int, now: float) -> None:
-        """A sequence's step: its record, the tokens it kept, and when."""
-
-    def finished(self, seq: Sequence) -> None:
-        """A sequence ended (any reason, cancellation included) and left its slot."""
 
 
 @dataclass
