@@ -73,6 +73,11 @@ class Spy:
     def __init__(self, inner):
         self.inner, self.seen = inner, []
         self.name, self.signal_names, self.feature_layers = inner.name, inner.signal_names, inner.feature_layers
+        self.weight_nbytes = inner.weight_nbytes
+
+    @property
+    def own_cache(self):
+        return self.inner.own_cache
 
     def reset(self, *args, **kwargs):
         self.seen.clear()
