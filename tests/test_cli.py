@@ -228,7 +228,7 @@ def test_bad_arguments_before_any_loading(tiny, capsys, flags, needles):
     (["--drafter", "draft-tree"], ["--drafter draft-tree needs --draft-model"]),
     (["--drafter", "ngram", "--tree-width", "3"], ["--tree-width is only used by --drafter draft-tree|eagle-tree",
                                                    "ngram"]),
-    (["--drafter", "ngram", "--draft-weights", "q8_0"], ["--draft-weights applies to a draft model", "ngram"]),
+    (["--drafter", "ngram", "--draft-weights", "q8_0"], ["--draft-weights is only used by --drafter draft|draft-tree", "ngram"]),
     (["--draft-model", "DRAFT", "--draft-quant", "int8", "--draft-weights", "q8_0"],
      ["--draft-quant int8 and --draft-weights both"]),
 ])
@@ -461,7 +461,7 @@ def test_smollm2_chat_json_and_drafter_none_agree(smollm2_path):
 
 def test_draft_quant_needs_a_draft_model(capsys):
     assert main(["generate", "--drafter", "ngram", "--draft-quant", "int8", "hello"]) == 2
-    assert "--draft-quant applies to a draft model (--drafter draft|draft-tree), not ngram" in capsys.readouterr().err
+    assert "--draft-quant is only used by --drafter draft|draft-tree, not ngram" in capsys.readouterr().err
 
 
 def test_generate_with_an_int8_draft_model_matches_plain(tiny, capsys):

@@ -8,7 +8,7 @@ import torch
 from specdecode.sampling import SamplingParams, position_generator, sample
 from specdecode.verify import (Pending, verify_batch, verify_greedy, verify_tree_coupled, verify_tree_greedy,
                                verify_tree_stochastic)
-from test_distribution import chi_square_p_value
+from distribution_check import chi_square_p_value
 
 V = 6
 # Root children 2, 4, 5 (nodes 0, 1, 2); node 0's children 1, 3 (nodes 3, 4); node 4's child 0 (node 5).

@@ -19,12 +19,11 @@ import torch
 from specdecode.argtypes import positive_int
 from specdecode.bench.command import add_arguments as add_bench_arguments
 from specdecode.bench.serve_command import add_arguments as add_bench_serve_arguments
-from specdecode.control import GAMMA_POLICIES
 from specdecode.control.model_file import load_controller_file
 from specdecode.drafter_setup import DrafterConfig, drafter_factory
 from specdecode.engine import Engine, SpeculativeConfig
-from specdecode.flags import (add_drafter_arguments, add_kv_arguments, add_model_arguments, cache_configs,
-                              drafter_config, gamma, target_config)
+from specdecode.flags import (add_drafter_arguments, add_gamma_arguments, add_kv_arguments, add_model_arguments,
+                              cache_configs, drafter_config, target_config)
 from specdecode.heads.command import add_arguments as add_head_arguments
 from specdecode.kv.cache import CacheConfig, CacheFullError
 from specdecode.kv.memory import KVBudgetError
@@ -54,11 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(g)
     g.add_argument("prompt", help="the prompt; '-' reads it from stdin")
     add_drafter_arguments(g)
-    g.add_argument("--gamma", type=gamma, default="adaptive",
-                   help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)} (default adaptive)")
-    g.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
-    g.add_argument("--controller-file", default=None, metavar="FILE",
-                   help="acceptance models for --gamma confidence|adaptive (from fit-controller; default: the shipped one)")
+    add_gamma_arguments(g)
     g.add_argument("--skip-layers", default="auto",
                    help="layers layerskip skips, e.g. '4,6,8-12'; 'auto' uses (or runs) the stored calibration")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

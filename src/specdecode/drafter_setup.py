@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from specdecode.drafters import DRAFTERS, HEAD_DRAFTERS, TREE_WIDTH, Drafter, base_kind, make_drafter
+from specdecode.drafters import TREE_WIDTH, Drafter, DrafterSpec, Needs, make_drafter, registry
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import no_head_message, shipped_head
 from specdecode.kv.cache import CacheConfig
@@ -24,7 +24,7 @@ class DrafterConfig:
     """Which drafter, and what it needs. Errors name the command-line flags, which map one to one.
 
     Args:
-        kind: one of ``drafters.DRAFTERS`` (``--drafter``).
+        kind: a registered drafter (``drafters.registry.names()``, ``--drafter``).
         draft_model: the draft model of ``draft`` and ``draft-tree`` (``--draft-model``).
         draft_quant: "int8" = int8 weight-only draft model, "none" keeps its weights (``--draft-quant``).
         draft_weights: the draft model's weight format (``--draft-weights``).
@@ -34,7 +34,7 @@ class DrafterConfig:
         tree_width: children per expanded node of ``draft-tree`` and ``eagle-tree``; None = ``TREE_WIDTH``.
 
     Raises:
-        ValueError: an unknown kind, or a setting the kind does not use (naming the flags).
+        ValueError: an unknown kind, or a flag the kind does not use (per its ``DrafterSpec.flags``).
     """
 
     kind: str = "ngram"
@@ -47,29 +47,28 @@ class DrafterConfig:
     tree_width: int | None = None
 
     def __post_init__(self) -> None:
-        kind = self.kind
-        if kind not in DRAFTERS:
-            raise ValueError(f"unknown drafter {kind!r}; expected one of {DRAFTERS}")
-        uses_model = base_kind(kind) == "draft"
+        spec = registry.spec(self.kind)  # an unknown kind raises, listing the registered ones
+        uses_model = bool(spec.needs & Needs.DRAFT_MODEL)
         if uses_model and not self.draft_model:
-            raise ValueError(f"--drafter {kind} needs --draft-model NAME|PATH")
-        if not uses_model and self.draft_model:
-            raise ValueError(f"--draft-model is only used by --drafter draft|draft-tree, not {kind}")
-        if not uses_model and self.draft_quant != "none":
-            raise ValueError(f"--draft-quant applies to a draft model (--drafter draft|draft-tree), not {kind}")
-        if not uses_model and self.draft_weights != "auto":
-            raise ValueError(f"--draft-weights applies to a draft model (--drafter draft|draft-tree), not {kind}")
+            raise ValueError(f"--drafter {self.kind} needs --draft-model NAME|PATH")
         if self.draft_quant != "none" and self.draft_weights != "auto":
             raise ValueError("--draft-quant int8 and --draft-weights both set the draft model's weights; give one")
-        if kind not in HEAD_DRAFTERS and (self.head or self.draft_vocab is not None):
-            raise ValueError(f"--head and --draft-vocab are only used by --drafter eagle|eagle-tree|medusa, not {kind}")
-        if kind not in ("draft-tree", "eagle-tree") and self.tree_width is not None:
-            raise ValueError(f"--tree-width is only used by --drafter draft-tree|eagle-tree, not {kind}")
+        given = {"--draft-model": bool(self.draft_model), "--draft-quant": self.draft_quant != "none",
+                 "--draft-weights": self.draft_weights != "auto", "--head": bool(self.head),
+                 "--draft-vocab": self.draft_vocab is not None, "--tree-width": self.tree_width is not None}
+        for flag, set_ in given.items():
+            if set_ and flag not in spec.flags:
+                users = registry.names_where(lambda s: flag in s.flags)
+                raise ValueError(f"{flag} is only used by --drafter {'|'.join(users)}, not {self.kind}")
+
+    @property
+    def spec(self) -> DrafterSpec:
+        return registry.spec(self.kind)
 
     @property
     def has_draft_cache(self) -> bool:
         """Whether the drafter keeps a KV cache of its own (a draft model or an EAGLE head)."""
-        return base_kind(self.kind) in ("draft", "eagle")
+        return self.spec.owns_cache
 
 
 def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: LoadedModel,
@@ -85,20 +84,20 @@ def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: 
         log: progress lines.
         skip_layers: layerskip's skip set (resolved by the caller).
     """
-    kind = config.kind
+    kind, spec = config.kind, config.spec
     if kind == "none":
         return None
     draft_model = head = None
-    if base_kind(kind) == "draft":
+    if spec.needs & Needs.DRAFT_MODEL:
         log(f"loading draft model {config.draft_model} ...")
         draft = load_model(config.draft_model, target_config.dtype, target_config.device, progress=log,
                            linear=target_config.linear, quantize=config.draft_quant, weights=config.draft_weights)
         check_draft_pair(target, draft)
         draft_model = draft.model
-    if kind in HEAD_DRAFTERS:
-        head = config.head or shipped_head(target.model, base_kind(kind))
+    if spec.needs & Needs.HEAD:
+        head = config.head or shipped_head(target.model, spec.head_kind)
         if head is None:
-            raise ValueError(no_head_message(base_kind(kind), target_config.model) + " with --head FILE")
+            raise ValueError(no_head_message(spec.head_kind, target_config.model) + " with --head FILE")
     return lambda: make_drafter(kind, target.model, draft_model, skip_layers, ngram_sizes=config.ngram,
                                 draft_cache=draft_cache, head=head, draft_vocab=config.draft_vocab,
                                 tree_width=config.tree_width or TREE_WIDTH)

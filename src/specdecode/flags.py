@@ -12,7 +12,7 @@ import argparse
 from specdecode.argtypes import byte_size, ngram_sizes, nonnegative_int, on_off, positive_int
 from specdecode.control import GAMMA_POLICIES
 from specdecode.drafter_setup import DrafterConfig
-from specdecode.drafters import DRAFTERS, TREE_WIDTH
+from specdecode.drafters import TREE_WIDTH, registry
 from specdecode.kv.cache import KV_DTYPES, CacheConfig
 from specdecode.models.build import DEVICES, DRAFT_QUANT
 from specdecode.models.backends import LINEAR_CHOICES
@@ -76,23 +76,40 @@ def target_config(args: argparse.Namespace) -> TargetConfig:
     return TargetConfig(args.model, args.dtype, args.device, args.linear, args.weights)
 
 
-def add_drafter_arguments(p: argparse.ArgumentParser, kinds: tuple[str, ...] = DRAFTERS) -> None:
-    """The drafter flags of ``generate`` and ``serve`` (``kinds``: the drafters offered)."""
-    p.add_argument("--drafter", choices=kinds, default=None,
-                   help="how to draft (default: draft when --draft-model is given, else ngram)")
-    p.add_argument("--draft-model", default=None, help="draft model for --drafter draft (same vocabulary as --model)")
+def _users(flag: str) -> str:
+    return "|".join(registry.names_where(lambda spec: flag in spec.flags))
+
+
+def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
+    """The drafter flags of ``generate`` and ``serve``: every registered drafter, and the flags drafters read."""
+    listing = "; ".join(f"{s.name} = {s.summary}" for s in map(registry.spec, registry.names()))
+    p.add_argument("--drafter", choices=registry.names(), default=None,
+                   help=f"how to draft: {listing} (default: draft when --draft-model is given, else ngram)")
+    p.add_argument("--draft-model", default=None,
+                   help=f"draft model for --drafter {_users('--draft-model')} (same vocabulary as --model)")
     p.add_argument("--draft-quant", choices=DRAFT_QUANT, default="none",
                    help="int8 = int8 weight-only draft model (torch's kernel, any path): cheaper drafts, output still "
                         "exact (default none; on our kernels --draft-weights q8_0 is faster)")
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="auto",
                    help="the draft model's weight format, as --weights is the target's (default auto)")
     p.add_argument("--head", default=None, metavar="FILE",
-                   help="head file for --drafter eagle|medusa (default: the head shipped for --model, if any)")
+                   help=f"head file for --drafter {_users('--head')} (default: the head shipped for --model, if any)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="--drafter eagle|medusa: draft over the N most frequent tokens (0 = all; default: as trained)")
-    p.add_argument("--ngram", type=ngram_sizes, default=(1, 3), help="min,max n-gram sizes for ngram lookup (default 1,3)")
+                   help=f"--drafter {_users('--draft-vocab')}: draft over the N most frequent tokens (0 = all; "
+                        "default: as trained)")
+    p.add_argument("--ngram", type=ngram_sizes, default=(1, 3),
+                   help=f"--drafter {_users('--ngram')}: min,max n-gram sizes to look up (default 1,3)")
     p.add_argument("--tree-width", type=positive_int, default=None, metavar="W",
-                   help=f"--drafter draft-tree|eagle-tree: children per expanded node (default {TREE_WIDTH})")
+                   help=f"--drafter {_users('--tree-width')}: children per expanded node (default {TREE_WIDTH})")
+
+
+def add_gamma_arguments(p: argparse.ArgumentParser) -> None:
+    """How far to draft: the fixed draft length or controller of ``generate`` and ``serve``."""
+    p.add_argument("--gamma", type=gamma, default="adaptive",
+                   help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)} (default adaptive)")
+    p.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
+    p.add_argument("--controller-file", default=None, metavar="FILE",
+                   help="acceptance models for --gamma confidence|adaptive (from fit-controller; default: the shipped one)")
 
 
 def drafter_config(args: argparse.Namespace) -> DrafterConfig:

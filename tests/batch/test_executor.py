@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batch_cases import CACHE_SETTINGS, PROMPTS, requests
 from kernel_paths import NATIVE_PATHS, path_params, require_path
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import QueueFullError, SchedulerConfig
@@ -17,32 +18,9 @@ from tiny_models import OracleTreeDrafter, random_head_drafter, varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PROMPTS = [
-    [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8],  # repetitive: n-gram lookup proposes from the start
-    [90, 3, 17, 44, 2, 60, 5, 71, 33, 12, 19, 64],
-    [5],
-    [11, 12, 13, 14, 11, 12, 13, 14, 11, 12],
-    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60],
-    [3, 3, 3, 3, 3, 3],
-    [70, 20, 70, 21, 70, 22, 70],
-]
-BUDGETS = [30, 7, 25, 40, 12, 33, 18]  # different lengths, so sequences finish and slots are reused mid-run
-SETTINGS = {
-    "auto": CacheConfig(),
-    "int8": CacheConfig(kv_dtype="int8", group_size=4, residual=4, prefill_chunk=8),
-    "int4-window": CacheConfig(kv_dtype="int4", window=12, sinks=2, group_size=2, residual=4, prefill_chunk=8),
-    "window": CacheConfig(window=6, sinks=2, evict_chunk=3, prefill_chunk=8),
-    "prefix": CacheConfig(prefix_cache=True, prefill_chunk=4),
-}
-
-
 @pytest.fixture(scope="module")
 def target() -> Transformer:
     return varied_model(0)
-
-
-def _requests():
-    return [dict(prompt=p, max_new_tokens=n, eos_token_ids=()) for p, n in zip(PROMPTS, BUDGETS)]
 
 
 @pytest.fixture(scope="module")
@@ -67,18 +45,18 @@ def _new_drafter(kind: str, target: Transformer, draft_model: Transformer, cache
     return lambda: random_head_drafter(kind, target, seed=3, cache=cache)
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("kind", ["none", "ngram", "ngram-tree", "draft", "draft-tree", "layerskip", "eagle", "eagle-tree",
-                                  "eagle3", "medusa"])
+@pytest.mark.parametrize("setting", CACHE_SETTINGS)
+@pytest.mark.parametrize("kind", ["none", "eagle3"])
 def test_batched_greedy_output_equals_each_request_served_alone(target, draft_model, setting, kind):
-    cache = SETTINGS[setting]
+    """Plain decoding and the EAGLE-3 head variant; every registered drafter runs this in test_conformance.py."""
+    cache = CACHE_SETTINGS[setting]
     new = _new_drafter(kind, target, draft_model, cache)
     solo = Engine(target, drafter=new() if new else None, spec=SpeculativeConfig(gamma=4), cache=cache)
-    want = [solo.generate(**r).token_ids for r in _requests()]
+    want = [solo.generate(**r).token_ids for r in requests()]
     engine = BatchEngine(target, new_drafter=new, spec=SpeculativeConfig(gamma=4), cache=cache,
                          scheduler=SchedulerConfig(max_running=3), max_len=96)
     for _ in range(2):  # the second round reuses the slots (and the prefix cache)
-        results = engine.run(_requests())
+        results = engine.run(requests())
         assert [r.token_ids for r in results] == want, (setting, kind)
         assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
     if kind != "none":
@@ -92,14 +70,14 @@ def test_batched_greedy_output_equals_each_request_served_alone(target, draft_mo
 def test_batched_trees_move_each_accepted_path_into_its_slot(target, setting):
     """Several sequences' trees (paths off the first branch, ``OracleTreeDrafter``) share each forward with
     chains and prompt rows; every request still gets its plain greedy output."""
-    cache = SETTINGS[setting]
+    cache = CACHE_SETTINGS[setting]
     solo = Engine(target, cache=cache)
-    want = [solo.generate(**r).token_ids for r in _requests()]
-    answers = {tuple(r["prompt"]): w for r, w in zip(_requests(), want)}
+    want = [solo.generate(**r).token_ids for r in requests()]
+    answers = {tuple(r["prompt"]): w for r, w in zip(requests(), want)}
     engine = BatchEngine(target, new_drafter=lambda: OracleTreeDrafter(answers, target.config.vocab_size),
                          spec=SpeculativeConfig(gamma=5), cache=cache,
                          scheduler=SchedulerConfig(max_running=3, max_rows=18), max_len=96)
-    results = engine.run(_requests())
+    results = engine.run(requests())
     assert [r.token_ids for r in results] == want, setting
     assert sum(r.stats.tree_steps for r in results) > 10
     assert all(r.stats.accepted_tokens >= r.stats.tree_steps for r in results)
@@ -116,19 +94,19 @@ def test_prompts_prefilled_inside_decode_steps_change_no_token(path, kind):
     model.pack_weights(path)
     new = _new_drafter(kind, model, None, CacheConfig())
     solo = Engine(model, drafter=new() if new else None, spec=SpeculativeConfig(gamma=4))
-    want = [solo.generate(**r).token_ids for r in _requests()]
+    want = [solo.generate(**r).token_ids for r in requests()]
     for rows, chunk in ((16, 256), (5, 3)):  # prompts in chunks of up to 15 rows, or 1 to 3 rows at a time
         engine = BatchEngine(model, new_drafter=new, spec=SpeculativeConfig(gamma=4), max_len=96,
                              scheduler=SchedulerConfig(max_running=4, max_rows=rows, prefill_chunk=chunk))
         assert engine._chunked_prefill
-        assert [r.token_ids for r in engine.run(_requests())] == want, (path, kind, rows)
+        assert [r.token_ids for r in engine.run(requests())] == want, (path, kind, rows)
 
 
 def test_a_tight_row_budget_shortens_drafts_and_changes_no_token(target):
     want = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=6),
-                       scheduler=SchedulerConfig(max_running=4, max_rows=40), max_len=96).run(_requests())
+                       scheduler=SchedulerConfig(max_running=4, max_rows=40), max_len=96).run(requests())
     tight = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=6),
-                        scheduler=SchedulerConfig(max_running=4, max_rows=6), max_len=96).run(_requests())
+                        scheduler=SchedulerConfig(max_running=4, max_rows=6), max_len=96).run(requests())
     assert [r.token_ids for r in tight] == [r.token_ids for r in want]
     assert sum(r.stats.drafted_tokens for r in tight) < sum(r.stats.drafted_tokens for r in want)
 
@@ -197,7 +175,7 @@ def test_the_budget_share_a_controller_sees_counts_the_draft_caches(target, draf
                          max_len=96)
     seen = []
     engine._new_controller = lambda: _FillSpy(engine, seen)
-    engine.run(_requests()[:3])
+    engine.run(requests()[:3])
     assert seen and all(fill == pytest.approx(in_use) for fill, in_use, _ in seen)
     assert any(fill > target_only for fill, _, target_only in seen)
 
@@ -205,7 +183,7 @@ def test_the_budget_share_a_controller_sees_counts_the_draft_caches(target, draf
 def test_batched_requests_report_their_step_cost_and_predicted_speedup(target):
     # Drift fixed: only a lone request measured its decode step, so a served one had no predicted speedup.
     results = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=3),
-                          scheduler=SchedulerConfig(max_running=3), max_len=96).run(_requests()[:4])
+                          scheduler=SchedulerConfig(max_running=3), max_len=96).run(requests()[:4])
     for r in results:
         assert r.stats.decode_step_s is not None and r.stats.decode_step_s > 0
         assert r.stats.predicted_speedup is not None and r.stats.predicted_speedup > 0
@@ -219,7 +197,7 @@ def test_the_device_is_synchronised_after_every_timed_forward(target, monkeypatc
     engine = BatchEngine(target, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=3),
                          scheduler=SchedulerConfig(max_running=2), max_len=96)
     steps = 0
-    for r in _requests()[:2]:
+    for r in requests()[:2]:
         engine.submit(**r)
     while engine.has_work:
         engine.step()

@@ -162,7 +162,7 @@ def test_kv_bytes_in_the_stats(target, draft_model):
         assert stats.draft_kv_bytes == 0 and stats.kv_bytes > 0
     engine = Engine(target, drafter=DraftModelDrafter(draft_model, target, CacheConfig(kv_dtype="int8")))
     stats = engine.generate(prompt, max_new_tokens=8).stats
-    draft_cache = engine.memory.caches["draft"]
+    draft_cache = engine.memory.caches["draft-0"]  # the drafter's cache, named by its slot
     assert engine.drafter.cache is draft_cache and draft_cache.config.kv_dtype == "int8"
     assert stats.draft_kv_bytes == draft_cache.bytes_used(0) > 0
     assert stats.draft_kv_bytes_per_token == stats.draft_kv_bytes / draft_cache.lengths[0]
@@ -172,17 +172,20 @@ def test_kv_bytes_in_the_stats(target, draft_model):
 
 def test_a_request_that_does_not_fit_the_budget_fails_before_any_allocation(target, draft_model):
     engine = Engine(target, cache=CacheConfig(budget=250_000))
+    held = engine.cache
+    # 12 prompt tokens + 200 new ones + a step's rows: slots of 256 tokens, 1,024 bytes each.
     with pytest.raises(KVBudgetError, match=r"the target cache for 256 tokens per sequence \(auto\) needs 262,144 "
                                             r"bytes .* the budget is 250,000 bytes"):
-        engine.generate(PROMPTS[1], max_new_tokens=8)
-    assert engine.memory.caches == {} and engine.cache is None
+        engine.generate(PROMPTS[1], max_new_tokens=200)
+    assert engine.cache is held and set(engine.memory.caches) == {"target"}  # the smaller cache is kept
+    assert len(engine.generate(PROMPTS[1], max_new_tokens=8).token_ids) == 8  # and still serves what fits
     # int8 fits the same budget.
     assert len(Engine(target, cache=CacheConfig(budget=250_000, kv_dtype="int8")).generate(
-        PROMPTS[1], max_new_tokens=8).token_ids) == 8
+        PROMPTS[1], max_new_tokens=200).token_ids) == 200
     # The target fits, the draft model's cache does not.
     both = Engine(target, drafter=DraftModelDrafter(draft_model, target), cache=CacheConfig(budget=300_000))
-    with pytest.raises(KVBudgetError, match=r"the draft cache .* the target cache 262,144 bytes"):
-        both.generate(PROMPTS[1], max_new_tokens=8)
+    with pytest.raises(KVBudgetError, match=r"the draft-0 cache .* the target cache 262,144 bytes"):
+        both.generate(PROMPTS[1], max_new_tokens=200)
 
 
 def test_prefix_caches_stay_within_the_budget_across_requests(target):

@@ -38,7 +38,7 @@ def test_the_config_survives_pickling():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--drafter", "ngram", "--head", "h.safetensors"], "--head and --draft-vocab are only used by"),
+    (["--drafter", "ngram", "--head", "h.safetensors"], "--head is only used by --drafter eagle|eagle-tree|medusa"),
     (["--drafter", "draft"], "--drafter draft needs --draft-model"),
     (["--kv-sinks", "2"], "--kv-sinks=2 needs a window"),
     (["--draft-kv-dtype", "int8"], "--draft-kv-dtype is only used with a draft model"),

@@ -19,18 +19,18 @@ from typing import Any, Callable, Sequence
 import torch
 
 from specdecode.control import StepRecord
-from specdecode.drafters import DRAFTERS, TREE_WIDTH, make_drafter
+from specdecode.drafters import TREE_WIDTH, Needs, make_drafter, registry
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel
 from specdecode.models.config import ModelConfig
 from specdecode.sampling import SamplingParams
 
-OUR_FAMILIES = DRAFTERS  # our engine with each drafter ("none": plain decoding)
+OUR_FAMILIES = registry.names()  # our engine with each drafter ("none": plain decoding)
 PEER_FAMILIES = ("hf", "hf-assisted", "hf-lookup", "llamacpp", "llamacpp-lookup")
 FAMILIES = OUR_FAMILIES + PEER_FAMILIES
 # Families that need a separate draft model (--draft-model).
-DRAFT_MODEL_FAMILIES = ("draft", "draft-tree", "hf-assisted")
+DRAFT_MODEL_FAMILIES = (*registry.names_where(lambda spec: bool(spec.needs & Needs.DRAFT_MODEL)), "hf-assisted")
 
 _HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "mistral": ("MistralConfig", "MistralForCausalLM")}
@@ -155,13 +155,15 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         return Output(result.token_ids, seconds, result.stats.to_dict(), result.finish_reason, list(steps))
 
     params: dict[str, Any] = {}
-    if family in ("ngram", "ngram-tree"):
+    drafter_spec = registry.spec(family)
+    uses_draft_model = bool(drafter_spec.needs & Needs.DRAFT_MODEL) and draft_model is not None
+    if "--ngram" in drafter_spec.flags:
         params["ngram_sizes"] = list(ngram_sizes)
-    if family.endswith("-tree") and family != "ngram-tree":
+    if "--tree-width" in drafter_spec.flags:
         params["tree_width"] = drafter.tree_width
-    if family == "layerskip":
+    if drafter_spec.needs & Needs.SKIP_SET:
         params["skip_layers"] = list(skip_layers or ())
-    if family in ("draft", "draft-tree") and draft_model is not None:
+    if uses_draft_model:
         params["draft_model"] = draft_model.source
     if head is not None:
         params["head"] = str(head)
@@ -170,7 +172,7 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         params["gamma_max"] = gamma_max
     if gamma in ("confidence", "adaptive"):
         params["controller_file"] = controller_file
-    drafts_with = draft_model.model if family in ("draft", "draft-tree") and draft_model is not None else None
+    drafts_with = draft_model.model if uses_draft_model else None
     return Method(method_name(family, gamma), family, run, gamma, params, memory=engine.memory_bytes,
                   signal_names=drafter.signal_names if drafter is not None else (),
                   kernel=target.model.backend.name, dtype=dtype_name(target.model.dtype),

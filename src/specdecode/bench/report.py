@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from specdecode.bench.methods import OUR_FAMILIES, plain_of
+from specdecode.drafters import registry
 
 SCHEMA_VERSION = 1
 ROUND = 4
@@ -743,6 +744,10 @@ def _plot_cost_curves(curves: Sequence[dict[str, Any]], folder: Path, plt) -> Pa
     return _save(fig, folder / "verification_cost.png", plt)
 
 
+def _drafts_trees(family: str) -> bool:
+    return family in registry.names() and registry.spec(family).tree
+
+
 def _plot_by_budget(ok: Sequence[dict[str, Any]], color_of: dict[str, Any], folder: Path, plt) -> Path | None:
     """Accepted length against the draft's (tree's) size, when some method drafted trees."""
     by_budget = _by_budget(ok)
@@ -753,7 +758,7 @@ def _plot_by_budget(ok: Sequence[dict[str, Any]], color_of: dict[str, Any], fold
         pts = [(i, v) for i, v in enumerate(e["overall"]["accepted_length_by_budget"]) if v is not None and i]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=e["name"], color=color_of[e["name"]],
-                    linestyle="-" if e["family"].endswith("-tree") else "--")
+                    linestyle="-" if _drafts_trees(e["family"]) else "--")
     ax.set_xlabel("tokens drafted in the step (tree nodes for trees)")
     ax.set_ylabel("tokens emitted per step")
     ax.set_title("Accepted length by draft size (solid: trees, dashed: chains)")

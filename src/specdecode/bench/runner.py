@@ -26,7 +26,7 @@ from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILI
                                       build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
                                       llamacpp_method, plain_of)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
-from specdecode.drafters import HEAD_DRAFTERS, TREE_WIDTH, base_kind
+from specdecode.drafters import TREE_WIDTH, Needs, registry
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import shipped_head
 from specdecode.kv.cache import CacheConfig
@@ -328,10 +328,11 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
         if family in OUR_FAMILIES:
             gammas: Sequence[int | str | None] = [None] if family == "none" else config.gammas
             skip = head = None
-            if family == "layerskip":
+            spec = registry.spec(family)
+            if spec.needs & Needs.SKIP_SET:
                 skip = _skip_layers(config, target, log)  # a bad --skip-layers is a usage error
-            if family in HEAD_DRAFTERS:
-                kind = base_kind(family)
+            if spec.needs & Needs.HEAD:
+                kind = spec.head_kind
                 head = config.heads.get(kind) or shipped_head(target.model, kind)
                 if head is None:
                     skipped.append((family, f"no {kind} head for this model (train-head, then --{kind}-head FILE)"))
@@ -339,7 +340,7 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
             for weights, model in loaded.targets.items():
                 suffix = f"@{weights}" if len(loaded.targets) > 1 else ""
                 for g in gammas:
-                    if family.endswith("-tree") and g == "confidence":
+                    if spec.tree and g == "confidence":
                         skipped.append((method_name(family, g) + suffix, "a tree has no per-token signals to stop on"))
                         continue
                     method = engine_method(family, g, model, sampling, config.max_new_tokens, loaded.draft, skip,

@@ -35,11 +35,13 @@ from typing import Any, Callable
 from specdecode.argtypes import positive_int
 from specdecode.bench.load import run_level, summarize
 from specdecode.bench.prompts import default_prompts, select
+from specdecode.drafters import registry
 from specdecode.flags import add_model_arguments
 from specdecode.models.native import cpu_flags, cpu_model
 from specdecode.prompts import load_prompts
 
-SERVED_DRAFTERS = ("ngram", "eagle", "medusa")  # batched drafters that need no other model (the heads: the shipped ones)
+# Drafters a server runs on the target alone (the heads: the shipped ones).
+SERVED_DRAFTERS = registry.names_where(lambda spec: spec.self_contained)
 PEERS = ("llamacpp",)  # llama-cpp-python's server (`pip install 'llama-cpp-python[server]'`), a GGUF model only
 METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
 

@@ -1,73 +1,51 @@
-"""Ways to propose draft tokens; the engine verifies them all with one target forward."""
+"""Ways to propose draft tokens; the engine verifies them all with one target forward.
+
+Importing this package registers every drafter (``registry.py``): a new drafter is one module that
+registers its ``DrafterSpec``, plus its import here.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Sequence
 
+from specdecode.drafters import registry
 from specdecode.drafters.base import Draft, Drafter
-from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.eagle import EagleDrafter
-from specdecode.drafters.head_loader import load_head_drafter
-from specdecode.drafters.layer_skip import LayerSkipDrafter
-from specdecode.drafters.medusa import MedusaDrafter
-from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.ngram_tree import NgramTreeDrafter
+# Import order is registration order, which is the order --help, bench tables and reports list drafters in.
+from specdecode.drafters.ngram import NgramDrafter  # isort: skip
+from specdecode.drafters.ngram_tree import NgramTreeDrafter  # isort: skip
+from specdecode.drafters.draft_model import DraftModelDrafter  # isort: skip
+from specdecode.drafters.layer_skip import LayerSkipDrafter  # isort: skip
+from specdecode.drafters.head_loader import load_head_drafter  # isort: skip
+from specdecode.drafters.eagle import EagleDrafter  # isort: skip
+from specdecode.drafters.medusa import MedusaDrafter  # isort: skip
+from specdecode.drafters.registry import TREE_WIDTH, DrafterInputs, DrafterSpec, Needs
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.transformer import Transformer
-
-DRAFTERS = ("none", "ngram", "ngram-tree", "draft", "draft-tree", "layerskip", "eagle", "eagle-tree", "medusa")
-# Trained heads: a head file, or the one shipped for the target (eagle-tree uses the eagle head).
-HEAD_DRAFTERS = ("eagle", "eagle-tree", "medusa")
-TREE_WIDTH = 3  # children per expanded node of draft-tree and eagle-tree (see docs/benchmarks/history.md, "Token trees")
-
-
-def base_kind(kind: str) -> str:
-    """The chain drafter a tree drafter grows from ("eagle-tree" -> "eagle"); chain kinds unchanged."""
-    return kind.removesuffix("-tree")
 
 
 def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None = None,
                  skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
                  draft_cache: CacheConfig = CacheConfig(), head: str | Path | None = None,
                  draft_vocab: int | None = None, tree_width: int = TREE_WIDTH) -> Drafter | None:
-    """Builds the drafter a name asks for (None for "none").
+    """Builds the registered drafter ``kind`` (None for "none"); what it needs but lacks raises ValueError.
 
     Args:
-        kind: one of DRAFTERS.
+        kind: a registered name (``registry.names()``).
         target: the target model (layerskip drafts with it).
-        draft_model: the separate draft model, required by "draft".
-        skip_layers: layers layerskip skips, required by "layerskip".
-        ngram_sizes: (min, max) tail lengths ngram and ngram-tree match.
+        draft_model: the separate draft model (``Needs.DRAFT_MODEL``).
+        skip_layers: the layers layerskip skips (``Needs.SKIP_SET``).
+        ngram_sizes: (min, max) tail lengths the n-gram drafters match.
         draft_cache: the draft model's (or EAGLE head's) cache settings.
-        head: the head file of "eagle" / "medusa" (its kind must match), required by them.
-        draft_vocab: their draft vocabulary size (0 = all tokens); None = the one the head was trained with.
-        tree_width: children per expanded node of the "-tree" model drafters (``drafters/tree_search.py``).
+        head: the head file (``Needs.HEAD``; its kind must match).
+        draft_vocab: a head's draft vocabulary size (0 = all tokens); None = the one it was trained with.
+        tree_width: children per expanded node of the model tree drafters (``drafters/tree_search.py``).
     """
-    width = tree_width if kind.endswith("-tree") else 0
-    if kind == "none":
-        return None
-    if kind == "ngram":
-        return NgramDrafter(min_ngram=ngram_sizes[0], max_ngram=ngram_sizes[1])
-    if kind == "ngram-tree":
-        return NgramTreeDrafter(min_ngram=ngram_sizes[0], max_ngram=ngram_sizes[1])
-    if base_kind(kind) == "draft":
-        if draft_model is None:
-            raise ValueError(f"drafter {kind!r} needs a draft model (--draft-model NAME|PATH)")
-        return DraftModelDrafter(draft_model, target, draft_cache, width)
-    if kind == "layerskip":
-        if not skip_layers:
-            raise ValueError("drafter 'layerskip' needs a set of layers to skip")
-        return LayerSkipDrafter(target, skip_layers)
-    if kind in HEAD_DRAFTERS:
-        if head is None:
-            raise ValueError(f"drafter {kind!r} needs a head file (--head FILE)")
-        drafter = load_head_drafter(head, target, draft_cache, draft_vocab, width)
-        if base_kind(drafter.name) != base_kind(kind):
-            raise ValueError(f"{head}: is a {base_kind(drafter.name)} head, not a {base_kind(kind)} head")
-        return drafter
-    raise ValueError(f"unknown drafter {kind!r}; expected one of {DRAFTERS}")
+    inputs = DrafterInputs(target, draft_model, tuple(skip_layers) if skip_layers else None, ngram_sizes,
+                           draft_cache, head, draft_vocab, tree_width)
+    return registry.build(kind, inputs)
 
 
-__all__ = ["DRAFTERS", "HEAD_DRAFTERS", "TREE_WIDTH", "base_kind", "Draft", "Drafter", "DraftModelDrafter", "EagleDrafter", "LayerSkipDrafter",
-           "MedusaDrafter", "NgramDrafter", "NgramTreeDrafter", "make_drafter"]
+__all__ = ["TREE_WIDTH", "Draft", "Drafter", "DraftModelDrafter", "DrafterInputs", "DrafterSpec", "EagleDrafter",
+           "LayerSkipDrafter", "MedusaDrafter", "Needs", "NgramDrafter", "NgramTreeDrafter", "load_head_drafter",
+           "make_drafter", "registry"]

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.base import MODEL_SIGNALS, Draft, OwnCache, StopRule, model_draft
+from specdecode.drafters.registry import DrafterInputs, DrafterSpec, Needs, register
 from specdecode.drafters.tree_search import grow_tree
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
@@ -113,3 +114,16 @@ class DraftModelDrafter(OwnCache):
         # What is left are tokens of seq, which the target has verified.
         self.cache.trim(0, min(self.cache.lengths[0], len(seq) - 1))
         self.cache.commit(0, self.cache.lengths[0])
+
+
+def _build(inputs: DrafterInputs, name: str, tree_width: int) -> DraftModelDrafter:
+    if inputs.draft_model is None:
+        raise ValueError(f"drafter {name!r} needs a draft model (--draft-model NAME|PATH)")
+    return DraftModelDrafter(inputs.draft_model, inputs.target, inputs.draft_cache, tree_width)
+
+
+_MODEL_FLAGS = ("--draft-model", "--draft-quant", "--draft-weights")
+register(DrafterSpec("draft", lambda i: _build(i, "draft", 0), "a smaller model with the target's vocabulary",
+                     Needs.DRAFT_MODEL, owns_cache=True, flags=_MODEL_FLAGS))
+register(DrafterSpec("draft-tree", lambda i: _build(i, "draft-tree", i.tree_width), "a draft model searching a token tree",
+                     Needs.DRAFT_MODEL, owns_cache=True, tree=True, flags=(*_MODEL_FLAGS, "--tree-width")))

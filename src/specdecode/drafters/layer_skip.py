@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from specdecode.drafters.base import MODEL_SIGNALS, Draft, DrafterBase, StopRule, model_draft
+from specdecode.drafters.registry import DrafterInputs, DrafterSpec, Needs, register
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.models.rows import LogitRows
@@ -186,3 +187,12 @@ def _greedy_continuation(model: Transformer, prompt: list[int], new_tokens: int)
         logits = model(torch.tensor([[seq[-1]]], device=model.device), cache, logits=LogitRows.LAST).logits[0, -1]
     return prompt, seq
 
+
+def _build(inputs: DrafterInputs) -> LayerSkipDrafter:
+    if not inputs.skip_layers:
+        raise ValueError("drafter 'layerskip' needs a set of layers to skip")
+    return LayerSkipDrafter(inputs.target, inputs.skip_layers)
+
+
+register(DrafterSpec("layerskip", _build, "the target with some layers skipped (self-speculation)", Needs.SKIP_SET,
+                     flags=("--skip-layers",)))

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.base import Draft, DrafterBase, StopRule
+from specdecode.drafters.registry import DrafterSpec, register
 from specdecode.kv.cache import Cache
 from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams
@@ -123,3 +124,7 @@ def match_signals(seq: list[int], tokens: list[int], n: int, starts: list[int]) 
             j += 1
     count = float(len(starts))
     return [(float(n), count, a / count) for a in agreeing]
+
+
+register(DrafterSpec("ngram", lambda i: NgramDrafter(min_ngram=i.ngram_sizes[0], max_ngram=i.ngram_sizes[1]),
+                     "n-gram lookup in the prompt and output (prompt lookup)", flags=("--ngram",)))

@@ -17,6 +17,7 @@ import torch
 
 from specdecode.drafters.base import Draft, DrafterBase, StopRule
 from specdecode.drafters.ngram import continuation, find_match
+from specdecode.drafters.registry import DrafterSpec, register
 from specdecode.kv.cache import Cache
 from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams
@@ -87,3 +88,7 @@ def merge_continuations(paths: list[list[int]], budget: int) -> tuple[list[int],
     kept = sorted(range(len(tokens)), key=lambda i: (-counts[i], i))[:budget]
     number = {old: new for new, old in enumerate(kept)}
     return [tokens[i] for i in kept], [number[parents[i]] if parents[i] >= 0 else -1 for i in kept]
+
+
+register(DrafterSpec("ngram-tree", lambda i: NgramTreeDrafter(min_ngram=i.ngram_sizes[0], max_ngram=i.ngram_sizes[1]),
+                     "n-gram lookup drafting every continuation seen, as a token tree", tree=True, flags=("--ngram",)))

@@ -12,10 +12,9 @@ import argparse
 
 from specdecode.argtypes import byte_size, positive_float, positive_int
 from specdecode.batch.scheduler import SchedulerConfig
-from specdecode.control import GAMMA_POLICIES
 from specdecode.control.config import SpeculativeConfig
-from specdecode.flags import (add_drafter_arguments, add_kv_arguments, add_model_arguments, cache_configs,
-                              drafter_config, gamma, target_config)
+from specdecode.flags import (add_drafter_arguments, add_gamma_arguments, add_kv_arguments, add_model_arguments,
+                              cache_configs, drafter_config, target_config)
 from specdecode.serve.config import ROUTINGS, RayConfig, ServeConfig
 
 
@@ -27,11 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the --model value)")
     add_drafter_arguments(p)
-    p.add_argument("--gamma", type=gamma, default="adaptive",
-                   help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)} (default adaptive)")
-    p.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
-    p.add_argument("--controller-file", default=None, metavar="FILE",
-                   help="acceptance models for --gamma confidence|adaptive (default: the shipped one)")
+    add_gamma_arguments(p)
     p.add_argument("--max-running", type=positive_int, default=4,
                    help="requests decoded together, each holding one KV slot of --max-len tokens (default 4)")
     p.add_argument("--max-waiting", type=int, default=64,

@@ -16,7 +16,7 @@ each learns from what it routed. It does not read replicas' caches, and it only 
 from __future__ import annotations
 
 import random
-from typing import Any, List, Optional
+from typing import List, Optional
 
 from ray.serve.request_router import (LocalityMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter,
                                       RunningReplica)

@@ -1,0 +1,126 @@
+"""The registry of drafters: each drafter's name, what it needs, what it owns, and how it is built.
+
+Every drafter module registers its :class:`DrafterSpec` when it is imported (``drafters/__init__.py``
+imports them all). The CLI, ``serve`` and ``bench`` read the registry; no other list of drafter names
+exists. It loads nothing (``drafter_setup.py`` loads draft models and heads) and parses no flags.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from specdecode.kv.cache import CacheConfig
+
+if TYPE_CHECKING:
+    from specdecode.drafters.base import Drafter
+    from specdecode.models.transformer import Transformer
+
+TREE_WIDTH = 3  # children per expanded node of the model tree drafters (see docs/benchmarks/history.md, "Token trees")
+
+
+class Needs(enum.Flag):
+    """What a drafter needs besides the target."""
+
+    NOTHING = 0
+    DRAFT_MODEL = enum.auto()  # a second model with the target's vocabulary (--draft-model)
+    HEAD = enum.auto()  # a trained head file (--head), or the one shipped for the target
+    SKIP_SET = enum.auto()  # a set of the target's layers to skip (--skip-layers)
+
+
+@dataclass(frozen=True)
+class DrafterInputs:
+    """What a drafter is built from; each drafter reads the fields its spec says it needs.
+
+    Args:
+        target: the target model.
+        draft_model: the separate draft model (``Needs.DRAFT_MODEL``).
+        skip_layers: the layers to skip (``Needs.SKIP_SET``).
+        ngram_sizes: (min, max) tail lengths the n-gram drafters match.
+        draft_cache: the drafter's own cache settings (``DrafterSpec.owns_cache``).
+        head: the head file (``Needs.HEAD``).
+        draft_vocab: a head's draft vocabulary size (0 = all tokens); None = as trained.
+        tree_width: children per expanded node of a tree drafter.
+    """
+
+    target: Transformer
+    draft_model: Transformer | None = None
+    skip_layers: tuple[int, ...] | None = None
+    ngram_sizes: tuple[int, int] = (1, 3)
+    draft_cache: CacheConfig = CacheConfig()
+    head: str | Path | None = None
+    draft_vocab: int | None = None
+    tree_width: int = TREE_WIDTH
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One registered drafter.
+
+    Args:
+        name: its ``--drafter`` name.
+        build: makes one drafter (None: plain decoding); raises ValueError naming what is missing.
+        summary: one line for ``--help``.
+        needs: what it needs besides the target.
+        owns_cache: it keeps a KV cache of its own (sized and rolled back with the target's).
+        tree: it drafts token trees (no per-token signals, so no ``confidence`` controller).
+        head_kind: the head file kind it reads (``Needs.HEAD``).
+        flags: the drafter flags it reads besides ``--drafter`` (others given with it are refused).
+    """
+
+    name: str
+    build: Callable[[DrafterInputs], Drafter | None]
+    summary: str
+    needs: Needs = Needs.NOTHING
+    owns_cache: bool = False
+    tree: bool = False
+    head_kind: str | None = None
+    flags: tuple[str, ...] = ()
+
+    @property
+    def self_contained(self) -> bool:
+        """Runs on the target alone (a shipped head counts): what a server can offer without other models."""
+        return not self.needs & (Needs.DRAFT_MODEL | Needs.SKIP_SET) and self.name != "none"
+
+
+_SPECS: dict[str, DrafterSpec] = {}
+
+
+def register(spec: DrafterSpec) -> DrafterSpec:
+    """Adds ``spec`` (once per name)."""
+    if spec.name in _SPECS:
+        raise ValueError(f"drafter {spec.name!r} is registered twice")
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def names() -> tuple[str, ...]:
+    """Every registered drafter, "none" (plain decoding) first, then in registration order."""
+    return tuple(_SPECS)
+
+
+def spec(name: str) -> DrafterSpec:
+    """The spec of ``name``.
+
+    Raises:
+        ValueError: no such drafter (the message lists the registered ones).
+    """
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise ValueError(f"unknown drafter {name!r}; expected one of {', '.join(_SPECS)}") from None
+
+
+def names_where(test: Callable[[DrafterSpec], bool]) -> tuple[str, ...]:
+    """The registered drafters whose spec passes ``test``, e.g. ``names_where(lambda s: s.owns_cache)``."""
+    return tuple(name for name, s in _SPECS.items() if test(s))
+
+
+def build(name: str, inputs: DrafterInputs) -> Drafter | None:
+    """The drafter ``name`` built from ``inputs`` (None for "none")."""
+    return spec(name).build(inputs)
+
+
+register(DrafterSpec("none", lambda inputs: None, "plain decoding: no drafts"))
