@@ -16,9 +16,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/specdecode generate --chat --drafter ngram --max-new-tokens 96 "$(PROMPT)"
 
-# Unit tests on tiny random models + integration tests on the real SmolLM2 (fetched once, cached).
+# Unit tests on tiny random models + integration tests on the real SmolLM2 (fetched once, cached), on two
+# pytest-xdist workers (most tests run one thread; the tests that start a Ray cluster share one worker).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
 
 # The Qwen pair (0.5B drafting for 1.5B, 1.6 GB download) and other long checks.
 test-slow: $(VENV)/.installed

@@ -51,6 +51,7 @@ def test_the_config_file_builder_checks_its_args():
         app_builder({"replicas": 0})
 
 
+@pytest.mark.xdist_group("ray")  # with the other tests that start a Ray cluster, on one worker
 def test_more_replicas_than_free_cpus_are_refused_and_the_cluster_is_shut_down():
     ray = pytest.importorskip("ray")
     config = serve_config(build_parser().parse_args(["serve", "--ray", "--replicas", str(64 * (os.cpu_count() or 1))]))

@@ -31,7 +31,8 @@ from specdecode.bench.serve_command import _free_port  # noqa: E402
 from specdecode.serve.ray_app import (APP_NAME, METRICS_PUSH_S, DeploymentError, build_application,  # noqa: E402
                                       run_application, serve_flags)
 
-pytestmark = pytest.mark.integration
+# One worker runs every test that starts a Ray cluster (`make test` runs pytest-xdist with --dist loadgroup).
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("ray")]
 
 MODEL = "smollm2"
 PROMPTS = ["def quicksort(items):", "The three primary colors are", "Once upon a time, in a small village,",
@@ -155,12 +156,17 @@ def test_bad_input_gets_the_servers_error(cluster, client):
 
 
 def test_both_replicas_metrics_in_one_view(cluster):
-    time.sleep(2 * METRICS_PUSH_S)  # every replica has pushed since the requests above
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(cluster["url"] + "/metrics", timeout=60) as r:
-        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
-    generated = {s.labels["replica"]: s.value for s in families["vllm:generation_tokens"].samples}
+    # Every replica pushes every METRICS_PUSH_S; on a loaded machine a push can come late, so wait for both.
+    deadline = time.monotonic() + 30 * METRICS_PUSH_S
+    while True:
+        with urllib.request.urlopen(cluster["url"] + "/metrics", timeout=60) as r:
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        generated = {s.labels["replica"]: s.value for s in families["vllm:generation_tokens"].samples}
+        if len(generated) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(METRICS_PUSH_S)
     assert len(generated) == 2 and all(v > 0 for v in generated.values())
     drafted = sum(s.value for s in families["vllm:spec_decode_num_draft_tokens"].samples)
     accepted = sum(s.value for s in families["vllm:spec_decode_num_accepted_tokens"].samples)
