@@ -155,9 +155,18 @@ def test_bad_input_gets_the_servers_error(cluster, client):
         client.completions.create(model="other", prompt="hi", max_tokens=2)
 
 
-def test_both_replicas_metrics_in_one_view(cluster):
+def test_both_replicas_metrics_in_one_view(cluster, client):
     from prometheus_client.parser import text_string_to_metric_families
 
+    # Both replicas answer something here (the test does not count on earlier tests, which may have run on
+    # another cluster: a worker that switches modules in between sets the module's fixtures up again).
+    served: set[str] = set()
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            served |= {replica for _, replica in pool.map(lambda p: _complete(client, p, 8), PROMPTS)}
+            if len(served) == 2:
+                break
+    assert len(served) == 2
     # Every replica pushes every METRICS_PUSH_S; on a loaded machine a push can come late, so wait for both.
     deadline = time.monotonic() + 30 * METRICS_PUSH_S
     while True:
