@@ -49,13 +49,16 @@ WEIGHTS_HELP = ("the projections' weight format: auto = a GGUF's own block forma
                 "blocks, kept quantized, int8 activations; the output head stays >= q8_0 under q4)")
 
 
-def add_model_arguments(p: argparse.ArgumentParser, device: bool = True, weights_list: bool = False) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, device: bool = True, weights_list: bool = False,
+                        threads_default: str = "torch's choice") -> None:
     """The target's flags: ``--model --dtype --threads --linear --weights`` and, with ``device``, ``--device``;
-    ``weights_list``: ``--weights`` takes a comma list (``bench``)."""
+    ``weights_list``: ``--weights`` takes a comma list (``bench``); ``threads_default`` says what no
+    ``--threads`` means."""
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name, .gguf path, HF folder or hub id (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="weights and activations; auto = bf16 where one of our kernels runs (x86-64 with AVX2+FMA) or the GPU supports it, else fp32")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help=f"torch intra-op threads, our kernels' too (default: {threads_default})")
     p.add_argument("--linear", choices=LINEAR_CHOICES, default="auto",
                    help="kernel path for the bf16 projections: ours, compiled once: tiled (AVX512-BF16), avx512 "
                         "(AVX512F), avx2 (AVX2+FMA); onednn; torch (F.linear; the only one on a GPU); auto = "

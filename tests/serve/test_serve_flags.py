@@ -3,11 +3,12 @@ loads, and a config that survives pickling (Ray hands it to every replica)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
 
-from specdecode.serve.config import RayConfig
+from specdecode.serve.config import RayConfig, server_threads
 from specdecode.serve.flags import serve_flags
 
 
@@ -62,3 +63,14 @@ def test_bad_flags_are_a_value_error_not_an_exit():
 def test_ray_config_refuses_what_ray_could_not_deploy(settings, message):
     with pytest.raises(ValueError, match=message):
         RayConfig(**settings)
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 1), (4, 3), (64, 63)])
+def test_a_server_leaves_one_core_to_the_http_side(cores, threads):
+    assert server_threads(cores) == threads
+
+
+def test_threads_default_to_every_usable_core_but_one_and_the_flag_overrides(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    assert serve_flags(["--model", "some.gguf"]).kernel_threads == 5
+    assert serve_flags(["--model", "some.gguf", "--threads", "6"]).kernel_threads == 6

@@ -11,6 +11,8 @@ import gc
 from contextlib import asynccontextmanager
 from typing import Callable
 
+import torch
+
 from specdecode.serve.config import ServeConfig
 from specdecode.serve.server import SHUTDOWN_GRACE_S, build_server
 
@@ -41,11 +43,12 @@ def run_command(config: ServeConfig, log: Callable[[str], None]) -> int:
     except ImportError as exc:
         raise ValueError(f"specdecode serve needs the serve extra ({exc.name} is missing): "
                          "pip install 'specdecode[serve]'") from None
+    torch.set_num_threads(config.kernel_threads)  # a core is left to the HTTP side (``server_threads``)
     served = build_server(config, log, lifespan=_lifespan)
     gc.collect()
     gc.freeze()  # the model and engine live as long as the server: keep them out of every collection's scan
     log(f"serving {served.name} on http://{config.host}:{config.port}/v1 (drafter {served.kind}, "
-        f"gamma {config.speculation.gamma})")
+        f"gamma {config.speculation.gamma}, {config.kernel_threads} kernel thread(s))")
     uvicorn.run(served.app, host=config.host, port=config.port, log_level=config.log_level,
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0

@@ -6,6 +6,8 @@ It holds and checks settings; it neither parses flags (``flags.py``) nor builds 
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 
 from specdecode.batch.scheduler import SchedulerConfig
@@ -66,7 +68,7 @@ class ServeConfig:
         host: address to listen on.
         port: TCP port.
         log_level: uvicorn's (and, at ``debug``, Ray's driver logs).
-        threads: the step kernels' threads; None = torch's choice (on Ray: ``cpus_per_replica``).
+        threads: the step kernels' threads; None = :func:`server_threads` (on Ray: ``cpus_per_replica``).
         ray: the Ray Serve deployment, or None to serve in this process.
     """
 
@@ -88,3 +90,20 @@ class ServeConfig:
     def name(self) -> str:
         """The model name clients pass."""
         return self.served_model_name or self.target.model
+
+    @property
+    def kernel_threads(self) -> int:
+        """The step kernels' threads in this process: ``threads``, else :func:`server_threads`."""
+        return self.threads or server_threads()
+
+
+def server_threads(cores: int | None = None) -> int:
+    """The kernel threads a server runs by default: every core this process may use but one, at least one.
+
+    The kept core is the HTTP side's (the event loop, chat templates, tokenization, SSE) and that of clients
+    on the same machine: with a kernel thread on every core they preempt the kernels mid-step, and a step
+    runs 2-3x longer than in the library (docs/benchmarks/history.md, "Serve threads").
+    """
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
