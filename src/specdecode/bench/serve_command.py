@@ -8,8 +8,9 @@ before the first measurement and measured in turns: for each concurrency level a
 in order, so that drift on a noisy machine touches them alike. Each run sends the same greedy chat
 requests (the packaged suites, or ``--prompts``) from ``concurrency`` closed-loop clients on loopback.
 Reported per method and level (medians over repeats): aggregate tokens/s, TTFT and inter-chunk latency
-p50/p99, and every ratio to plain decoding; plus whether every answer equals plain decoding's. Prints a
-table and one JSON line; ``--out`` writes the JSON, a Markdown report and plots.
+p50/p99, and every ratio to plain decoding and to the library (the same requests through ``BatchEngine.run``
+in this process, ``library.py``); plus whether every answer equals plain decoding's. Prints a table and one
+JSON line; ``--out`` writes the JSON, a Markdown report and plots.
 
 It does not define the load (``load.py``) or the server (``serve/``).
 """
@@ -33,12 +34,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specdecode.argtypes import positive_int
+from specdecode.bench.library import Library
 from specdecode.bench.load import run_level, summarize
 from specdecode.bench.prompts import default_prompts, select
 from specdecode.drafters import registry
 from specdecode.flags import add_model_arguments
 from specdecode.models.native import cpu_flags, cpu_model
 from specdecode.prompts import load_prompts
+from specdecode.target import TargetConfig
 
 # Drafters a server runs on the target alone (the heads: the shipped ones).
 SERVED_DRAFTERS = registry.names_where(lambda spec: spec.self_contained)
@@ -102,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=positive_int, default=None,
                    help="the servers' --prefill-chunk (default: theirs)")
     p.add_argument("--out", default=None, metavar="DIR", help="write bench-serve.json, report.md and plots there")
+    p.add_argument("--no-library", dest="library", action="store_false",
+                   help="skip the library's reference runs (the same requests through BatchEngine.run in this "
+                        "process, no HTTP; default: run them, and report each server's tokens/s against them)")
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,8 @@ class BenchServeConfig:
         max_rows: the servers' ``--max-rows``; None = theirs.
         prefill_chunk: the servers' ``--prefill-chunk``; None = theirs.
         out: write bench-serve.json, report.md and plots into this folder; None = print only.
+        library: also run each of our non-Ray methods through the library in this process (``library.py``),
+            after its server at each level and repeat, and report the server's tokens/s against it.
     """
 
     model: str
@@ -144,13 +152,15 @@ class BenchServeConfig:
     max_rows: int | None = None
     prefill_chunk: int | None = None
     out: str | None = None
+    library: bool = True
 
 
 def bench_serve_config(args: argparse.Namespace) -> BenchServeConfig:
     """The run :func:`add_arguments`' flags describe."""
     return BenchServeConfig(args.model, args.dtype, args.linear, args.weights, args.threads, tuple(args.methods),
                             tuple(args.concurrency), args.requests, args.max_tokens, args.repeats, args.prompts,
-                            args.limit, args.max_running, args.max_rows, args.prefill_chunk, args.out)
+                            args.limit, args.max_running, args.max_rows, args.prefill_chunk, args.out,
+                            args.library)
 
 
 def _free_port() -> int:
@@ -270,6 +280,8 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
     peer = _peer_command(config) if any(m in PEERS for m in config.methods) else None  # checked before any server starts
     servers = [Server(m, [], peer, ready="/v1/models") if m in PEERS else Server(m, _server_flags(m, config, max_running))
                for m in config.methods]
+    library = Library(TargetConfig(config.model, config.dtype, "auto", config.linear, config.weights), log) \
+        if config.library else None
     try:
         for s in servers:
             log(f"starting the {s.name} server on port {s.port} ...")
@@ -277,17 +289,22 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
         texts: dict[tuple[str, int], list[list[str]]] = {}  # per repeat, each request's answer
         for level in levels:
-            bodies = _bodies(prompts, config.max_tokens, config.requests or max(len(prompts), 2 * level))
+            count = config.requests or max(len(prompts), 2 * level)
+            bodies = _bodies(prompts, config.max_tokens, count)
+            ids = library.prompt_ids(prompts, count) if library else []
             for s in servers:  # an untimed run, so that no level starts cold
                 run_level("127.0.0.1", s.port, bodies[:level], level)
             for r in range(config.repeats):
                 for s in servers:
                     results, wall = run_level("127.0.0.1", s.port, bodies, level)
                     summary = summarize(results, wall)
+                    if library is not None and _in_library(s.name):
+                        summary["library_tokens_per_s"], _ = library.tokens_per_s(s.name, level, ids, config.max_tokens)
                     runs.setdefault((s.name, level), []).append(summary)
                     texts.setdefault((s.name, level), []).append([x.text for x in results])
-                    log(f"c={level} {s.name}: {summary['tokens_per_s']:.1f} tok/s, "
-                        f"ITL p99 {1e3 * (summary['itl_p99_s'] or 0):.0f} ms, errors {summary['errors']}")
+                    log(f"c={level} {s.name}: {summary['tokens_per_s']:.1f} tok/s"
+                        + (f" (library {summary['library_tokens_per_s']:.1f})" if "library_tokens_per_s" in summary
+                           else "") + f", ITL p99 {1e3 * (summary['itl_p99_s'] or 0):.0f} ms, errors {summary['errors']}")
     finally:
         for s in servers:
             s.stop()
@@ -297,6 +314,11 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
         _write(report, Path(config.out), log)
     print(json.dumps(report["summary"]))
     return 0
+
+
+def _in_library(method: str) -> bool:
+    """Whether the library runs ``method`` too (ours, in this process: not a peer, not on Ray)."""
+    return method not in PEERS and not _on_ray(method)[0]
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -314,6 +336,9 @@ def _report(config: BenchServeConfig, levels: list[int], runs: dict, texts: dict
                    "errors": sum(r["errors"] for r in runs[(method, level)]),
                    "identical": all(t == texts[("none", level)][0] for t in texts[(method, level)])}
             row["vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+            library = _median([r.get("library_tokens_per_s") for r in runs[(method, level)]])
+            row["library_tokens_per_s"] = library
+            row["vs_library"] = row["tokens_per_s"] / library if library else None
             rows.append(row)
     single = next(r for r in rows if r["method"] == "none" and r["concurrency"] == min(levels))
     step_s = single["itl_p50_s"]
@@ -329,11 +354,12 @@ def _report(config: BenchServeConfig, levels: list[int], runs: dict, texts: dict
 
 
 def _print_table(report: dict[str, Any], log: Callable[[str], None]) -> None:
-    log(f"{'method':<18}{'conc':>5}{'tok/s':>9}{'vs plain':>10}{'vs 1-stream':>12}{'TTFT p50':>10}{'ITL p50':>9}"
-        f"{'ITL p99':>9}{'p99/step':>9}  identical")
+    log(f"{'method':<18}{'conc':>5}{'tok/s':>9}{'vs plain':>10}{'vs library':>11}{'vs 1-stream':>12}{'TTFT p50':>10}"
+        f"{'ITL p50':>9}{'ITL p99':>9}{'p99/step':>9}  identical")
     for r in report["summary"]["rows"]:
         ms = lambda v: f"{1e3 * v:.0f}ms" if v is not None else "-"  # noqa: E731
-        log(f"{r['method']:<18}{r['concurrency']:>5}{r['tokens_per_s']:>9.1f}{r['vs_plain'] or 0:>10.2f}"
+        library = f"{r['vs_library']:.2f}" if r["vs_library"] else "-"
+        log(f"{r['method']:<18}{r['concurrency']:>5}{r['tokens_per_s']:>9.1f}{r['vs_plain'] or 0:>10.2f}{library:>11}"
             f"{r['vs_single_stream_plain']:>12.2f}{ms(r['ttft_p50_s']):>10}{ms(r['itl_p50_s']):>9}"
             f"{ms(r['itl_p99_s']):>9}{r['itl_p99_vs_step'] or 0:>9.2f}  {r['identical']}")
 
@@ -349,10 +375,11 @@ def _write(report: dict[str, Any], out: Path, log: Callable[[str], None]) -> Non
              + (" The llamacpp row is llama-cpp-python's server on the same GGUF (one request at a time); its answers "
                 "may differ from ours at near-ties, so its identity is informational." if any(
                     r["method"] in PEERS for r in s["rows"]) else ""), "",
-             "| method | concurrency | tok/s | vs plain | vs single-stream plain | TTFT p50 | ITL p50 | ITL p99 | "
-             "ITL p99 / step | identical to plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | concurrency | tok/s | library tok/s | vs library | vs plain | vs single-stream plain | TTFT p50 | "
+             "ITL p50 | ITL p99 | ITL p99 / step | identical to plain |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
-        lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f} | "
+        lib = (f"{r['library_tokens_per_s']:.1f} | {r['vs_library']:.2f}" if r["vs_library"] else "- | -")
+        lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {lib} | {r['vs_plain']:.2f} | "
                      f"{r['vs_single_stream_plain']:.2f} | {1e3 * r['ttft_p50_s']:.0f} ms | {1e3 * r['itl_p50_s']:.0f} ms"
                      f" | {1e3 * r['itl_p99_s']:.0f} ms | {r['itl_p99_vs_step']:.2f} | {r['identical']} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
