@@ -6,7 +6,10 @@ import re
 
 import pytest
 
-from specdecode.drafter_setup import DrafterConfig
+from specdecode.drafter_setup import DrafterConfig, drafter_factory
+from specdecode.kv.cache import CacheConfig
+from specdecode.target import TargetConfig
+from tiny_models import write_tiny_hf_model
 
 
 def test_a_drafter_config_names_what_is_wrong():
@@ -24,3 +27,16 @@ def test_a_drafter_config_names_what_is_wrong():
 ])
 def test_only_draft_models_and_eagle_heads_keep_a_cache(config, own_cache):
     assert config.has_draft_cache == own_cache
+
+
+def test_skip_layers_belong_to_layerskip_and_are_resolved_when_it_is_loaded(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("--skip-layers is only used by --drafter layerskip, not ngram")):
+        DrafterConfig(kind="ngram", skip_layers="1")
+    target_config = TargetConfig(str(write_tiny_hf_model(tmp_path / "tiny")), dtype="float32", device="cpu")
+    target = target_config.load()
+    new = drafter_factory(DrafterConfig(kind="layerskip", skip_layers="1,2"), target_config, target, CacheConfig(),
+                          lambda line: None)
+    assert new().skip == (1, 2)  # each slot's drafter skips the layers the flag names
+    with pytest.raises(ValueError, match="out of range"):
+        drafter_factory(DrafterConfig(kind="layerskip", skip_layers="99"), target_config, target, CacheConfig(),
+                        lambda line: None)

@@ -33,7 +33,7 @@ from specdecode.models.loader import LoadError
 from specdecode.models.registry import DEFAULT_MODEL, UnknownModelError
 from specdecode.sampling import SamplingParams
 from specdecode.serve.flags import add_arguments as add_serve_arguments
-from specdecode.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store, resolve_skip_set
+from specdecode.skip_sets import CALIBRATION_PROMPTS, calibrate_and_store
 from specdecode.target import TargetConfig
 
 
@@ -54,8 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt; '-' reads it from stdin")
     add_drafter_arguments(g)
     add_gamma_arguments(g)
-    g.add_argument("--skip-layers", default="auto",
-                   help="layers layerskip skips, e.g. '4,6,8-12'; 'auto' uses (or runs) the stored calibration")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -115,11 +113,9 @@ def _read_prompt(prompt: str) -> str:
     return prompt
 
 
-def _engine_for(drafter: DrafterConfig, skip_layers: str, target_config: TargetConfig, target: LoadedModel,
-                spec: SpeculativeConfig, caches: tuple[CacheConfig, CacheConfig]) -> Engine:
-    skip = resolve_skip_set(target, target_config.dtype, skip_layers, progress=_log) if drafter.kind == "layerskip" \
-        else None
-    new = drafter_factory(drafter, target_config, target, caches[1], _log, skip)
+def _engine_for(drafter: DrafterConfig, target_config: TargetConfig, target: LoadedModel, spec: SpeculativeConfig,
+                caches: tuple[CacheConfig, CacheConfig]) -> Engine:
+    new = drafter_factory(drafter, target_config, target, caches[1], _log)
     return Engine(target.model, target.tokenizer, new() if new is not None else None, spec, cache=caches[0])
 
 
@@ -139,7 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not target.tokenizer.chat_template:
             raise UsageError(f"model {args.model} has no chat template; drop --chat")
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    engine = _engine_for(drafter, args.skip_layers, target_settings, target, spec, caches)
+    engine = _engine_for(drafter, target_settings, target, spec, caches)
     engine.warmup()
     if args.json:
         result = engine.generate(prompt, sampling, args.max_new_tokens, args.stop)

@@ -16,6 +16,7 @@ from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import no_head_message, shipped_head
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel, load_model
+from specdecode.skip_sets import resolve_skip_set
 from specdecode.target import TargetConfig
 
 
@@ -32,6 +33,8 @@ class DrafterConfig:
         draft_vocab: their draft vocabulary size (0 = all tokens); None = as trained.
         ngram: (min, max) n-gram sizes of ``ngram`` and ``ngram-tree``.
         tree_width: children per expanded node of ``draft-tree`` and ``eagle-tree``; None = ``TREE_WIDTH``.
+        skip_layers: ``layerskip``'s skip set: a layer list such as "4,6,8-12", or "auto" (the stored
+            calibration, else a new one) (``--skip-layers``).
 
     Raises:
         ValueError: an unknown kind, or a flag the kind does not use (per its ``DrafterSpec.flags``).
@@ -45,6 +48,7 @@ class DrafterConfig:
     draft_vocab: int | None = None
     ngram: tuple[int, int] = (1, 3)
     tree_width: int | None = None
+    skip_layers: str = "auto"
 
     def __post_init__(self) -> None:
         spec = registry.spec(self.kind)  # an unknown kind raises, listing the registered ones
@@ -55,7 +59,8 @@ class DrafterConfig:
             raise ValueError("--draft-quant int8 and --draft-weights both set the draft model's weights; give one")
         given = {"--draft-model": bool(self.draft_model), "--draft-quant": self.draft_quant != "none",
                  "--draft-weights": self.draft_weights != "auto", "--head": bool(self.head),
-                 "--draft-vocab": self.draft_vocab is not None, "--tree-width": self.tree_width is not None}
+                 "--draft-vocab": self.draft_vocab is not None, "--tree-width": self.tree_width is not None,
+                 "--skip-layers": self.skip_layers != "auto"}
         for flag, set_ in given.items():
             if set_ and flag not in spec.flags:
                 users = registry.names_where(lambda s: flag in s.flags)
@@ -72,8 +77,7 @@ class DrafterConfig:
 
 
 def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: LoadedModel,
-                    draft_cache: CacheConfig, log: Callable[[str], None],
-                    skip_layers: tuple[int, ...] | None = None) -> Callable[[], Drafter | None] | None:
+                    draft_cache: CacheConfig, log: Callable[[str], None]) -> Callable[[], Drafter | None] | None:
     """Loads what ``config``'s drafter needs and returns a maker of such drafters (None for ``none``).
 
     Args:
@@ -82,12 +86,13 @@ def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: 
         target: the loaded target.
         draft_cache: the draft model's (or EAGLE head's) cache settings.
         log: progress lines.
-        skip_layers: layerskip's skip set (resolved by the caller).
     """
     kind, spec = config.kind, config.spec
     if kind == "none":
         return None
-    draft_model = head = None
+    draft_model = head = skip_layers = None
+    if spec.needs & Needs.SKIP_SET:  # a bad --skip-layers is a ValueError naming it
+        skip_layers = resolve_skip_set(target, target_config.dtype, config.skip_layers, progress=log)
     if spec.needs & Needs.DRAFT_MODEL:
         log(f"loading draft model {config.draft_model} ...")
         draft = load_model(config.draft_model, target_config.dtype, target_config.device, progress=log,

@@ -104,6 +104,9 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"--drafter {_users('--ngram')}: min,max n-gram sizes to look up (default 1,3)")
     p.add_argument("--tree-width", type=positive_int, default=None, metavar="W",
                    help=f"--drafter {_users('--tree-width')}: children per expanded node (default {TREE_WIDTH})")
+    p.add_argument("--skip-layers", default="auto",
+                   help=f"--drafter {_users('--skip-layers')}: the layers to skip, e.g. '4,6,8-12'; 'auto' uses (or "
+                        "runs) the stored calibration (default auto)")
 
 
 def add_gamma_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,7 +123,8 @@ def drafter_config(args: argparse.Namespace) -> DrafterConfig:
     before anything is loaded."""
     return DrafterConfig(kind=args.drafter or ("draft" if args.draft_model else "ngram"), draft_model=args.draft_model,
                          draft_quant=args.draft_quant, draft_weights=args.draft_weights, head=args.head,
-                         draft_vocab=args.draft_vocab, ngram=args.ngram, tree_width=args.tree_width)
+                         draft_vocab=args.draft_vocab, ngram=args.ngram, tree_width=args.tree_width,
+                         skip_layers=args.skip_layers)
 
 
 def add_kv_arguments(p: argparse.ArgumentParser) -> None:

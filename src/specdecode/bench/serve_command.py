@@ -280,9 +280,10 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
     peer = _peer_command(config) if any(m in PEERS for m in config.methods) else None  # checked before any server starts
     servers = [Server(m, [], peer, ready="/v1/models") if m in PEERS else Server(m, _server_flags(m, config, max_running))
                for m in config.methods]
-    library = Library(TargetConfig(config.model, config.dtype, "auto", config.linear, config.weights), log) \
-        if config.library else None
-    try:
+    library = None
+    try:  # the servers started above are stopped whatever fails from here on
+        if config.library:
+            library = Library(TargetConfig(config.model, config.dtype, "auto", config.linear, config.weights), log)
         for s in servers:
             log(f"starting the {s.name} server on port {s.port} ...")
             s.wait_ready()
