@@ -459,6 +459,25 @@ def test_smollm2_chat_json_and_drafter_none_agree(smollm2_path):
     assert plain["stats"]["drafted_tokens"] == 0
 
 
+def test_generate_with_a_prediction_file_keeps_the_output_and_drafts_from_it(tiny, capsys, tmp_path):
+    plain = generate_json(capsys, tiny["target"], "--max-new-tokens", "24", "--drafter", "none")
+    prediction = tmp_path / "prediction.txt"
+    prediction.write_text(plain["text"], encoding="utf-8")
+    doc = generate_json(capsys, tiny["target"], "--max-new-tokens", "24", "--drafter", "none",
+                        "--prediction", str(prediction))
+    assert doc["token_ids"] == plain["token_ids"]
+    assert doc["stats"]["prediction_accepted"] >= 12 and doc["stats"]["drafted_tokens"] > 0
+
+
+def test_prediction_flags_are_checked(tiny, capsys, tmp_path):
+    rc, out, err = run(capsys, "generate", "--model", tiny["target"], *FAST, "--prediction", "-", "-")
+    assert_usage_error(rc, out, err, "cannot both be read from stdin")
+    rc, out, err = run(capsys, "generate", "--model", tiny["target"], *FAST, "--prediction", tmp_path / "missing", "x")
+    assert_usage_error(rc, out, err, "--prediction", "cannot read it")
+    rc, out, err = run(capsys, "generate", "--model", tiny["target"], *FAST, "--long-max", "1000", "x")
+    assert_usage_error(rc, out, err, "long_max must be in 0..256")
+
+
 def test_draft_quant_needs_a_draft_model(capsys):
     assert main(["generate", "--drafter", "ngram", "--draft-quant", "int8", "hello"]) == 2
     assert "--draft-quant is only used by --drafter draft|draft-tree, not ngram" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, DrafterBase
 from specdecode.engine import Engine, GenerationResult, SpeculativeConfig
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
@@ -119,10 +119,10 @@ def test_tree_paths_off_the_first_branch_are_kept_in_place(target, plain):
         assert s.accepted_length_by_budget[5] == 4.0
 
 
-class _BadTree:
+class _BadTree(DrafterBase):
     """Proposes what a broken drafter would (test helper)."""
 
-    name, signal_names, feature_layers, weight_nbytes, own_cache = "bad", (), (), 0, None
+    name, signal_names = "bad", ()
 
     def __init__(self, tokens, parents) -> None:
         self.tokens, self.parents = tokens, parents

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from specdecode.drafters.base import Draft, DrafterBase
 from specdecode.models.config import ModelConfig
 from specdecode.models.config import expected_tensor_shapes
 from specdecode.models.transformer import Transformer
@@ -153,7 +154,7 @@ def write_head_file(path: Path, kind: str, target: Transformer, vocab: Sequence[
     return path
 
 
-class OracleTreeDrafter:
+class OracleTreeDrafter(DrafterBase):
     """A tree drafter that knows the answer (test helper): every draft puts a wrong token first at the root
     (and, given 5 nodes, at the second level) and the known continuation on the second branch, so that each
     accepted path leaves the first branch and the cache must move it into place.
@@ -163,20 +164,15 @@ class OracleTreeDrafter:
         vocab: the target's vocabulary size (wrong tokens are the right ones plus one).
     """
 
-    name, signal_names, feature_layers, weight_nbytes, own_cache = "oracle-tree", (), (), 0, None
+    name, signal_names = "oracle-tree", ()
 
     def __init__(self, answers: dict[tuple[int, ...], list[int]], vocab: int) -> None:
         self.answers, self.vocab, self.prompt = answers, vocab, ()
-
-    def observe(self, position, features) -> None:
-        pass
 
     def reset(self, target_cache, prompt=(), memory=None, slot=0) -> None:
         self.prompt = tuple(prompt)
 
     def propose(self, seq, k, sampling, generator, stop=None):
-        from specdecode.drafters.base import Draft
-
         right = self.answers[self.prompt][len(seq) - len(self.prompt):][:3]
         wrong = [(t + 1) % self.vocab for t in right]
         if k >= 5 and len(right) == 3:  # root: wrong, right[0]; under right[0]: wrong, right[1]; then right[2]

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=positive_int, default=128)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--prediction", default=None, metavar="FILE|-",
+                   help="text the answer is expected to be mostly made of (e.g. the file an edit starts from), "
+                        "drafted wherever the answer follows it; '-' reads it from stdin")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_kv_arguments(g)
 
@@ -95,22 +99,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_prompt(prompt: str) -> str:
-    source = "argument"
-    if prompt == "-":
-        source = "stdin"
-        if sys.stdin is None:  # the process was started with file descriptor 0 closed
-            raise UsageError("cannot read the prompt from stdin: stdin is closed")
-        try:
-            prompt = sys.stdin.read()
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise UsageError(f"cannot read the prompt from stdin: {exc}") from None
+def _read_stdin(what: str) -> str:
+    if sys.stdin is None:  # the process was started with file descriptor 0 closed
+        raise UsageError(f"cannot read the {what} from stdin: stdin is closed")
+    try:
+        return sys.stdin.read()
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UsageError(f"cannot read the {what} from stdin: {exc}") from None
+
+
+def _checked_text(text: str, what: str, source: str) -> str:
     try:
         # Undecodable bytes arrive as lone surrogates (surrogateescape) that the tokenizer rejects.
-        prompt.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise UsageError(f"the prompt ({source}) is not valid UTF-8 text: {exc.reason} at character {exc.start}") from None
-    return prompt
+        raise UsageError(f"the {what} ({source}) is not valid UTF-8 text: {exc.reason} at character {exc.start}") from None
+    return text
+
+
+def _read_prompt(prompt: str) -> str:
+    if prompt == "-":
+        return _checked_text(_read_stdin("prompt"), "prompt", "stdin")
+    return _checked_text(prompt, "prompt", "argument")
+
+
+def _read_prediction(source: str | None) -> str | None:
+    """``--prediction``: a file's text, or stdin's ('-')."""
+    if source is None:
+        return None
+    if source == "-":
+        return _checked_text(_read_stdin("prediction"), "prediction", "stdin")
+    try:
+        return _checked_text(Path(source).read_text(encoding="utf-8"), "prediction", source)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--prediction {source}: cannot read it ({exc})") from None
 
 
 def _engine_for(drafter: DrafterConfig, target_config: TargetConfig, target: LoadedModel, spec: SpeculativeConfig,
@@ -120,11 +142,14 @@ def _engine_for(drafter: DrafterConfig, target_config: TargetConfig, target: Loa
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.prompt == "-" and args.prediction == "-":
+        raise UsageError("the prompt and --prediction cannot both be read from stdin ('-'); give one as a file")
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():
         raise UsageError("the prompt is empty")
+    prediction = _read_prediction(args.prediction)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)  # validated before any model is loaded
+    spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file, args.long_max)  # validated before any model is loaded
     if args.gamma in ("confidence", "adaptive"):
         load_controller_file(args.controller_file)
     drafter = drafter_config(args)
@@ -138,11 +163,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = _engine_for(drafter, target_settings, target, spec, caches)
     engine.warmup()
     if args.json:
-        result = engine.generate(prompt, sampling, args.max_new_tokens, args.stop)
+        result = engine.generate(prompt, sampling, args.max_new_tokens, args.stop, prediction=prediction)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                           "stats": result.stats.to_dict()}))
         return 0
-    stream = engine.stream(prompt, sampling, args.max_new_tokens, args.stop)
+    stream = engine.stream(prompt, sampling, args.max_new_tokens, args.stop, prediction=prediction)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -151,7 +176,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     predicted = f"{s.predicted_speedup:.2f}x" if s.predicted_speedup is not None else "n/a"
     _log(f"[{s.tokens_generated} tokens, {s.tokens_per_s:.1f} tok/s, {s.target_forwards} target forwards, "
          f"tau {s.mean_accepted_length:.2f}, acceptance {s.acceptance_rate:.2f}, predicted speedup {predicted}, "
-         f"KV {s.kv_bytes_per_token:.0f} B/token, finish {stream.result.finish_reason}]")
+         f"KV {s.kv_bytes_per_token:.0f} B/token, "
+         + (f"prediction {s.prediction_accepted}/{s.prediction_drafted} tokens kept, " if prediction else "")
+         + f"finish {stream.result.finish_reason}]")
     return 0
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from specdecode.drafters import TREE_WIDTH, Drafter, DrafterSpec, Needs, make_drafter, registry
+from specdecode.drafters import TREE_WIDTH, Drafter, DrafterInputs, DrafterSpec, Needs, registry
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import no_head_message, shipped_head
 from specdecode.kv.cache import CacheConfig
@@ -103,6 +103,7 @@ def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: 
         head = config.head or shipped_head(target.model, spec.head_kind)
         if head is None:
             raise ValueError(no_head_message(spec.head_kind, target_config.model) + " with --head FILE")
-    return lambda: make_drafter(kind, target.model, draft_model, skip_layers, ngram_sizes=config.ngram,
-                                draft_cache=draft_cache, head=head, draft_vocab=config.draft_vocab,
-                                tree_width=config.tree_width or TREE_WIDTH)
+    # One set of inputs for every slot's drafter: what they share (DrafterInputs.shared) is the engine's.
+    inputs = DrafterInputs(target.model, draft_model, tuple(skip_layers) if skip_layers else None, config.ngram,
+                           draft_cache, head, config.draft_vocab, config.tree_width or TREE_WIDTH)
+    return lambda: registry.build(kind, inputs)

@@ -8,6 +8,7 @@ command lines or serve several requests at once (``BatchEngine`` does, behind ``
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, ContextManager, Iterable, Iterator, Sequence
 
 from specdecode.batch.executor import BatchEngine
@@ -44,7 +45,7 @@ class Engine:
     def __init__(self, target: Transformer, tokenizer=None, drafter: Drafter | None = None,
                  spec: SpeculativeConfig = SpeculativeConfig(),
                  on_step: Callable[[StepRecord], None] | None = None, cache: CacheConfig = CacheConfig()) -> None:
-        spec = spec if drafter is not None else SpeculativeConfig(gamma=0)
+        spec = spec if drafter is not None else replace(spec, gamma=0)
         context = target.config.max_position_embeddings
         # One sequence: its fed token and its longest draft fit every forward; a prompt goes in one forward.
         scheduler = SchedulerConfig(max_running=1, max_waiting=0, max_rows=max(2, 1 + spec.max_draft),
@@ -79,16 +80,16 @@ class Engine:
 
     def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 128, stop: str | Iterable[str] = (),
-                 eos_token_ids: Iterable[int] | None = None) -> GenerationResult:
+                 eos_token_ids: Iterable[int] | None = None, prediction: str | Sequence[int] | None = None) -> GenerationResult:
         """Generates a continuation of ``prompt``; see :meth:`stream` for the arguments."""
-        stream = self.stream(prompt, sampling, max_new_tokens, stop, eos_token_ids)
+        stream = self.stream(prompt, sampling, max_new_tokens, stop, eos_token_ids, prediction)
         for _ in stream:  # runs the request to its end
             pass
         return stream.result
 
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                max_new_tokens: int = 128, stop: str | Iterable[str] = (),
-               eos_token_ids: Iterable[int] | None = None) -> TextStream:
+               eos_token_ids: Iterable[int] | None = None, prediction: str | Sequence[int] | None = None) -> TextStream:
         """Like :meth:`generate`, but yields text as it is accepted. The request is submitted at once, so bad
         input is refused here.
 
@@ -99,12 +100,14 @@ class Engine:
             stop: a string or strings that end generation: generation stops at the token that completes
                 one (as plain decoding would), and the text is cut before it.
             eos_token_ids: ids that end generation; default: the tokenizer's end-of-sequence ids.
+            prediction: text (or token ids) the output is expected to be mostly made of (e.g. the original of an
+                edit): drafted wherever the output follows it, whatever the drafter; never changes the output.
         """
         if self._running is not None and not self._running.finished:  # a stream abandoned before its end
             self.batch.cancel(self._running)
         outputs: list[Output] = []
         seq = self._running = self.batch.submit(prompt, sampling, max_new_tokens, stop, eos_token_ids,
-                                                on_output=lambda _, out: outputs.append(out))
+                                                on_output=lambda _, out: outputs.append(out), prediction=prediction)
         return TextStream(self._steps(seq, outputs))
 
     def _steps(self, seq: Running, outputs: list[Output]) -> Iterator[Output]:

@@ -114,6 +114,9 @@ def add_gamma_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=gamma, default="adaptive",
                    help=f"tokens drafted per step (0 = off) or a controller: {', '.join(GAMMA_POLICIES)} (default adaptive)")
     p.add_argument("--gamma-max", type=positive_int, default=8, help="upper bound of the controllers")
+    p.add_argument("--long-max", type=nonnegative_int, default=64,
+                   help="longest draft from a long, trusted source (a request's prediction, a long suffix match), "
+                        "which may pass --gamma-max; 0 = never past it (default 64)")
     p.add_argument("--controller-file", default=None, metavar="FILE",
                    help="acceptance models for --gamma confidence|adaptive (from fit-controller; default: the shipped one)")
 

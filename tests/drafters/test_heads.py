@@ -96,6 +96,12 @@ class Spy:
     def commit(self, seq):
         self.inner.commit(seq)
 
+    def long_run(self):
+        return self.inner.long_run()
+
+    def finish(self, seq):
+        self.inner.finish(seq)
+
 
 def test_features_cover_each_verified_position_once_in_order(target):
     spy = Spy(random_head_drafter("eagle", target, seed=3))

@@ -131,6 +131,46 @@ def test_stop_strings_and_seeded_sampling(client):
     assert runs[0] == runs[1]
 
 
+ORIGINAL = ("def average(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)"
+            "\n\n\ndef largest(numbers):\n    best = numbers[0]\n    for n in numbers:\n        if n > best:\n"
+            "            best = n\n    return best\n")
+EDIT = [{"role": "user", "content": "Rename the variable `total` to `acc` in this Python code. Return only the whole "
+                                    f"updated code, no explanation.\n\n```python\n{ORIGINAL}```"}]
+
+
+def test_a_prediction_through_the_openai_client_drafts_and_counts(client, smollm2, solo):
+    """OpenAI's ``prediction`` parameter: the answer is the same as without it, and usage says how many of the
+    prediction's tokens the completion kept (OpenAI's ``completion_tokens_details``)."""
+    prompt = smollm2.tokenizer.apply_chat_template(EDIT)
+    out = client.chat.completions.create(model=MODEL, messages=EDIT, max_tokens=64, temperature=0,
+                                         prediction={"type": "content", "content": ORIGINAL})
+    assert out.choices[0].message.content == solo(prompt, 64)
+    details = out.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= out.usage.completion_tokens // 3, out.usage
+    assert details.rejected_prediction_tokens >= 0
+    plain = client.chat.completions.create(model=MODEL, messages=EDIT, max_tokens=64, temperature=0)
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    # Text parts, streamed, with the usage chunk.
+    parts = [{"type": "text", "text": ORIGINAL[:30]}, {"type": "text", "text": ORIGINAL[30:]}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=EDIT, max_tokens=64, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 prediction={"type": "content", "content": parts}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == details.accepted_prediction_tokens
+
+
+def test_a_prediction_on_completions_and_a_bad_one(server, solo):
+    prompt = "def largest(numbers):\n    best = numbers[0]\n"
+    status, _, reply = _post(server[1], "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 40,
+                                                            "temperature": 0, "prediction": {"type": "content",
+                                                                                             "content": ORIGINAL}})
+    assert status == 200 and reply["choices"][0]["text"] == solo(prompt, 40), reply
+    assert "accepted_prediction_tokens" in reply["usage"]["completion_tokens_details"]
+    status, _, reply = _post(server[1], "/v1/completions", {"model": MODEL, "prompt": "x",
+                                                            "prediction": {"type": "text", "content": "y"}})
+    assert status == 400 and reply["error"]["param"].startswith("prediction"), reply
+
+
 def test_concurrent_greedy_requests_each_equal_a_solo_generate(client, solo):
     def ask(prompt):
         return client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text

@@ -31,10 +31,13 @@ from specdecode.batch.costs import MAX_PADDED_ROWS, RowPadding, StepCostTable, f
 from specdecode.batch.observer import StepObserver
 from specdecode.batch.rows import ForwardRows, SequenceRows, lay_out
 from specdecode.batch.scheduler import Scheduler, SchedulerConfig, fit_rows
-from specdecode.batch.sequence import GenerationResult, Output, Request, Sequence, eos_ids, prompt_ids, stop_strings
+from specdecode.batch.sequence import (GenerationResult, Output, Request, Sequence, eos_ids, predicted, prompt_ids,
+                                       stop_strings)
 from specdecode.control import StepContext, StepRecord, controller_factory
 from specdecode.control.config import SpeculativeConfig
+from specdecode.control.long import LongDrafts
 from specdecode.drafters.base import Draft, Drafter, OwnCache, StopRule
+from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.models.prefill import prefill
@@ -108,7 +111,7 @@ class BatchEngine:
         probe = new_drafter() if new_drafter is not None else None
         self.target = target
         self.tokenizer = tokenizer
-        self.spec = spec if probe is not None else SpeculativeConfig(gamma=0)
+        self.spec = spec if probe is not None else replace(spec, gamma=0)
         # One drafter per slot, reused by the sequences the slot serves; a drafter's own cache is its slot's.
         self._drafters = [probe, *(new_drafter() for _ in range(scheduler.max_running - 1))] if probe else []
         for slot, drafter in enumerate(self._drafters):
@@ -140,7 +143,7 @@ class BatchEngine:
 
     def _allocate(self, tokens: int) -> None:
         """Gives every slot room for ``tokens`` plus one step's drafted (or padding) rows beyond them."""
-        room = tokens + max(self.spec.max_draft, MAX_PADDED_ROWS) + 1
+        room = tokens + max(self.spec.longest_draft, MAX_PADDED_ROWS) + 1
         self.cache_config = replace(self._cache_base, max_len=-(-room // 64) * 64)
         self.cache = self.memory.new_cache("target", self.target, self.cache_config)
         self._prefix = self.memory.prefix_for(self.target, self.cache_config)
@@ -149,7 +152,8 @@ class BatchEngine:
 
     def submit(self, prompt: str | Seq[int], sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
                stop: str | Iterable[str] = (), eos_token_ids: Iterable[int] | None = None,
-               on_output: Callable[[Sequence, Output], None] | None = None) -> Sequence:
+               on_output: Callable[[Sequence, Output], None] | None = None,
+               prediction: str | Seq[int] | None = None) -> Sequence:
         """Queues a request; it starts at a later :meth:`step`. Arguments as for ``Engine.stream``.
 
         Raises:
@@ -159,7 +163,8 @@ class BatchEngine:
         stop = stop_strings(stop, self.tokenizer)
         ids = prompt_ids(prompt, self.tokenizer, self.target.config.vocab_size, self.max_len, max_new_tokens,
                          self._limit_name)
-        request = Request(tuple(ids), sampling, max_new_tokens, stop, eos_ids(eos_token_ids, self.tokenizer))
+        request = Request(tuple(ids), sampling, max_new_tokens, stop, eos_ids(eos_token_ids, self.tokenizer),
+                          predicted(prediction, self.tokenizer, self.target.config.vocab_size))
         self._make_room(len(ids) + max_new_tokens)
         seq = Sequence(request, self.tokenizer, on_output)
         self.scheduler.add(seq)
@@ -167,7 +172,7 @@ class BatchEngine:
 
     def _make_room(self, tokens: int) -> None:
         """Grows the slots for a request of ``tokens`` tokens, which only an idle engine can do."""
-        if tokens + max(self.spec.max_draft, MAX_PADDED_ROWS) + 1 <= self.cache_config.max_len:
+        if tokens + max(self.spec.longest_draft, MAX_PADDED_ROWS) + 1 <= self.cache_config.max_len:
             return
         if self.has_work:
             raise ValueError(f"a request of {tokens} tokens does not fit the KV slots ({self.cache_config.max_len} "
@@ -240,6 +245,8 @@ class BatchEngine:
             if seq.prompt_pending and budget:
                 chunk[seq] = min(seq.prompt_pending, budget)
                 budget -= chunk[seq]
+        if len(running) == 1 and decoding:  # a lone sequence delays nobody: its long drafts may pass max_rows
+            budget = max(budget, self.spec.longest_draft)
         # What the others put in this forward: their fed tokens, the prompt rows, and drafts as long as
         # their last ones (a draft prices its share of the step).
         rows_before = sum(s.last_rows for s in decoding) + sum(chunk.values())
@@ -361,6 +368,10 @@ class BatchEngine:
         seq.generator = seq.request.sampling.generator(self.target.device, seq.seed)
         seq.controller = self._new_controller()
         seq.drafter = self._drafters[seq.slot] if self._drafters else None
+        if seq.request.prediction is not None:
+            seq.drafter = PredictionDrafter(seq.request.prediction, seq.drafter, self.tokenizer)
+        if seq.drafter is not None and self.spec.long_max:
+            seq.controller = LongDrafts(seq.controller, seq.drafter, self.spec.long_max)
         if seq.drafter is not None:
             seq.drafter.reset(self.cache, seq.request.prompt_ids, self.memory, slot=seq.slot)
         prompt = seq.tokens[:-1]
@@ -382,6 +393,10 @@ class BatchEngine:
         frees its slot."""
         stats = seq.stats
         stats.wall_s = time.perf_counter() - seq.arrival
+        if isinstance(seq.drafter, PredictionDrafter):
+            stats.prediction_drafted, stats.prediction_accepted = seq.drafter.drafted, seq.drafter.accepted
+        if seq.drafter is not None and seq.finish_reason not in ("cancelled", "error"):
+            seq.drafter.finish(seq.tokens)
         if seq.slot is not None:
             held = self.cache.lengths[seq.slot]
             stats.kv_bytes = self.cache.bytes_used(seq.slot)

@@ -19,6 +19,7 @@ import torch
 
 from specdecode.control import GammaController
 from specdecode.drafters.base import Drafter
+from specdecode.drafters.prediction import Prediction
 from specdecode.sampling import SamplingParams
 from specdecode.stats import RequestStats
 from specdecode.text import Detokenizer, find_stop, stream_safe_length
@@ -37,6 +38,8 @@ class Request:
         max_new_tokens: generation budget (>= 1).
         stop: strings that end generation (the text is cut before them).
         eos: ids that end generation (kept in ``token_ids``, left out of the text).
+        prediction: text the output is expected to be mostly made of, drafted where the output follows it
+            (``drafters/prediction.py``); None = no prediction.
     """
 
     prompt_ids: tuple[int, ...]
@@ -44,6 +47,7 @@ class Request:
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
     eos: frozenset[int] = frozenset()
+    prediction: Prediction | None = None
 
 
 @dataclass
@@ -193,6 +197,25 @@ def stop_strings(stop: str | Iterable[str], tokenizer) -> tuple[str, ...]:
     if any(not s for s in stop):
         raise ValueError("stop strings must not be empty")
     return stop
+
+
+def predicted(prediction: str | Seq[int] | None, tokenizer, vocab_size: int) -> Prediction | None:
+    """A request's prediction, tokenized (text) or checked (token ids, as for prompts); None for none or an
+    empty one (nothing to draft from).
+
+    Raises:
+        ValueError: text without a tokenizer, or ids outside the vocabulary.
+    """
+    if prediction is None or len(prediction) == 0:
+        return None
+    if isinstance(prediction, str):
+        if tokenizer is None:
+            raise ValueError("a text prediction needs an engine with a tokenizer")
+        return Prediction.of(prediction, tokenizer)
+    ids = tuple(int(t) for t in prediction)
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prediction token ids must be in 0..{vocab_size - 1}")
+    return Prediction("", ids, tuple(range(1, len(ids) + 1)))  # no text: a token's "end" is its index + 1
 
 
 def eos_ids(eos_token_ids: Iterable[int] | None, tokenizer) -> frozenset[int]:

@@ -26,7 +26,9 @@ from specdecode.models.build import LoadedModel
 from specdecode.models.config import ModelConfig
 from specdecode.sampling import SamplingParams
 
-OUR_FAMILIES = registry.names()  # our engine with each drafter ("none": plain decoding)
+# The n-gram drafter given each prompt's prediction (prompt files' "prediction"; other methods never see it).
+PREDICTION_FAMILY = "prediction"
+OUR_FAMILIES = registry.names() + (PREDICTION_FAMILY,)  # our engine with each drafter ("none": plain decoding)
 PEER_FAMILIES = ("hf", "hf-assisted", "hf-lookup", "llamacpp", "llamacpp-lookup")
 FAMILIES = OUR_FAMILIES + PEER_FAMILIES
 # Families that need a separate draft model (--draft-model).
@@ -62,7 +64,7 @@ class Method:
     Args:
         name: e.g. ``none``, ``ngram:g4``, ``ngram:agreement``, ``hf-lookup``.
         family: one of FAMILIES.
-        run: ``(prompt_ids, seed) -> Output``.
+        run: ``(prompt_ids, seed) -> Output``; ``(prompt_ids, seed, prediction) -> Output`` with ``predicts``.
         gamma: the draft length (int), a controller name, or None for methods that do not draft.
         params: settings worth recording in the JSON (draft sizes, peer options).
         memory: bytes the configuration holds (weights and KV caches by part), for our engine.
@@ -75,6 +77,9 @@ class Method:
         weights: the target's weight formats (``Transformer.weight_format``), "gguf" for llama.cpp.
         weight_bytes: the target's resident weight bytes (ours; packed copies included).
         draft_weights: the separate draft model's weight formats, else None.
+        predicts: it is handed each prompt's prediction (the ``prediction`` family).
+        learns: its drafter keeps what earlier requests generated (``DrafterSpec.learns``), so its timed runs see
+            the outputs of the prompts before them (and of earlier repeats).
     """
 
     name: str
@@ -91,6 +96,8 @@ class Method:
     weights: str | None = None
     weight_bytes: int | None = None
     draft_weights: str | None = None
+    predicts: bool = False
+    learns: bool = False
 
     @property
     def kind(self) -> str:
@@ -146,11 +153,11 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
                     cache=cache)
     engine.warmup()  # as `specdecode generate` does: one-time costs out of the timings, row padding tuned
 
-    def run(prompt_ids: list[int], seed: int) -> Output:
+    def run(prompt_ids: list[int], seed: int, prediction: str | None = None) -> Output:
         params = replace(sampling, seed=seed)
         steps.clear()
         start = time.perf_counter()
-        result = engine.generate(prompt_ids, params, max_new_tokens)
+        result = engine.generate(prompt_ids, params, max_new_tokens, prediction=prediction)
         seconds = time.perf_counter() - start
         return Output(result.token_ids, seconds, result.stats.to_dict(), result.finish_reason, list(steps))
 
@@ -179,7 +186,7 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
                   draft_kernel=drafts_with.backend.name if drafts_with else None,
                   draft_dtype=dtype_name(drafts_with.dtype) if drafts_with else None,
                   weights=target.model.weight_format, weight_bytes=target.model.weight_nbytes,
-                  draft_weights=drafts_with.weight_format if drafts_with else None)
+                  draft_weights=drafts_with.weight_format if drafts_with else None, learns=drafter_spec.learns)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ import torch
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.config import MAX_GAMMA
 from specdecode.control.records import record_json
-from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, Method, Output, method_name,
-                                      build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
+from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, PREDICTION_FAMILY, Method, Output,
+                                      method_name, build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
                                       llamacpp_method, plain_of)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
 from specdecode.drafters import TREE_WIDTH, Needs, registry
@@ -311,8 +311,8 @@ def _skip_layers(config: BenchConfig, target: LoadedModel, log: Log) -> tuple[in
     return resolve_skip_set(target, config.dtype, config.skip_layers, progress=log)
 
 
-def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
-                  log: Log) -> tuple[list[Method], list[tuple[str, str]], dict[str, str], list[str]]:
+def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int, log: Log, has_predictions: bool = False
+                  ) -> tuple[list[Method], list[tuple[str, str]], dict[str, str], list[str]]:
     """Every method the configuration asks for, in display order; plus skipped ones, failed ones and notes."""
     target = loaded.target
     sampling = SamplingParams(config.temperature)
@@ -325,7 +325,17 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int,
     lookup_k = max(config.int_gammas, default=8)
 
     for family in fams:
-        if family in OUR_FAMILIES:
+        if family == PREDICTION_FAMILY:
+            if not has_predictions:
+                skipped.append((family, "no prompt has a prediction (the edit suite has)"))
+                continue
+            for g in config.gammas:  # n-gram lookup where the prediction has nothing, as `serve` does by default
+                method = engine_method("ngram", g, target, sampling, config.max_new_tokens,
+                                       ngram_sizes=config.ngram_sizes, gamma_max=config.gamma_max,
+                                       controller_file=config.controller_file, cache=config.cache)
+                method.name, method.family, method.predicts = method_name(family, g), family, True
+                methods.append(method)
+        elif family in OUR_FAMILIES:
             gammas: Sequence[int | str | None] = [None] if family == "none" else config.gammas
             skip = head = None
             spec = registry.spec(family)
@@ -425,7 +435,8 @@ class _Calls:
 
     def __call__(self, method: Method, prompt: Prompt, seed: int) -> Output | None:
         try:
-            out = method.run(self.rendered[prompt.id], seed)
+            ids = self.rendered[prompt.id]
+            out = method.run(ids, seed, prompt.prediction) if method.predicts else method.run(ids, seed)
         except Exception as exc:  # reported, never hidden; the method is dropped from the rest of the run
             self.failed[method.name] = f"{type(exc).__name__}: {exc}"
             self.bar.message(f"!! {method.name} FAILED on {prompt.id}: {self.failed[method.name]}")
@@ -532,7 +543,8 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
     longest = max(prompts, key=lambda p: len(rendered[p.id]))
     budget_ctx = -(-(len(rendered[longest.id]) + config.max_new_tokens + 2 * max(config.int_gammas, default=8) + 16)
                    // 256) * 256
-    methods, skipped, failed, notes = build_methods(config, loaded, budget_ctx, log)
+    methods, skipped, failed, notes = build_methods(config, loaded, budget_ctx, log,
+                                                    any(p.prediction for p in prompts))
     load_s = time.perf_counter() - t_load
     rss_after_load = current_rss_mb()
     if not config.greedy:
@@ -543,8 +555,13 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
     calls = _Calls(methods, rendered, bar, failed)
     t_run = time.perf_counter()
     for method in list(calls.alive):  # warm-up: untimed, longest prompt, full budget
-        calls(method, longest, config.seed)
+        if not method.learns:  # (one that learns would then draft that prompt's timed run from its own output)
+            calls(method, longest, config.seed)
         bar.update(f"warm-up {method.name}")
+    learners = [m.name for m in methods if m.learns]
+    if learners and config.repeats > 1:
+        notes.append(f"{', '.join(learners)} draft from earlier requests' outputs: repeats after the first see the "
+                     "same prompt's earlier output")
     identity = _Identity()
     samples = _timed_runs(config, prompts, methods, calls, identity)
     bar.close()

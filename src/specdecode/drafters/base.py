@@ -120,6 +120,12 @@ class Drafter(Protocol):
     def commit(self, seq: list[int]) -> None:
         """Told the sequence after verification (the previous seq + accepted draft + one target token)."""
 
+    def long_run(self) -> int:
+        """Tokens it could draft now from a long, trusted source; 0 when none (see ``DrafterBase.long_run``)."""
+
+    def finish(self, seq: list[int]) -> None:
+        """The request ended with ``seq`` (prompt + output) (see ``DrafterBase.finish``)."""
+
 
 class DrafterBase:
     """The optional parts of the :class:`Drafter` protocol, with what a drafter that needs none of them says:
@@ -140,6 +146,16 @@ class DrafterBase:
     def own_cache(self) -> Cache | None:
         """Its own KV cache (not the target's), if it keeps one."""
         return None
+
+    def long_run(self) -> int:
+        """Tokens it could draft now from a long, trusted source (a prediction it follows, a long suffix match),
+        known after ``reset``/``commit``; 0 when it has none. The engine may then draft past the controller's
+        ``gamma_max``, up to ``SpeculativeConfig.long_max`` (``control/long.py``)."""
+        return 0
+
+    def finish(self, seq: list[int]) -> None:
+        """The request it served ended with ``seq`` (prompt + output); drafters that learn across requests
+        take it here (called once per request, before the next ``reset``)."""
 
 
 class OwnCache(DrafterBase):

@@ -8,7 +8,7 @@ exists. It loads nothing (``drafter_setup.py`` loads draft models and heads) and
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -43,6 +43,8 @@ class DrafterInputs:
         head: the head file (``Needs.HEAD``).
         draft_vocab: a head's draft vocabulary size (0 = all tokens); None = as trained.
         tree_width: children per expanded node of a tree drafter.
+        shared: state the drafters built from these inputs share (one engine's slots), e.g. the suffix
+            drafter's cache of finished requests; keyed by the drafter's name.
     """
 
     target: Transformer
@@ -53,6 +55,7 @@ class DrafterInputs:
     head: str | Path | None = None
     draft_vocab: int | None = None
     tree_width: int = TREE_WIDTH
+    shared: dict[str, object] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class DrafterSpec:
         tree: it drafts token trees (no per-token signals, so no ``confidence`` controller).
         head_kind: the head file kind it reads (``Needs.HEAD``).
         flags: the drafter flags it reads besides ``--drafter`` (others given with it are refused).
+        learns: it keeps what finished requests generated (``Drafter.finish``) and drafts from it later.
     """
 
     name: str
@@ -78,6 +82,7 @@ class DrafterSpec:
     tree: bool = False
     head_kind: str | None = None
     flags: tuple[str, ...] = ()
+    learns: bool = False
 
     @property
     def self_contained(self) -> bool:

@@ -158,6 +158,11 @@ class Tokenizer:
         """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of ``text`` (no special tokens added) and where each token ends in it (characters)."""
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        return encoding.ids, [end for _, end in encoding.offsets]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``.
 

@@ -47,6 +47,23 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+def joined(content: str | list[ContentPart]) -> str:
+    """A message's or prediction's text: a string, or its text parts joined."""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+class PredictedOutput(BaseModel):
+    """OpenAI's ``prediction``: text the completion is expected to be mostly made of, drafted where it follows."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
 class _Sampling(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI's API does."""
 
@@ -63,6 +80,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+    prediction: PredictedOutput | None = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, max(0, self.top_k), self.top_p, self.seed)
@@ -76,11 +94,6 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
-
-
-class ContentPart(BaseModel):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):
@@ -109,6 +122,9 @@ def usage(seq: Sequence) -> dict[str, Any]:
     s = seq.stats
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(seq.generated),
             "total_tokens": s.prompt_tokens + len(seq.generated),
+            # OpenAI's meaning: prediction tokens that appeared in the completion, and those drafted but not kept.
+            "completion_tokens_details": {"accepted_prediction_tokens": s.prediction_accepted,
+                                          "rejected_prediction_tokens": s.prediction_drafted - s.prediction_accepted},
             "speculation": {"drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
                             "mean_accepted_length": round(s.mean_accepted_length, 4)}}
 
@@ -174,8 +190,7 @@ class ServedModel:
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         if not self.tokenizer.chat_template:
             raise APIError(400, f"model {self.name!r} has no chat template; use /v1/completions", "messages")
-        rendered = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
-                     else "".join(part.text for part in m.content)} for m in messages]
+        rendered = [{"role": m.role, "content": None if m.content is None else joined(m.content)} for m in messages]
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(rendered))
 
     async def start(self, ids: list[int], body: _Sampling) -> _Handle:
@@ -183,8 +198,9 @@ class ServedModel:
         if not self.accepting or not self.loop.alive:
             raise APIError(503, "the server is shutting down", kind="service_unavailable")
         handle = _Handle()
+        prediction = joined(body.prediction.content) if body.prediction is not None else None
         future = self.loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(),
-                                  max_new_tokens=self.budget(body, len(ids)), stop=body.stops())
+                                  max_new_tokens=self.budget(body, len(ids)), stop=body.stops(), prediction=prediction)
         try:
             handle.seq = await asyncio.wrap_future(future)
         except QueueFullError as exc:

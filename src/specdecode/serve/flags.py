@@ -68,7 +68,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The server :func:`add_arguments`' flags describe; contradictory flags raise ValueError (naming them)
     before anything is loaded."""
     scheduler = SchedulerConfig(args.max_running, args.max_waiting, args.max_rows, args.prefill_chunk)
-    speculation = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file)
+    speculation = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file, args.long_max)
     drafter = drafter_config(args)
     cache, draft_cache = cache_configs(args, draft=drafter.has_draft_cache)
     ray = RayConfig(args.replicas, args.cpus_per_replica, args.ingress_replicas, args.memory_per_replica,

@@ -1,0 +1,220 @@
+"""Predicted outputs: draft from text the caller expects the output to be mostly made of (an edit's original).
+
+A request may carry a prediction (OpenAI's ``prediction`` field) whatever the engine's drafter; the engine
+then wraps that request's drafter in a :class:`PredictionDrafter`, which follows the prediction while the
+output agrees with it and hands over to the wrapped drafter where the prediction has nothing to say.
+
+Following: the drafter keeps its place in the prediction's tokens and drafts what comes next. When the
+output departs from it (an edit), it finds its place again by looking the output's last tokens up in the
+prediction; failing that (token boundaries differ around the join), by looking the output's last
+characters up in the prediction's text and tokenizing the prediction again from there. Proposals are
+deterministic (one-hot), so verification stays exact; the drafter never decides how far to draft
+(``control/long.py`` does, from ``long_run``). It keeps nothing between requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specdecode.drafters.base import Draft, Drafter, DrafterBase, StopRule
+from specdecode.kv.cache import Cache
+from specdecode.kv.memory import KVMemory
+from specdecode.sampling import SamplingParams
+
+MAX_TAIL = 8  # longest output tail (tokens) looked up in the prediction's tokens
+MIN_TAIL = 3  # shorter tails match unrelated text too often
+TEXT_TAIL = 48  # longest output tail (characters) looked up in the prediction's text
+MIN_TEXT = 12
+WINDOW = 1024  # characters tokenized again after a text match
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A prediction, tokenized alone.
+
+    Args:
+        text: the predicted text ("" for a prediction given as token ids: then found again by tokens only).
+        ids: its tokens.
+        ends: each token's end in ``text`` (characters; without text, its index + 1).
+    """
+
+    text: str
+    ids: tuple[int, ...]
+    ends: tuple[int, ...]
+    grams: dict[tuple[int, ...], list[int]] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Where each MIN_TAIL-gram starts: finding the place again costs a lookup, not a scan.
+        for i in range(len(self.ids) - MIN_TAIL + 1):
+            self.grams.setdefault(self.ids[i:i + MIN_TAIL], []).append(i)
+
+    @classmethod
+    def of(cls, text: str, tokenizer) -> Prediction:
+        """``text`` tokenized by ``tokenizer`` (a ``models.tokenizer.Tokenizer``), without special tokens."""
+        ids, ends = tokenizer.encode_with_ends(text)
+        return cls(text, tuple(ids), tuple(ends))
+
+    def starts(self, tail: Sequence[int]) -> list[int]:
+        """Starts of ``tail`` (at least MIN_TAIL tokens) in ``ids``, in order."""
+        n = len(tail)
+        head = self.grams.get(tuple(tail[:MIN_TAIL]), [])
+        return [i for i in head if self.ids[i:i + n] == tuple(tail)]
+
+
+@dataclass
+class _Place:
+    """Tokens being followed (the prediction's, or its text tokenized again from a match) and the next one."""
+
+    ids: Sequence[int]
+    ends: Sequence[int]
+    next: int = 0
+
+
+@dataclass
+class PredictionDrafter(DrafterBase):
+    """Drafts the prediction where the output follows it, else asks ``fallback``.
+
+    Args:
+        prediction: the request's prediction.
+        fallback: the engine's drafter for this slot (None: plain decoding where the prediction has nothing).
+        tokenizer: for finding the place again by text (None: by tokens only).
+    """
+
+    prediction: Prediction
+    fallback: Drafter | None = None
+    tokenizer: object | None = None
+    drafted: int = 0  # prediction tokens drafted, and accepted, over the request
+    accepted: int = 0
+    _place: _Place | None = None
+    _seen: int = 0  # tokens of the sequence already looked at
+    _prompt_len: int = 0
+    _proposed: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.fallback.name if self.fallback is not None else "prediction"
+
+    @property
+    def signal_names(self) -> tuple[str, ...]:
+        return self.fallback.signal_names if self.fallback is not None else ()
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.fallback.feature_layers if self.fallback is not None else ()
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.fallback.weight_nbytes if self.fallback is not None else 0
+
+    @property
+    def own_cache(self) -> Cache | None:
+        return self.fallback.own_cache if self.fallback is not None else None
+
+    def observe(self, position: int, features: torch.Tensor) -> None:
+        if self.fallback is not None:
+            self.fallback.observe(position, features)
+
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
+              slot: int = 0) -> None:
+        if self.fallback is not None:
+            self.fallback.reset(target_cache, prompt, memory, slot)
+        # The output is expected to start where the prediction starts.
+        self._place = _Place(self.prediction.ids, self.prediction.ends) if self.prediction.ids else None
+        self._seen = self._prompt_len = len(prompt)
+        self._proposed = []
+
+    def long_run(self) -> int:
+        return len(self._place.ids) - self._place.next if self._place is not None else 0
+
+    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
+                stop: StopRule | None = None) -> Draft:
+        place = self._place
+        if place is not None and place.next < len(place.ids):
+            self._proposed = list(place.ids[place.next:place.next + k])
+            self.drafted += len(self._proposed)
+            return Draft(self._proposed)
+        self._proposed = []
+        return self.fallback.propose(seq, k, sampling, generator, stop) if self.fallback is not None else Draft([])
+
+    def commit(self, seq: list[int]) -> None:
+        if self.fallback is not None:
+            self.fallback.commit(seq)
+        new = seq[self._seen:]
+        self._seen = len(seq)
+        self.accepted += _common_prefix(self._proposed, new)
+        self._proposed = []
+        self._advance(seq, new)
+
+    def finish(self, seq: list[int]) -> None:
+        if self.fallback is not None:
+            self.fallback.finish(seq)
+
+    def _advance(self, seq: list[int], new: list[int]) -> None:
+        """Moves along the prediction past ``new`` tokens, or finds the place again where they depart from it."""
+        place = self._place
+        if place is not None and list(place.ids[place.next:place.next + len(new)]) == new:
+            place.next += len(new)
+            if place.next < len(place.ids) or place.ends[-1] >= len(self.prediction.text):
+                return
+            # The end of a window tokenized again: go on from its last token's end.
+            self._place = self._tokenize_from(place.ends[-1])
+            return
+        output = seq[self._prompt_len:]
+        self._place = self._by_tokens(output) or self._by_text(output)
+
+    def _by_tokens(self, output: list[int]) -> _Place | None:
+        """The place after the longest output tail (MIN_TAIL..MAX_TAIL tokens) found in the prediction's tokens:
+        its first occurrence after the current place, else its first."""
+        ids = self.prediction.ids
+        after = self._place_end()
+        for n in range(min(MAX_TAIL, len(output)), MIN_TAIL - 1, -1):
+            tail = output[-n:]
+            starts = self.prediction.starts(tail)
+            if starts:
+                start = next((s for s in starts if self.prediction.ends[s] > after), starts[0])
+                return _Place(ids, self.prediction.ends, start + n)
+        return None
+
+    def _by_text(self, output: list[int]) -> _Place | None:
+        """The place after the longest output tail (MIN_TEXT..TEXT_TAIL characters) found in the prediction's
+        text, tokenized again from there (the join may cut a prediction token in two)."""
+        if self.tokenizer is None or not output or not self.prediction.text:
+            return None
+        tail = self.tokenizer.decode(output[-MAX_TAIL:])[-TEXT_TAIL:]
+        text, after = self.prediction.text, self._place_end()
+        for n in range(len(tail), MIN_TEXT - 1, -1):
+            start = text.find(tail[-n:], after)
+            if start < 0:
+                start = text.find(tail[-n:])
+            if start >= 0:
+                return self._tokenize_from(start + n)
+        return None
+
+    def _tokenize_from(self, start: int) -> _Place | None:
+        """The prediction's text from character ``start`` (at most WINDOW of it) tokenized; a window that ends
+        before the text does drops its last token, which the cut may have split."""
+        text = self.prediction.text
+        if start >= len(text):
+            return None
+        stop = min(len(text), start + WINDOW)
+        ids, ends = self.tokenizer.encode_with_ends(text[start:stop])
+        if stop < len(text) and len(ids) > 1:
+            ids, ends = ids[:-1], ends[:-1]
+        return _Place(ids, [start + e for e in ends]) if ids else None
+
+    def _place_end(self) -> int:
+        """Characters of the prediction's text the output has been followed through (0 when lost)."""
+        place = self._place
+        return place.ends[place.next - 1] if place is not None and place.next else 0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
