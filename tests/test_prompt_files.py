@@ -33,6 +33,20 @@ def test_valid_file_with_prompts_messages_blank_lines_and_extra_keys(tmp_path):
     ]
 
 
+def test_prediction_is_optional_and_carried_verbatim(tmp_path):
+    original = "def f(x):\n    return x + 1\n"
+    path = _write(tmp_path, [
+        json.dumps({"id": "a", "category": "edit", "prompt": f"Rename x.\n\n{original}", "prediction": original}),
+        json.dumps({"id": "b", "category": "edit", "messages": [{"role": "user", "content": "Fix it."}],
+                    "prediction": "  kept as is  "}),
+        json.dumps({"id": "c", "category": "qa", "prompt": "Why?"}),
+    ])
+    a, b, c = load_prompts(path)
+    assert a == Prompt("a", "edit", prompt=f"Rename x.\n\n{original}", prediction=original)
+    assert b.prediction == "  kept as is  " and b.messages == ({"role": "user", "content": "Fix it."},)
+    assert c.prediction is None
+
+
 @pytest.mark.parametrize("bad, reason", [
     ('{"id": "x", "category": "qa", "prompt": "unterminated', "not valid JSON"),
     ('["a", "list"]', "expected a JSON object"),
@@ -48,6 +62,12 @@ def test_valid_file_with_prompts_messages_blank_lines_and_extra_keys(tmp_path):
     ('{"id": "x", "category": "qa", "messages": [{"role": "bot", "content": "c"}]}', "messages[0].role is 'bot'"),
     ('{"id": "x", "category": "qa", "messages": [{"role": "user", "content": "q"}, '
      '{"role": "assistant", "content": "a"}]}', "last message must have role 'user'"),
+    ('{"id": "x", "category": "edit", "prompt": "p", "prediction": 3}', "'prediction' must be a non-empty string"),
+    ('{"id": "x", "category": "edit", "prompt": "p", "prediction": null}', "'prediction' must be a non-empty string"),
+    ('{"id": "x", "category": "edit", "prompt": "p", "prediction": ""}', "'prediction' must be a non-empty string"),
+    ('{"id": "x", "category": "edit", "messages": [{"role": "user", "content": "q"}], "prediction": " \\n "}',
+     "'prediction' must be a non-empty string"),
+    ('{"id": "x", "category": "edit", "prompt": "p", "prediction": ["a"]}', "'prediction' must be a non-empty string"),
 ])
 def test_malformed_line_is_reported_with_its_line_number(tmp_path, bad, reason):
     good = json.dumps({"id": "ok", "category": "qa", "prompt": "fine"})

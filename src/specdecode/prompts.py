@@ -2,10 +2,12 @@
 its validation, and rendering a prompt to the token ids a model is fed.
 
 A prompt file is JSONL, one object per line: ``{"id", "category", "prompt"}`` or ``{"id", "category",
-"messages"}`` (a chat: ``[{"role": "system"|"user"|"assistant", "content": "..."}, ...]``). Blank lines
-are ignored; other keys are ignored too. Every problem is reported with its line number, and a file
-with any problem is rejected as a whole. This module does not run models nor hold any prompt set (the
-benchmark's suites are ``bench/prompts.py``'s, the head-training set ``heads/data.py``'s).
+"messages"}`` (a chat: ``[{"role": "system"|"user"|"assistant", "content": "..."}, ...]``), with an
+optional ``"prediction"``: a non-empty string, the text the answer is expected to be mostly made of
+(OpenAI's "Predicted Outputs": for an edit, the original text). Blank lines are ignored; other keys are
+ignored too. Every problem is reported with its line number, and a file with any problem is rejected as
+a whole. This module does not run models nor hold any prompt set (the benchmark's suites are
+``bench/prompts.py``'s, the head-training set ``heads/data.py``'s).
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ class Prompt:
         category: free text (the benchmark's suites use ``bench.prompts.CATEGORIES``).
         prompt: plain text, or None when ``messages`` is given.
         messages: a chat, or None when ``prompt`` is given.
+        prediction: text the answer is expected to be mostly made of (an edit's original), or None.
     """
 
     id: str
     category: str
     prompt: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
+    prediction: str | None = None
 
 
 def _check_line(obj: Any) -> str | Prompt:
@@ -55,10 +59,13 @@ def _check_line(obj: Any) -> str | Prompt:
     has_prompt, has_messages = "prompt" in obj, "messages" in obj
     if has_prompt == has_messages:
         return "expected exactly one of 'prompt' or 'messages'"
+    prediction = obj.get("prediction")
+    if "prediction" in obj and (not isinstance(prediction, str) or not prediction.strip()):
+        return "'prediction' must be a non-empty string"
     if has_prompt:
         if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
             return "'prompt' must be a non-empty string"
-        return Prompt(str(pid), category.strip(), prompt=obj["prompt"])
+        return Prompt(str(pid), category.strip(), prompt=obj["prompt"], prediction=prediction)
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
         return "'messages' must be a non-empty list of {\"role\", \"content\"} objects"
@@ -70,7 +77,7 @@ def _check_line(obj: Any) -> str | Prompt:
     if messages[-1]["role"] != "user":
         return "the last message must have role 'user' (the model answers it)"
     clean = tuple({"role": m["role"], "content": m["content"]} for m in messages)
-    return Prompt(str(pid), category.strip(), messages=clean)
+    return Prompt(str(pid), category.strip(), messages=clean, prediction=prediction)
 
 
 def parse_prompts(lines: Iterable[str], source: str = "<prompts>") -> list[Prompt]:

@@ -201,6 +201,11 @@ class BatchEngine:
         """Share of the cache's token room held by running sequences (0..1)."""
         return sum(self.cache.lengths) / (self.cache_config.slots * self.cache_config.max_len)
 
+    @property
+    def learned(self) -> tuple[int, int]:
+        """(requests, bytes) the drafters keep from finished requests (one store, shared by every slot's)."""
+        return self._drafters[0].learned() if self._drafters else (0, 0)
+
     def run(self, requests: Seq[dict]) -> list[GenerationResult]:
         """Serves ``requests`` (keyword arguments of :meth:`submit`) together; results in their order."""
         pending, sequences = list(requests), []

@@ -74,7 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=1, help="timed runs per method and prompt (median)")
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="your own prompts: JSONL lines {id, category, prompt|messages} (default: packaged suites)")
-    p.add_argument("--categories", default=None, help="comma list of categories to run (default: all)")
+    p.add_argument("--categories", default=None,
+                   help="comma list of categories to run (default: the 7 standard ones); the packaged suites 'edit' "
+                        "(edits with the original as each prompt's prediction) and 'agentic' (request sequences that "
+                        "repeat structure, in file order) run only when named here")
     p.add_argument("--limit", type=positive_int, default=None, help="at most N prompts per category")
     p.add_argument("--skip-layers", default="auto",
                    help="layers layerskip skips, e.g. '4,6,8-12'; 'auto' uses (or runs) the stored calibration")
@@ -171,7 +174,7 @@ def _echo(command: BenchCommand) -> dict[str, Any]:
 
 def run_command(command: BenchCommand) -> int:
     """Runs the benchmark; exit status 0, or 1 when a lossless method changed a greedy output or one of ours failed."""
-    from specdecode.bench.prompts import default_prompts, select
+    from specdecode.bench.prompts import default_prompts, packaged_prompts, select
     from specdecode.bench.report import build_document, format_table, matplotlib_available, write_report
     from specdecode.bench.runner import environment, run_bench
     from specdecode.control.model_file import load_controller_file
@@ -182,7 +185,10 @@ def run_command(command: BenchCommand) -> int:
         raise ValueError("--report needs matplotlib, which is not installed: pip install 'specdecode[bench]'")
     if any(g in ("confidence", "adaptive") for g in run.gammas):
         load_controller_file(run.controller_file)  # a damaged or mismatched file fails before any model loads
-    prompts = load_prompts(command.prompts) if command.prompts else default_prompts()
+    if command.prompts:
+        prompts = load_prompts(command.prompts)
+    else:  # named categories are packaged suites (the extra ones included); unknown ones are refused, listed
+        prompts = packaged_prompts(command.categories) if command.categories else default_prompts()
     prompts = select(prompts, command.categories, command.limit)
     result = run_bench(run, prompts, progress=command.progress)
     doc = build_document(result, _echo(command), environment())

@@ -37,16 +37,22 @@ class Library:
         self.log = log
         self._engines: dict[tuple[str, int], BatchEngine] = {}
 
-    def prompt_ids(self, prompts: list[Any], count: int) -> list[list[int]]:
-        """``count`` prompts' token ids, cycling through ``prompts`` as the servers' chat requests do."""
-        return [render(prompts[i % len(prompts)], self.target.tokenizer) for i in range(count)]
+    def requests(self, prompts: list[Any], count: int) -> list[dict[str, Any]]:
+        """``count`` requests (token ids and prediction), cycling through ``prompts`` as the servers' chat
+        requests do."""
+        return [dict(prompt=render(p, self.target.tokenizer), prediction=p.prediction)
+                for p in (prompts[i % len(prompts)] for i in range(count))]
 
-    def tokens_per_s(self, method: str, level: int, ids: list[list[int]], max_tokens: int) -> tuple[float, list[str]]:
-        """Aggregate tokens/s of ``ids`` served at most ``level`` at a time by ``method`` (``none`` or
-        ``DRAFTER:GAMMA``), greedy, and each request's text."""
+    def tokens_per_s(self, method: str, level: int, requests: list[dict[str, Any]], max_tokens: int,
+                     fresh: bool = False) -> tuple[float, list[str]]:
+        """Aggregate tokens/s of ``requests`` served at most ``level`` at a time by ``method`` (``none`` or
+        ``DRAFTER:GAMMA``), greedy, and each request's text; ``fresh``: on a new engine (a drafter that learns
+        across requests then knows none of an earlier run's)."""
+        if fresh:
+            self._engines.pop((method, level), None)
         engine = self._engine(method, level)
         start = time.perf_counter()
-        results = engine.run([dict(prompt=p, max_new_tokens=max_tokens) for p in ids])
+        results = engine.run([dict(r, max_new_tokens=max_tokens) for r in requests])
         seconds = time.perf_counter() - start
         return sum(len(r.token_ids) for r in results) / seconds, [r.text for r in results]
 

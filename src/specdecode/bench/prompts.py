@@ -1,6 +1,11 @@
-"""The benchmark's prompt suites: the packaged ones (``bench/suites/<category>.jsonl``) and selection
+"""The benchmark's prompt suites: the packaged ones (``bench/suites/<name>.jsonl``) and selection
 by category and count. The file format, its validation and rendering are ``specdecode/prompts.py``'s.
 This module does not run models.
+
+The standard suites (CATEGORIES, one per category) are the default run. The extra suites (EXTRA_SUITES)
+are packaged but run only when asked for: ``edit`` (small edits of a given text, each with the original
+as its ``prediction``) and ``agentic`` (sequences of requests that repeat one structure, as agents and
+pipelines send them; ids ``agentic-<sequence>-NN``, file order is replay order).
 """
 
 from __future__ import annotations
@@ -10,18 +15,35 @@ from typing import Iterable
 
 from specdecode.prompts import Prompt, parse_prompts
 
-# The packaged categories, in display order: Spec-Bench's six plus code.
+# The packaged categories, in display order: Spec-Bench's six plus code. The default run.
 CATEGORIES = ("multi_turn", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
+# Packaged suites not run by default (each suite's prompts have its name as category).
+EXTRA_SUITES = ("edit", "agentic")
+
+
+def packaged_prompts(suites: Iterable[str]) -> list[Prompt]:
+    """The named packaged suites (``bench/suites/<name>.jsonl``, standard or extra), in the given order
+    (a name given twice is read once).
+
+    Raises:
+        ValueError: a name that is not a packaged suite (the message lists the available ones).
+    """
+    suites = list(dict.fromkeys(suites))
+    available = CATEGORIES + EXTRA_SUITES
+    unknown = [s for s in suites if s not in available]
+    if unknown:
+        raise ValueError(f"no packaged suite {unknown}; available: {list(available)}")
+    folder = resources.files("specdecode.bench") / "suites"
+    out: list[Prompt] = []
+    for name in suites:
+        entry = folder / f"{name}.jsonl"
+        out += parse_prompts(entry.read_text(encoding="utf-8").splitlines(), f"suites/{name}.jsonl")
+    return out
 
 
 def default_prompts() -> list[Prompt]:
-    """The packaged suites (``bench/suites/<category>.jsonl``), in CATEGORIES order."""
-    folder = resources.files("specdecode.bench") / "suites"
-    out: list[Prompt] = []
-    for category in CATEGORIES:
-        entry = folder / f"{category}.jsonl"
-        out += parse_prompts(entry.read_text(encoding="utf-8").splitlines(), f"suites/{category}.jsonl")
-    return out
+    """The standard packaged suites (``bench/suites/<category>.jsonl``), in CATEGORIES order."""
+    return packaged_prompts(CATEGORIES)
 
 
 def select(prompts: list[Prompt], categories: Iterable[str] | None = None, limit: int | None = None) -> list[Prompt]:

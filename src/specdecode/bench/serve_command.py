@@ -36,7 +36,7 @@ from typing import Any, Callable
 from specdecode.argtypes import positive_int
 from specdecode.bench.library import Library
 from specdecode.bench.load import run_level, summarize
-from specdecode.bench.prompts import default_prompts, select
+from specdecode.bench.prompts import default_prompts, packaged_prompts, select
 from specdecode.drafters import registry
 from specdecode.flags import add_model_arguments
 from specdecode.models.native import cpu_flags, cpu_model
@@ -99,6 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=1, help="runs per method and level (median)")
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl", help="your own prompts (default: packaged suites)")
     p.add_argument("--limit", type=positive_int, default=2, help="prompts per category of the suites (default 2)")
+    p.add_argument("--workload", default=None, metavar="FILE.jsonl|SUITE",
+                   help="replay a prompt file's requests (or a packaged suite's, e.g. agentic or edit) once each, in "
+                        "file order, instead of --prompts/--limit; a server whose "
+                        "drafter learns across requests (suffix) is restarted before each timed run, so that it "
+                        "learns only from the run's earlier requests")
     p.add_argument("--max-running", type=positive_int, default=None,
                    help="the servers' --max-running (default: the highest concurrency level)")
     p.add_argument("--max-rows", type=positive_int, default=None, help="the servers' --max-rows (default: theirs)")
@@ -128,6 +133,8 @@ class BenchServeConfig:
         repeats: runs per method and level (medians are reported).
         prompts: a JSONL prompt file; None = the packaged suites.
         limit: prompts per category.
+        workload: a JSONL prompt file replayed once per run in file order (``prompts``, ``limit`` and ``requests``
+            then do not apply); None = none.
         max_running: the servers' ``--max-running``; None = the highest concurrency level.
         max_rows: the servers' ``--max-rows``; None = theirs.
         prefill_chunk: the servers' ``--prefill-chunk``; None = theirs.
@@ -153,6 +160,11 @@ class BenchServeConfig:
     prefill_chunk: int | None = None
     out: str | None = None
     library: bool = True
+    workload: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.workload and (self.prompts or self.requests):
+            raise ValueError("--workload replays its own requests; drop --prompts and --requests")
 
 
 def bench_serve_config(args: argparse.Namespace) -> BenchServeConfig:
@@ -160,7 +172,7 @@ def bench_serve_config(args: argparse.Namespace) -> BenchServeConfig:
     return BenchServeConfig(args.model, args.dtype, args.linear, args.weights, args.threads, tuple(args.methods),
                             tuple(args.concurrency), args.requests, args.max_tokens, args.repeats, args.prompts,
                             args.limit, args.max_running, args.max_rows, args.prefill_chunk, args.out,
-                            args.library)
+                            args.library, args.workload)
 
 
 def _free_port() -> int:
@@ -181,7 +193,7 @@ class Server:
     """
 
     def __init__(self, name: str, flags: list[str], command: list[str] | None = None, ready: str = "/health") -> None:
-        self.name, self.port, self.ready = name, _free_port(), ready
+        self.name, self.flags, self.port, self.ready = name, flags, _free_port(), ready
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
         argv = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), *flags] if command is None \
@@ -264,19 +276,32 @@ def _peer_command(config: BenchServeConfig) -> list[str]:
 
 
 def _bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, Any]]:
-    """``count`` greedy chat requests, cycling through ``prompts``."""
+    """``count`` greedy chat requests, cycling through ``prompts`` (with their predictions)."""
     bodies = []
     for i in range(count):
         p = prompts[i % len(prompts)]
         messages = list(p.messages) if p.messages is not None else [{"role": "user", "content": p.prompt}]
-        bodies.append({"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        if p.prediction:
+            body["prediction"] = {"type": "content", "content": p.prediction}
+        bodies.append(body)
     return bodies
+
+
+def _learns(method: str) -> bool:
+    """Whether ``method``'s drafter keeps what earlier requests generated (``DrafterSpec.learns``)."""
+    drafter = _on_ray(method)[1].partition(":")[0]
+    return method not in PEERS and drafter != "none" and registry.spec(drafter).learns
 
 
 def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
     levels = sorted(set(config.concurrency))
     max_running = config.max_running or max(levels)
-    prompts = select(load_prompts(config.prompts) if config.prompts else default_prompts(), limit=config.limit)
+    if config.workload:
+        path = Path(config.workload)
+        prompts = load_prompts(path) if path.exists() else packaged_prompts([config.workload])
+    else:
+        prompts = select(load_prompts(config.prompts) if config.prompts else default_prompts(), limit=config.limit)
     peer = _peer_command(config) if any(m in PEERS for m in config.methods) else None  # checked before any server starts
     servers = [Server(m, [], peer, ready="/v1/models") if m in PEERS else Server(m, _server_flags(m, config, max_running))
                for m in config.methods]
@@ -290,17 +315,23 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
         texts: dict[tuple[str, int], list[list[str]]] = {}  # per repeat, each request's answer
         for level in levels:
-            count = config.requests or max(len(prompts), 2 * level)
+            count = len(prompts) if config.workload else config.requests or max(len(prompts), 2 * level)
             bodies = _bodies(prompts, config.max_tokens, count)
-            ids = library.prompt_ids(prompts, count) if library else []
-            for s in servers:  # an untimed run, so that no level starts cold
-                run_level("127.0.0.1", s.port, bodies[:level], level)
+            requests = library.requests(prompts, count) if library else []
+            for s in servers:  # an untimed run, so that no level starts cold (one that learns starts afresh below)
+                if not (config.workload and _learns(s.name)):
+                    run_level("127.0.0.1", s.port, bodies[:level], level)
             for r in range(config.repeats):
-                for s in servers:
+                for i, s in enumerate(servers):
+                    if config.workload and _learns(s.name):  # it learns this run's requests, none of another's
+                        s.stop()
+                        s = servers[i] = Server(s.name, s.flags)
+                        s.wait_ready()
                     results, wall = run_level("127.0.0.1", s.port, bodies, level)
                     summary = summarize(results, wall)
                     if library is not None and _in_library(s.name):
-                        summary["library_tokens_per_s"], _ = library.tokens_per_s(s.name, level, ids, config.max_tokens)
+                        summary["library_tokens_per_s"], _ = library.tokens_per_s(
+                            s.name, level, requests, config.max_tokens, fresh=bool(config.workload) and _learns(s.name))
                     runs.setdefault((s.name, level), []).append(summary)
                     texts.setdefault((s.name, level), []).append([x.text for x in results])
                     log(f"c={level} {s.name}: {summary['tokens_per_s']:.1f} tok/s"

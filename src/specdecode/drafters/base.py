@@ -126,6 +126,9 @@ class Drafter(Protocol):
     def finish(self, seq: list[int]) -> None:
         """The request ended with ``seq`` (prompt + output) (see ``DrafterBase.finish``)."""
 
+    def learned(self) -> tuple[int, int]:
+        """(requests, bytes) it keeps from finished requests (see ``DrafterBase.learned``)."""
+
 
 class DrafterBase:
     """The optional parts of the :class:`Drafter` protocol, with what a drafter that needs none of them says:
@@ -156,6 +159,11 @@ class DrafterBase:
     def finish(self, seq: list[int]) -> None:
         """The request it served ended with ``seq`` (prompt + output); drafters that learn across requests
         take it here (called once per request, before the next ``reset``)."""
+
+    def learned(self) -> tuple[int, int]:
+        """What it keeps from finished requests (``finish``), shared with the other slots' drafters: (requests,
+        bytes); (0, 0) when it learns nothing across requests."""
+        return 0, 0
 
 
 class OwnCache(DrafterBase):

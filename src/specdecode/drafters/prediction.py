@@ -152,6 +152,9 @@ class PredictionDrafter(DrafterBase):
         if self.fallback is not None:
             self.fallback.finish(seq)
 
+    def learned(self) -> tuple[int, int]:
+        return self.fallback.learned() if self.fallback is not None else (0, 0)
+
     def _advance(self, seq: list[int], new: list[int]) -> None:
         """Moves along the prediction past ``new`` tokens, or finds the place again where they depart from it."""
         place = self._place

@@ -50,6 +50,11 @@ class ServeMetrics:
         self._waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a KV slot.", labels, registry=r)
         self._kv = Gauge("vllm:kv_cache_usage_perc", "Share of the KV cache's token room in use (0..1).", labels,
                          registry=r)
+        self._learned_requests = Gauge("specdecode:drafter_learned_requests",
+                                       "Finished requests the drafter keeps and drafts from (suffix's cache).", labels,
+                                       registry=r)
+        self._learned_bytes = Gauge("specdecode:drafter_learned_bytes", "Bytes of what the drafter keeps from "
+                                    "finished requests.", labels, registry=r)
         self._ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first generated token.", labels,
                                buckets=TTFT_BUCKETS, registry=r)
         self._itl = Histogram("vllm:inter_token_latency_seconds",
@@ -84,10 +89,14 @@ class ServeMetrics:
     def finished(self, seq: Sequence) -> None:
         self._last.pop(seq.id, None)
 
-    def gauges(self, running: int, waiting: int, kv_usage: float) -> None:
+    def gauges(self, running: int, waiting: int, kv_usage: float, learned: tuple[int, int] = (0, 0)) -> None:
+        """Per step: requests running and waiting, the KV cache's use, and the drafter's (requests, bytes) kept
+        from finished requests."""
         self._running.labels(**self._label).set(running)
         self._waiting.labels(**self._label).set(waiting)
         self._kv.labels(**self._label).set(kv_usage)
+        self._learned_requests.labels(**self._label).set(learned[0])
+        self._learned_bytes.labels(**self._label).set(learned[1])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

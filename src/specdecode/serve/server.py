@@ -59,6 +59,6 @@ def build_server(config: ServeConfig, log: Callable[[str], None], lifespan=None)
     engine.warmup()
     engine.observer = metrics  # the warm-up request is not counted
     loop = EngineLoop(engine, on_step=lambda e: metrics.gauges(len(e.scheduler.running), len(e.scheduler.waiting),
-                                                               e.kv_usage))
+                                                               e.kv_usage, e.learned))
     return Served(build_app(loop, config.name, metrics, lifespan=lifespan), loop, metrics, config.name,
                   config.drafter.kind)
