@@ -65,12 +65,30 @@ def test_finds_its_place_again_by_tokens_after_an_edit():
     assert _propose(drafter, seq, 6) == pred[16:22] and drafter.long_run() == len(pred) - 16
 
 
-def test_two_tokens_are_not_enough_to_find_the_place():
-    """Short tails match unrelated text too often: MIN_TAIL tokens are needed."""
-    prompt, pred = [1, 2], list(range(100, 140))
+def test_two_tokens_find_the_place_only_near_where_the_output_left_it():
+    """Short tails match unrelated text too often: far from where the output left the prediction, MIN_TAIL
+    tokens are needed; within NEAR of it (an edit is usually short), two."""
+    prompt, pred = [1, 2], list(range(100, 200))
     drafter = _drafter(_ids(pred), prompt)
-    drafter.commit(prompt + [7, 8, 120, 121])
+    drafter.commit(prompt + [7, 8, 170, 171])  # a prediction given as ids: a token's "end" is its index + 1
     assert drafter.long_run() == 0
+    drafter = _drafter(_ids(pred), prompt)
+    drafter.commit(prompt + pred[:10])
+    seq = prompt + pred[:10] + [7] + pred[12:14]  # tokens 10 and 11 replaced by 7
+    drafter.commit(seq)
+    assert _propose(drafter, seq, 3) == pred[14:17]
+
+
+def test_a_word_finds_the_place_near_where_the_output_left_it(tokenizer):
+    text = "We harvested more then two hundred kilograms of vegetables this summer."
+    prediction = Prediction.of(text, tokenizer)
+    drafter = _drafter(prediction, [1], tokenizer=tokenizer)
+    followed = tokenizer.encode("We harvested more")
+    assert list(prediction.ids[:len(followed)]) == followed
+    drafter.commit([1] + followed)
+    seq = [1] + followed + tokenizer.encode(" than two")  # the typo fixed, then one word of the prediction
+    drafter.commit(seq)
+    assert tokenizer.decode(_propose(drafter, seq, 64)) == " hundred kilograms of vegetables this summer."
 
 
 def test_prefers_the_occurrence_after_the_current_place():

@@ -3,8 +3,10 @@ long suffix match), in steps that double while every drafted token is accepted.
 
 Wraps a request's controller: while the drafter reports no long run (``Drafter.long_run``) the wrapped
 controller decides alone, and it never sees the long steps. A long draft starts at ``start`` tokens and
-doubles after each step that kept all of it, up to ``long_max``; a step that lost some of it cuts the next one
-to a quarter, so a wrong prediction costs a few short drafts, not long ones. It does not draft or verify.
+doubles after each step that kept all of it, up to ``long_max``. A step that lost some of it ends a run (the
+tokens kept since the previous loss): the next draft is as long as that run was (at least ``start``), since
+the departures of an output from its source (an edit's changes) tend to come at similar distances, and a
+wrong prediction costs a few short drafts, not long ones. It does not draft or verify.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class LongDrafts:
 
     def __post_init__(self) -> None:
         self.budget = min(self.start, self.long_max)
+        self._run = 0  # tokens of long drafts kept since the last one that lost some
         self._long = False
 
     @property
@@ -55,6 +58,8 @@ class LongDrafts:
         if not self._long:
             self.inner.update(record)
         elif record.drafted and record.accepted == record.drafted:
+            self._run += record.accepted
             self.budget = min(2 * self.budget, self.long_max)
         elif record.drafted:
-            self.budget = max(self.budget // 4, min(self.start, self.long_max))
+            run, self._run = self._run + record.accepted, 0
+            self.budget = min(max(run, self.start), self.long_max)

@@ -5,15 +5,18 @@ then wraps that request's drafter in a :class:`PredictionDrafter`, which follows
 output agrees with it and hands over to the wrapped drafter where the prediction has nothing to say.
 
 Following: the drafter keeps its place in the prediction's tokens and drafts what comes next. When the
-output departs from it (an edit), it finds its place again by looking the output's last tokens up in the
-prediction; failing that (token boundaries differ around the join), by looking the output's last
-characters up in the prediction's text and tokenizing the prediction again from there. Proposals are
+output departs from it (an edit), it finds its place again: first near where it left the prediction (the
+output's last token, if a word, or last two tokens, within a few words after that point: an edit is
+usually short), then anywhere by the output's last MIN_TAIL..MAX_TAIL tokens, then (token boundaries
+differ around the join) by the output's last characters in the prediction's text, tokenizing the
+prediction again from there. Proposals are
 deterministic (one-hot), so verification stays exact; the drafter never decides how far to draft
 (``control/long.py`` does, from ``long_run``). It keeps nothing between requests.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -24,6 +27,8 @@ from specdecode.kv.cache import Cache
 from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams
 
+NEAR = 48  # characters after the point where the output left the prediction searched for its last token
+WORD = 3  # a token of this many characters is evidence enough near that point; shorter ones need two
 MAX_TAIL = 8  # longest output tail (tokens) looked up in the prediction's tokens
 MIN_TAIL = 3  # shorter tails match unrelated text too often
 TEXT_TAIL = 48  # longest output tail (characters) looked up in the prediction's text
@@ -89,6 +94,7 @@ class PredictionDrafter(DrafterBase):
     drafted: int = 0  # prediction tokens drafted, and accepted, over the request
     accepted: int = 0
     _place: _Place | None = None
+    _mark: int = 0  # characters of the prediction the output has followed it through, last time it did
     _seen: int = 0  # tokens of the sequence already looked at
     _prompt_len: int = 0
     _proposed: list[int] = field(default_factory=list)
@@ -124,6 +130,7 @@ class PredictionDrafter(DrafterBase):
         # The output is expected to start where the prediction starts.
         self._place = _Place(self.prediction.ids, self.prediction.ends) if self.prediction.ids else None
         self._seen = self._prompt_len = len(prompt)
+        self._mark = 0
         self._proposed = []
 
     def long_run(self) -> int:
@@ -160,13 +167,28 @@ class PredictionDrafter(DrafterBase):
         place = self._place
         if place is not None and list(place.ids[place.next:place.next + len(new)]) == new:
             place.next += len(new)
+            self._mark = self._place_end()
             if place.next < len(place.ids) or place.ends[-1] >= len(self.prediction.text):
                 return
             # The end of a window tokenized again: go on from its last token's end.
             self._place = self._tokenize_from(place.ends[-1])
             return
         output = seq[self._prompt_len:]
-        self._place = self._by_tokens(output) or self._by_text(output)
+        self._place = self._nearby(output) or self._by_tokens(output) or self._by_text(output)
+
+    def _nearby(self, output: list[int]) -> _Place | None:
+        """The place after the output's last token found within NEAR characters after ``_mark`` (the first
+        such), when that token is a word (WORD characters or more) or the token before it matches too."""
+        if not output:
+            return None
+        ids, ends = self.prediction.ids, self.prediction.ends
+        for i in range(bisect.bisect_right(ends, self._mark), bisect.bisect_right(ends, self._mark + NEAR)):
+            if ids[i] != output[-1]:
+                continue
+            start = ends[i - 1] if i else 0
+            if ends[i] - start >= WORD or (i and len(output) > 1 and ids[i - 1] == output[-2]):
+                return _Place(ids, ends, i + 1)
+        return None
 
     def _by_tokens(self, output: list[int]) -> _Place | None:
         """The place after the longest output tail (MIN_TAIL..MAX_TAIL tokens) found in the prediction's tokens:
