@@ -40,3 +40,21 @@ def test_skip_layers_belong_to_layerskip_and_are_resolved_when_it_is_loaded(tmp_
     with pytest.raises(ValueError, match="out of range"):
         drafter_factory(DrafterConfig(kind="layerskip", skip_layers="99"), target_config, target, CacheConfig(),
                         lambda line: None)
+
+
+def test_the_suffix_cache_flags_belong_to_the_suffix_drafters_and_bound_one_shared_cache(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("--suffix-cache-mb is only used by --drafter suffix|suffix-tree, "
+                                                   "not ngram")):
+        DrafterConfig(kind="ngram", suffix_cache_mb=8)
+    with pytest.raises(ValueError, match="--no-suffix-cache is only used by"):
+        DrafterConfig(kind="none", suffix_cache=False)
+    target_config = TargetConfig(str(write_tiny_hf_model(tmp_path / "tiny")), dtype="float32", device="cpu")
+    target = target_config.load()
+    new = drafter_factory(DrafterConfig(kind="suffix", suffix_cache_requests=3, suffix_cache_mb=8),
+                          target_config, target, CacheConfig(), lambda line: None)
+    first, second = new(), new()
+    assert first.cache is second.cache  # one cache per engine, shared by every slot's drafter
+    assert (first.cache.max_requests, first.cache.max_bytes, first.cache.enabled) == (3, 8 << 20, True)
+    off = drafter_factory(DrafterConfig(kind="suffix", suffix_cache=False), target_config, target, CacheConfig(),
+                          lambda line: None)()
+    assert off.cache.enabled is False and off.cache is not first.cache

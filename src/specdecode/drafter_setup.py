@@ -13,6 +13,7 @@ from typing import Callable
 
 from specdecode.drafters import TREE_WIDTH, Drafter, DrafterInputs, DrafterSpec, Needs, registry
 from specdecode.drafters.draft_model import check_draft_pair
+from specdecode.drafters.suffix import SuffixCache
 from specdecode.heads import no_head_message, shipped_head
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel, load_model
@@ -35,6 +36,9 @@ class DrafterConfig:
         tree_width: children per expanded node of ``draft-tree`` and ``eagle-tree``; None = ``TREE_WIDTH``.
         skip_layers: ``layerskip``'s skip set: a layer list such as "4,6,8-12", or "auto" (the stored
             calibration, else a new one) (``--skip-layers``).
+        suffix_cache: the suffix drafters keep finished requests' outputs to draft from (``--no-suffix-cache``).
+        suffix_cache_requests: most outputs kept (``--suffix-cache-requests``).
+        suffix_cache_mb: most memory their suffix trie holds, in MiB (``--suffix-cache-mb``).
 
     Raises:
         ValueError: an unknown kind, or a flag the kind does not use (per its ``DrafterSpec.flags``).
@@ -49,6 +53,9 @@ class DrafterConfig:
     ngram: tuple[int, int] = (1, 3)
     tree_width: int | None = None
     skip_layers: str = "auto"
+    suffix_cache: bool = True
+    suffix_cache_requests: int = 1000
+    suffix_cache_mb: int = 256
 
     def __post_init__(self) -> None:
         spec = registry.spec(self.kind)  # an unknown kind raises, listing the registered ones
@@ -60,7 +67,9 @@ class DrafterConfig:
         given = {"--draft-model": bool(self.draft_model), "--draft-quant": self.draft_quant != "none",
                  "--draft-weights": self.draft_weights != "auto", "--head": bool(self.head),
                  "--draft-vocab": self.draft_vocab is not None, "--tree-width": self.tree_width is not None,
-                 "--skip-layers": self.skip_layers != "auto"}
+                 "--skip-layers": self.skip_layers != "auto", "--no-suffix-cache": not self.suffix_cache,
+                 "--suffix-cache-requests": self.suffix_cache_requests != 1000,
+                 "--suffix-cache-mb": self.suffix_cache_mb != 256}
         for flag, set_ in given.items():
             if set_ and flag not in spec.flags:
                 users = registry.names_where(lambda s: flag in s.flags)
@@ -106,4 +115,7 @@ def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: 
     # One set of inputs for every slot's drafter: what they share (DrafterInputs.shared) is the engine's.
     inputs = DrafterInputs(target.model, draft_model, tuple(skip_layers) if skip_layers else None, config.ngram,
                            draft_cache, head, config.draft_vocab, config.tree_width or TREE_WIDTH)
+    if "--suffix-cache-mb" in spec.flags:  # the cache the engine's suffix drafters share, as the flags bound it
+        inputs.shared["suffix"] = SuffixCache(config.suffix_cache_requests, config.suffix_cache_mb << 20,
+                                              config.suffix_cache)
     return lambda: registry.build(kind, inputs)

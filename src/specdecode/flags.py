@@ -107,6 +107,14 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-layers", default="auto",
                    help=f"--drafter {_users('--skip-layers')}: the layers to skip, e.g. '4,6,8-12'; 'auto' uses (or "
                         "runs) the stored calibration (default auto)")
+    p.add_argument("--suffix-cache-requests", type=positive_int, default=1000, metavar="N",
+                   help=f"--drafter {_users('--suffix-cache-requests')}: finished requests' outputs kept to draft from "
+                        "(the oldest go first; default 1000)")
+    p.add_argument("--suffix-cache-mb", type=positive_int, default=256, metavar="MB",
+                   help=f"--drafter {_users('--suffix-cache-mb')}: most memory those outputs' suffix trie holds "
+                        "(default 256)")
+    p.add_argument("--no-suffix-cache", dest="suffix_cache", action="store_false",
+                   help=f"--drafter {_users('--no-suffix-cache')}: draft from each request's prompt and output only")
 
 
 def add_gamma_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,7 +135,8 @@ def drafter_config(args: argparse.Namespace) -> DrafterConfig:
     return DrafterConfig(kind=args.drafter or ("draft" if args.draft_model else "ngram"), draft_model=args.draft_model,
                          draft_quant=args.draft_quant, draft_weights=args.draft_weights, head=args.head,
                          draft_vocab=args.draft_vocab, ngram=args.ngram, tree_width=args.tree_width,
-                         skip_layers=args.skip_layers)
+                         skip_layers=args.skip_layers, suffix_cache=args.suffix_cache,
+                         suffix_cache_requests=args.suffix_cache_requests, suffix_cache_mb=args.suffix_cache_mb)
 
 
 def add_kv_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from specdecode.drafters.base import Draft, Drafter
 # Import order is registration order, which is the order --help, bench tables and reports list drafters in.
 from specdecode.drafters.ngram import NgramDrafter  # isort: skip
 from specdecode.drafters.ngram_tree import NgramTreeDrafter  # isort: skip
+from specdecode.drafters.suffix import SuffixDrafter  # isort: skip
 from specdecode.drafters.draft_model import DraftModelDrafter  # isort: skip
 from specdecode.drafters.layer_skip import LayerSkipDrafter  # isort: skip
 from specdecode.drafters.head_loader import load_head_drafter  # isort: skip
@@ -47,5 +48,5 @@ def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None
 
 
 __all__ = ["TREE_WIDTH", "Draft", "Drafter", "DraftModelDrafter", "DrafterInputs", "DrafterSpec", "EagleDrafter",
-           "LayerSkipDrafter", "MedusaDrafter", "Needs", "NgramDrafter", "NgramTreeDrafter", "load_head_drafter",
-           "make_drafter", "registry"]
+           "LayerSkipDrafter", "MedusaDrafter", "Needs", "NgramDrafter", "NgramTreeDrafter", "SuffixDrafter",
+           "load_head_drafter", "make_drafter", "registry"]

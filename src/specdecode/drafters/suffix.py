@@ -1,0 +1,227 @@
+"""SuffixDecoding (arXiv 2411.04975): draft from suffix tries of the request's prompt and output, and of earlier
+requests' outputs.
+
+Each request has a trie (``suffix_tree.py``) of its prompt and output so far, extended as tokens are accepted;
+an engine has one :class:`SuffixCache` of finished requests' outputs, shared by every slot's drafter and
+bounded by requests and bytes (oldest out first). To draft, every tail of the sequence found in either trie
+(up to ``max_depth`` tokens, seen at least once before) offers its most frequent continuation, of at most
+``ceil(alpha * tail length)`` tokens (a longer match earns a longer draft), scored by the sum of its tokens'
+path probabilities (the tokens expected to be accepted, were the counts the odds); the best one is drafted.
+A tail of ``LONG_MATCH`` tokens or more whose continuation stays sure is a long run (``long_run``: the engine
+may then draft past ``gamma_max``, ``control/long.py``). Costs no model call and is deterministic (q is
+one-hot). It does not match approximately, continue past a trie's depth (a match and its continuation fit in
+``max_depth`` tokens), or keep prompts across requests (as the paper: the prompt is the request's own, and
+usually far longer than the output).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specdecode.drafters.base import Draft, DrafterBase, StopRule
+from specdecode.drafters.registry import DrafterInputs, DrafterSpec, register
+from specdecode.drafters.suffix_tree import ROOT, SuffixTrie
+from specdecode.kv.cache import Cache
+from specdecode.kv.memory import KVMemory
+from specdecode.sampling import SamplingParams
+
+SUFFIX_SIGNALS = ("match_len", "count", "prob")
+LONG_MATCH = 8  # a tail of at least this many tokens...
+LONG_PROB = 0.8  # ...drafts a long run while its continuation stays at least this probable (``long_run``)
+
+
+@dataclass
+class SuffixCache:
+    """Finished requests' outputs in one suffix trie, shared by an engine's drafters.
+
+    Args:
+        max_requests: most outputs kept; the oldest go first.
+        max_bytes: most bytes (``SuffixTrie.nbytes``, an estimate) the trie holds; the oldest go first (even the
+            newest, alone past it).
+        enabled: False keeps nothing: the drafters draft from their own request alone.
+        max_depth: the trie's depth.
+    """
+
+    max_requests: int = 1000
+    max_bytes: int = 256 << 20
+    enabled: bool = True
+    max_depth: int = 32
+
+    def __post_init__(self) -> None:
+        self.trie = SuffixTrie(self.max_depth)
+        self.outputs: deque[list[int]] = deque()
+        self.version = 0  # changes with each add: a drafter then looks its tail up again (nodes may be freed)
+
+    def add(self, tokens: list[int]) -> None:
+        """Keeps the output ``tokens``, evicting the oldest outputs past either bound."""
+        if not self.enabled or not tokens:
+            return
+        self.trie.insert(tokens)
+        self.outputs.append(tokens)
+        while self.outputs and (len(self.outputs) > self.max_requests or self.trie.nbytes > self.max_bytes):
+            self.trie.remove(self.outputs.popleft())
+        self.version += 1
+
+    def learned(self) -> tuple[int, int]:
+        """(outputs, bytes) kept."""
+        return len(self.outputs), self.trie.nbytes
+
+
+@dataclass
+class _Pick:
+    """A continuation of one matched tail: its tokens (parents for a tree), their path probabilities, the
+    tail's length and earlier occurrences."""
+
+    tokens: list[int]
+    parents: list[int] | None
+    probs: list[float]
+    match_len: int
+    count: int
+
+    @property
+    def score(self) -> float:
+        return sum(self.probs)
+
+
+@dataclass
+class SuffixDrafter(DrafterBase):
+    """Suffix-trie drafting over the request (its own trie) and the engine's :class:`SuffixCache`.
+
+    Its signals (SUFFIX_SIGNALS), per proposed token: the matched tail's length, how many times it occurred
+    before (in the trie drafted from), and the token's path probability (the share of those occurrences that
+    went on this way up to this token). They cost nothing extra. A tree (``tree``) has no signals; ``k`` is then
+    its node budget.
+
+    Args:
+        cache: finished requests' outputs (the engine's, shared; a new one when built alone).
+        max_depth: depth of the request's own trie.
+        alpha: a tail of d tokens drafts at most ``ceil(alpha * d)`` tokens.
+        min_prob: a draft ends before a token whose path probability falls below this.
+        tree: draft the best tail's most probable continuations as a token tree, not one chain.
+    """
+
+    cache: SuffixCache = field(default_factory=SuffixCache)
+    max_depth: int = 32
+    alpha: float = 1.0
+    min_prob: float = 0.1
+    tree: bool = False
+    name: str = "suffix"
+
+    def __post_init__(self) -> None:
+        if self.alpha <= 0 or not 0 <= self.min_prob <= 1:
+            raise ValueError(f"suffix needs alpha > 0 and 0 <= min_prob <= 1, got {self.alpha}, {self.min_prob}")
+        self._start(())
+
+    @property
+    def signal_names(self) -> tuple[str, ...]:
+        return () if self.tree else SUFFIX_SIGNALS
+
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
+              slot: int = 0) -> None:
+        self._start(prompt)
+
+    def _start(self, prompt: Sequence[int]) -> None:
+        """A new request: a trie of ``prompt`` alone."""
+        self._trie = SuffixTrie(self.max_depth)
+        self._path = [ROOT]  # the sequence's tails in its own trie (the longest ones occur only there, at its end)
+        self._seen = self._prompt_len = 0  # tokens in the trie; the prompt's
+        self._tail: list[int] = []  # the sequence's last cache.max_depth tokens
+        self._version = -1  # the cache's version its tails were looked up in (-1: not yet)
+        self._global = [ROOT]  # the sequence's tails in the cache's trie
+        self._plan: _Pick | None = None  # long_run's pick, drafted by the next propose
+        self._sync(list(prompt))
+        self._prompt_len = len(prompt)
+
+    def long_run(self) -> int:
+        self._look_up([])
+        pick = self._pick(max(self.max_depth, self.cache.max_depth), shortest=LONG_MATCH)
+        if pick is None:
+            return 0
+        run = next((i for i, p in enumerate(pick.probs) if p < LONG_PROB), len(pick.probs))
+        self._plan = pick if run else None
+        return run
+
+    def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
+                stop: StopRule | None = None) -> Draft:
+        self._sync(seq)
+        pick = self._plan or self._pick(k)  # a long run's pick is as good a start for any k
+        self._plan = None
+        if pick is None or k < 1:
+            return Draft([])
+        # Cut to k: a tree's nodes come best first, each after its parent, so its first k are a tree.
+        tokens = pick.tokens[:k]
+        if self.tree:
+            return Draft(tokens, parents=pick.parents[:k])
+        if stop is None:
+            return Draft(tokens)
+        signals = [(float(pick.match_len), float(pick.count), p) for p in pick.probs[:k]]
+        end = next((i + 1 for i, signal in enumerate(signals) if stop(i, signal)), len(tokens))
+        return Draft(tokens[:end], signals=signals[:end])
+
+    def commit(self, seq: list[int]) -> None:
+        self._sync(seq)
+
+    def finish(self, seq: list[int]) -> None:
+        self.cache.add(seq[self._prompt_len:])
+
+    def learned(self) -> tuple[int, int]:
+        return self.cache.learned()
+
+    def _sync(self, seq: list[int]) -> None:
+        """Adds the tokens of ``seq`` not yet seen to the request's trie and follows its tails in the cache."""
+        new = seq[self._seen:]
+        if not new and self._version == self.cache.version:
+            return
+        for token in new:
+            self._path = self._trie.extend(self._path, token)
+        self._seen, self._tail, self._plan = len(seq), seq[-self.cache.max_depth:], None
+        self._look_up(new)
+
+    def _look_up(self, new: list[int]) -> None:
+        """Follows the tails in the cache's trie past the ``new`` tokens; after the cache changed, finds them anew."""
+        trie = self.cache.trie
+        if self._version != self.cache.version:
+            self._version, self._global, self._plan = self.cache.version, trie.match(self._tail), None
+            return
+        for token in new:
+            self._global = trie.advance(self._global, token)
+
+    def _pick(self, budget: int, shortest: int = 1) -> _Pick | None:
+        """The best-scoring continuation of at most ``budget`` tokens over both tries' tails of at least ``shortest``
+        tokens; None if none."""
+        best: _Pick | None = None
+        # The sequence's own occurrence of its tails has no continuation yet: it counts 1 less there.
+        for trie, path, own in ((self._trie, self._path, 1), (self.cache.trie, self._global, 0)):
+            for d in range(len(path) - 1, shortest - 1, -1):  # longest first: it wins ties, as the own trie does
+                count = trie.counts[path[d]] - own
+                room = min(budget, math.ceil(self.alpha * d), trie.max_depth - d)
+                if count < 1 or room < 1 or (best is not None and room <= best.score):
+                    continue  # (a token's probability is at most 1: this tail cannot score more)
+                if self.tree:
+                    tokens, parents, probs = trie.tree(path[d], room, self.min_prob, count)
+                else:
+                    tokens, probs = trie.chain(path[d], room, self.min_prob, count)
+                    parents = None
+                pick = _Pick(tokens, parents, probs, d, count)
+                if best is None or pick.score > best.score:
+                    best = pick
+        return best if best is not None and best.tokens else None
+
+
+def _build(inputs: DrafterInputs, tree: bool) -> SuffixDrafter:
+    # One cache per engine: every slot's drafter is built from the same inputs.
+    cache = inputs.shared.setdefault("suffix", SuffixCache())
+    return SuffixDrafter(cache, tree=tree, name="suffix-tree" if tree else "suffix")
+
+
+_FLAGS = ("--suffix-cache-requests", "--suffix-cache-mb", "--no-suffix-cache")
+register(DrafterSpec("suffix", lambda i: _build(i, tree=False),
+                     "suffix trees over the prompt, the output and earlier requests' outputs (SuffixDecoding)",
+                     flags=_FLAGS, learns=True))
+register(DrafterSpec("suffix-tree", lambda i: _build(i, tree=True),
+                     "suffix trees drafting token trees (SuffixDecoding)", tree=True, flags=_FLAGS, learns=True))
