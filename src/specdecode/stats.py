@@ -70,7 +70,8 @@ class RequestStats:
     draft_kv_bytes: int = 0
     draft_kv_bytes_per_token: float = 0.0
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
-    # A request's prediction (``drafters/prediction.py``): its tokens drafted, and those accepted.
+    # A request's prediction (``drafters/prediction.py``): its length in tokens, its tokens drafted, those accepted.
+    prediction_tokens: int = 0
     prediction_drafted: int = 0
     prediction_accepted: int = 0
     # Token trees: steps whose draft branched, and per draft size (nodes, 0 = nothing drafted) the steps and

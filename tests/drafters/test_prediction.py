@@ -91,6 +91,38 @@ def test_a_word_finds_the_place_near_where_the_output_left_it(tokenizer):
     assert tokenizer.decode(_propose(drafter, seq, 64)) == " hundred kilograms of vegetables this summer."
 
 
+def test_a_long_draft_kept_in_part_moves_the_place_before_it_is_found_again():
+    """The common case of long drafts: 10 of 20 kept, then an edit; the place is searched from there on."""
+    prompt, pred = [1], list(range(100, 160))
+    drafter = _drafter(_ids(pred), prompt)
+    assert _propose(drafter, prompt, 20) == pred[:20]
+    drafter.commit(prompt + pred[:10] + [7])  # ten kept, then the target said 7
+    assert drafter.accepted == 10
+    seq = prompt + pred[:10] + [7] + pred[12:14]  # the edit replaced tokens 10 and 11
+    drafter.commit(seq)
+    assert _propose(drafter, seq, 3) == pred[14:17]
+
+
+def test_the_place_is_never_found_again_behind_where_the_output_got():
+    block = [50, 51, 52]
+    pred = block + list(range(60, 70)) + [80]
+    drafter = _drafter(_ids(pred), [1])
+    drafter.commit([1] + pred)  # followed to the end
+    seq = [1] + pred + [9] + block  # the block again: it is behind the place, so not drafted from
+    drafter.commit(seq)
+    assert drafter.long_run() == 0 and _propose(drafter, seq, 4) == []
+
+
+def test_without_a_place_the_fallbacks_long_run_counts():
+    class Long(NgramDrafter):
+        def long_run(self) -> int:
+            return 5
+    drafter = _drafter(_ids(range(100, 110)), [1], fallback=Long())
+    assert drafter.long_run() == 10  # the prediction's own
+    drafter.commit([1, 3, 4, 5, 6])  # departs; nothing found
+    assert drafter.long_run() == 5
+
+
 def test_prefers_the_occurrence_after_the_current_place():
     block = [50, 51, 52, 53]
     pred = [10] + block + [60, 61] + block + [70, 71]

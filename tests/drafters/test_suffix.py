@@ -163,3 +163,17 @@ def test_an_engine_drafts_a_repeated_request_from_its_first_output():
     second = engine.run(requests())
     assert [r.token_ids for r in second] == [r.token_ids for r in first]
     assert sum(r.stats.accepted_tokens for r in second) > sum(r.stats.accepted_tokens for r in first)
+
+
+def test_the_warm_up_teaches_the_cache_nothing_and_gamma_zero_drafts_nothing():
+    inputs = DrafterInputs(varied_model(0))
+    engine = BatchEngine(inputs.target, new_drafter=lambda: registry.build("suffix", inputs),
+                         spec=SpeculativeConfig(gamma=4), scheduler=SchedulerConfig(max_running=2), max_len=96)
+    engine.warmup()
+    assert engine.learned == (0, 0)
+    engine.run(requests()[:2])
+    assert engine.learned[0] == 2 and engine.learned[1] > 0
+    off = BatchEngine(inputs.target, new_drafter=lambda: registry.build("suffix", inputs),
+                      spec=SpeculativeConfig(gamma=0), max_len=96)
+    results = off.run(requests()[:2] * 2)  # the shared cache knows these answers: still, gamma 0 drafts nothing
+    assert sum(r.stats.drafted_tokens for r in results) == 0

@@ -140,6 +140,7 @@ class BatchEngine:
         self._chunked_prefill = target.backend.row_invariant and not cache.compressed and not cache.prefix_cache
         self.observer = observer
         self.record_signals = record_signals
+        self._warming = False
 
     def _allocate(self, tokens: int) -> None:
         """Gives every slot room for ``tokens`` plus one step's drafted (or padding) rows beyond them."""
@@ -375,7 +376,8 @@ class BatchEngine:
         seq.drafter = self._drafters[seq.slot] if self._drafters else None
         if seq.request.prediction is not None:
             seq.drafter = PredictionDrafter(seq.request.prediction, seq.drafter, self.tokenizer)
-        if seq.drafter is not None and self.spec.long_max:
+        # Long drafts (a prediction, a long suffix match) unless speculation is off (gamma 0) and no prediction asks.
+        if seq.drafter is not None and self.spec.long_max and (self.spec.gamma != 0 or seq.request.prediction):
             seq.controller = LongDrafts(seq.controller, seq.drafter, self.spec.long_max)
         if seq.drafter is not None:
             seq.drafter.reset(self.cache, seq.request.prompt_ids, self.memory, slot=seq.slot)
@@ -399,9 +401,10 @@ class BatchEngine:
         stats = seq.stats
         stats.wall_s = time.perf_counter() - seq.arrival
         if isinstance(seq.drafter, PredictionDrafter):
+            stats.prediction_tokens = len(seq.drafter.prediction.ids)
             stats.prediction_drafted, stats.prediction_accepted = seq.drafter.drafted, seq.drafter.accepted
-        if seq.drafter is not None and seq.finish_reason not in ("cancelled", "error"):
-            seq.drafter.finish(seq.tokens)
+        if seq.drafter is not None and seq.finish_reason not in ("cancelled", "error") and not self._warming:
+            seq.drafter.finish(seq.tokens)  # (the warm-up's dummy request teaches nothing)
         if seq.slot is not None:
             held = self.cache.lengths[seq.slot]
             stats.kv_bytes = self.cache.bytes_used(seq.slot)
@@ -432,7 +435,11 @@ class BatchEngine:
         interleaved timings per size, one sequence at a WARMUP_CONTEXT-token context). Call before serving."""
         if self.has_work:
             raise RuntimeError("warmup needs an idle engine")
-        self.run([dict(prompt=[0] * 16, max_new_tokens=8, eos_token_ids=())])
+        self._warming = True
+        try:
+            self.run([dict(prompt=[0] * 16, max_new_tokens=8, eos_token_ids=())])
+        finally:
+            self._warming = False
         with self._borrowed_slot([0] * WARMUP_CONTEXT) as slot:
             if not self.target.backend.row_invariant:
                 self.padding.tune(lambda rows: self._time_rows(slot, rows, pad=False), repeats)

@@ -288,6 +288,14 @@ def _bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, Any]]:
     return bodies
 
 
+def _given(method: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The requests as ``method`` gets them: predictions go to our drafting methods only (plain decoding, the
+    reference, and peers get none)."""
+    if method not in PEERS and _on_ray(method)[1] != "none":
+        return requests
+    return [{k: v for k, v in r.items() if k != "prediction"} for r in requests]
+
+
 def _learns(method: str) -> bool:
     """Whether ``method``'s drafter keeps what earlier requests generated (``DrafterSpec.learns``)."""
     drafter = _on_ray(method)[1].partition(":")[0]
@@ -320,18 +328,19 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
             requests = library.requests(prompts, count) if library else []
             for s in servers:  # an untimed run, so that no level starts cold (one that learns starts afresh below)
                 if not (config.workload and _learns(s.name)):
-                    run_level("127.0.0.1", s.port, bodies[:level], level)
+                    run_level("127.0.0.1", s.port, _given(s.name, bodies)[:level], level)
             for r in range(config.repeats):
                 for i, s in enumerate(servers):
                     if config.workload and _learns(s.name):  # it learns this run's requests, none of another's
                         s.stop()
                         s = servers[i] = Server(s.name, s.flags)
                         s.wait_ready()
-                    results, wall = run_level("127.0.0.1", s.port, bodies, level)
+                    results, wall = run_level("127.0.0.1", s.port, _given(s.name, bodies), level)
                     summary = summarize(results, wall)
                     if library is not None and _in_library(s.name):
                         summary["library_tokens_per_s"], _ = library.tokens_per_s(
-                            s.name, level, requests, config.max_tokens, fresh=bool(config.workload) and _learns(s.name))
+                            s.name, level, _given(s.name, requests), config.max_tokens,
+                            fresh=bool(config.workload) and _learns(s.name))
                     runs.setdefault((s.name, level), []).append(summary)
                     texts.setdefault((s.name, level), []).append([x.text for x in results])
                     log(f"c={level} {s.name}: {summary['tokens_per_s']:.1f} tok/s"

@@ -134,7 +134,8 @@ class PredictionDrafter(DrafterBase):
         self._proposed = []
 
     def long_run(self) -> int:
-        return len(self._place.ids) - self._place.next if self._place is not None else 0
+        run = len(self._place.ids) - self._place.next if self._place is not None else 0
+        return run or (self.fallback.long_run() if self.fallback is not None else 0)
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
@@ -173,7 +174,10 @@ class PredictionDrafter(DrafterBase):
             # The end of a window tokenized again: go on from its last token's end.
             self._place = self._tokenize_from(place.ends[-1])
             return
-        output = seq[self._prompt_len:]
+        if place is not None:  # kept part of the way (a long draft, then the edit): the place moves that far
+            place.next += _common_prefix(list(place.ids[place.next:place.next + len(new)]), new)
+            self._mark = max(self._mark, self._place_end())
+        output = seq[max(self._prompt_len, len(seq) - MAX_TAIL):]  # the tails looked up are at most this long
         self._place = self._nearby(output) or self._by_tokens(output) or self._by_text(output)
 
     def _nearby(self, output: list[int]) -> _Place | None:
@@ -192,15 +196,13 @@ class PredictionDrafter(DrafterBase):
 
     def _by_tokens(self, output: list[int]) -> _Place | None:
         """The place after the longest output tail (MIN_TAIL..MAX_TAIL tokens) found in the prediction's tokens:
-        its first occurrence after the current place, else its first."""
-        ids = self.prediction.ids
-        after = self._place_end()
+        its first occurrence past ``_mark`` (an output goes forward through its source)."""
+        ids, ends = self.prediction.ids, self.prediction.ends
         for n in range(min(MAX_TAIL, len(output)), MIN_TAIL - 1, -1):
             tail = output[-n:]
-            starts = self.prediction.starts(tail)
-            if starts:
-                start = next((s for s in starts if self.prediction.ends[s] > after), starts[0])
-                return _Place(ids, self.prediction.ends, start + n)
+            start = next((s for s in self.prediction.starts(tail) if ends[s] > self._mark), None)
+            if start is not None:
+                return _Place(ids, ends, start + n)
         return None
 
     def _by_text(self, output: list[int]) -> _Place | None:
@@ -209,11 +211,9 @@ class PredictionDrafter(DrafterBase):
         if self.tokenizer is None or not output or not self.prediction.text:
             return None
         tail = self.tokenizer.decode(output[-MAX_TAIL:])[-TEXT_TAIL:]
-        text, after = self.prediction.text, self._place_end()
+        text = self.prediction.text
         for n in range(len(tail), MIN_TEXT - 1, -1):
-            start = text.find(tail[-n:], after)
-            if start < 0:
-                start = text.find(tail[-n:])
+            start = text.find(tail[-n:], max(0, self._mark - n + 1))  # an occurrence that ends past _mark
             if start >= 0:
                 return self._tokenize_from(start + n)
         return None

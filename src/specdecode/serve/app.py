@@ -122,9 +122,11 @@ def usage(seq: Sequence) -> dict[str, Any]:
     s = seq.stats
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(seq.generated),
             "total_tokens": s.prompt_tokens + len(seq.generated),
-            # OpenAI's meaning: prediction tokens that appeared in the completion, and those drafted but not kept.
-            "completion_tokens_details": {"accepted_prediction_tokens": s.prediction_accepted,
-                                          "rejected_prediction_tokens": s.prediction_drafted - s.prediction_accepted},
+            # OpenAI's meaning: the prediction's tokens that appeared in the completion (drafted and kept), and the
+            # rest of the prediction's tokens.
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": s.prediction_accepted,
+                "rejected_prediction_tokens": max(0, s.prediction_tokens - s.prediction_accepted)},
             "speculation": {"drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
                             "mean_accepted_length": round(s.mean_accepted_length, 4)}}
 
