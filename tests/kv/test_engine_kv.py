@@ -171,20 +171,21 @@ def test_kv_bytes_in_the_stats(target, draft_model):
 
 
 def test_a_request_that_does_not_fit_the_budget_fails_before_any_allocation(target, draft_model):
-    engine = Engine(target, cache=CacheConfig(budget=250_000))
+    engine = Engine(target, cache=CacheConfig(budget=300_000))
     held = engine.cache
-    # 12 prompt tokens + 200 new ones + a step's rows: slots of 256 tokens, 1,024 bytes each.
-    with pytest.raises(KVBudgetError, match=r"the target cache for 256 tokens per sequence \(auto\) needs 262,144 "
-                                            r"bytes .* the budget is 250,000 bytes"):
+    # 12 prompt tokens + 200 new ones + a step's rows (a long draft's 64, SpeculativeConfig.long_max): slots of 320
+    # tokens, 1,024 bytes each.
+    with pytest.raises(KVBudgetError, match=r"the target cache for 320 tokens per sequence \(auto\) needs 327,680 "
+                                            r"bytes .* the budget is 300,000 bytes"):
         engine.generate(PROMPTS[1], max_new_tokens=200)
     assert engine.cache is held and set(engine.memory.caches) == {"target"}  # the smaller cache is kept
     assert len(engine.generate(PROMPTS[1], max_new_tokens=8).token_ids) == 8  # and still serves what fits
     # int8 fits the same budget.
-    assert len(Engine(target, cache=CacheConfig(budget=250_000, kv_dtype="int8")).generate(
+    assert len(Engine(target, cache=CacheConfig(budget=300_000, kv_dtype="int8")).generate(
         PROMPTS[1], max_new_tokens=200).token_ids) == 200
     # The target fits, the draft model's cache does not.
-    both = Engine(target, drafter=DraftModelDrafter(draft_model, target), cache=CacheConfig(budget=300_000))
-    with pytest.raises(KVBudgetError, match=r"the draft-0 cache .* the target cache 262,144 bytes"):
+    both = Engine(target, drafter=DraftModelDrafter(draft_model, target), cache=CacheConfig(budget=400_000))
+    with pytest.raises(KVBudgetError, match=r"the draft-0 cache .* the target cache 327,680 bytes"):
         both.generate(PROMPTS[1], max_new_tokens=200)
 
 
