@@ -113,7 +113,8 @@ def _checked_text(text: str, what: str, source: str) -> str:
         # Undecodable bytes arrive as lone surrogates (surrogateescape) that the tokenizer rejects.
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise UsageError(f"the {what} ({source}) is not valid UTF-8 text: {exc.reason} at character {exc.start}") from None
+        raise UsageError(f"the {what} ({source}) is not valid UTF-8 text: {exc.reason} at character "
+                         f"{exc.start}") from None
     return text
 
 
@@ -149,7 +150,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("the prompt is empty")
     prediction = _read_prediction(args.prediction)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file, args.long_max)  # validated before any model is loaded
+    # Validated before any model is loaded.
+    spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file, args.long_max)
     if args.gamma in ("confidence", "adaptive"):
         load_controller_file(args.controller_file)
     drafter = drafter_config(args)

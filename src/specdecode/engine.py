@@ -80,7 +80,8 @@ class Engine:
 
     def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 128, stop: str | Iterable[str] = (),
-                 eos_token_ids: Iterable[int] | None = None, prediction: str | Sequence[int] | None = None) -> GenerationResult:
+                 eos_token_ids: Iterable[int] | None = None,
+                 prediction: str | Sequence[int] | None = None) -> GenerationResult:
         """Generates a continuation of ``prompt``; see :meth:`stream` for the arguments."""
         stream = self.stream(prompt, sampling, max_new_tokens, stop, eos_token_ids, prediction)
         for _ in stream:  # runs the request to its end
@@ -89,7 +90,8 @@ class Engine:
 
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                max_new_tokens: int = 128, stop: str | Iterable[str] = (),
-               eos_token_ids: Iterable[int] | None = None, prediction: str | Sequence[int] | None = None) -> TextStream:
+               eos_token_ids: Iterable[int] | None = None,
+               prediction: str | Sequence[int] | None = None) -> TextStream:
         """Like :meth:`generate`, but yields text as it is accepted. The request is submitted at once, so bad
         input is refused here.
 

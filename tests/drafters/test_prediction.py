@@ -238,7 +238,8 @@ def test_sampled_tokens_follow_the_targets_distribution_with_a_prediction():
 def test_an_edit_with_its_original_as_the_prediction_on_smollm2(smollm2):
     """Real text: the output is plain decoding's, and most of it came from the prediction."""
     model, tok = smollm2.model, smollm2.tokenizer
-    original = ("def average(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)"
+    original = ("def average(values):\n    total = 0\n    for v in values:\n        total += v\n"
+                "    return total / len(values)"
                 "\n\n\ndef largest(numbers):\n    best = numbers[0]\n    for n in numbers:\n        if n > best:\n"
                 "            best = n\n    return best\n")
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": (

@@ -23,8 +23,8 @@ from specdecode.control import GAMMA_POLICIES
 from specdecode.control.config import MAX_GAMMA
 from specdecode.control.records import record_json
 from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, PREDICTION_FAMILY, Method, Output,
-                                      method_name, build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
-                                      llamacpp_method, plain_of)
+                                      build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
+                                      llamacpp_method, method_name, plain_of)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
 from specdecode.drafters import TREE_WIDTH, Needs, registry
 from specdecode.drafters.draft_model import check_draft_pair
