@@ -24,6 +24,7 @@ import torch
 
 from specdecode.drafters.base import Draft, Drafter, DrafterBase, StopRule
 from specdecode.kv.cache import Cache
+from specdecode.kv.prefix import common_prefix
 from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams
 
@@ -152,7 +153,7 @@ class PredictionDrafter(DrafterBase):
             self.fallback.commit(seq)
         new = seq[self._seen:]
         self._seen = len(seq)
-        self.accepted += _common_prefix(self._proposed, new)
+        self.accepted += common_prefix(self._proposed, new)
         self._proposed = []
         self._advance(seq, new)
 
@@ -166,17 +167,16 @@ class PredictionDrafter(DrafterBase):
     def _advance(self, seq: list[int], new: list[int]) -> None:
         """Moves along the prediction past ``new`` tokens, or finds the place again where they depart from it."""
         place = self._place
-        if place is not None and list(place.ids[place.next:place.next + len(new)]) == new:
-            place.next += len(new)
-            self._mark = self._place_end()
-            if place.next < len(place.ids) or place.ends[-1] >= len(self.prediction.text):
-                return
-            # The end of a window tokenized again: go on from its last token's end.
-            self._place = self._tokenize_from(place.ends[-1])
-            return
-        if place is not None:  # kept part of the way (a long draft, then the edit): the place moves that far
-            place.next += _common_prefix(list(place.ids[place.next:place.next + len(new)]), new)
+        if place is not None:  # moves as far as the output agrees (all of it, or a long draft up to an edit)
+            kept = common_prefix(place.ids[place.next:place.next + len(new)], new)
+            place.next += kept
             self._mark = max(self._mark, self._place_end())
+            if kept == len(new):
+                if place.next < len(place.ids) or place.ends[-1] >= len(self.prediction.text):
+                    return
+                # The end of a window tokenized again: go on from its last token's end.
+                self._place = self._tokenize_from(place.ends[-1])
+                return
         output = seq[max(self._prompt_len, len(seq) - MAX_TAIL):]  # the tails looked up are at most this long
         self._place = self._nearby(output) or self._by_tokens(output) or self._by_text(output)
 
@@ -234,12 +234,3 @@ class PredictionDrafter(DrafterBase):
         """Characters of the prediction's text the output has been followed through (0 when lost)."""
         place = self._place
         return place.ends[place.next - 1] if place is not None and place.next else 0
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -77,7 +77,7 @@ class PrefixCache:
             child = node.children.get(tokens[matched])
             if child is None:
                 break
-            n = _common(child.tokens, tokens[matched:])
+            n = common_prefix(child.tokens, tokens[matched:])
             path.append(child)
             matched += n
             if n < len(child.tokens):
@@ -138,7 +138,7 @@ class PrefixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common(child.tokens, tokens[pos:])
+            n = common_prefix(child.tokens, tokens[pos:])
             if n < len(child.tokens):
                 self._split(child, n)
             child.refs += 1  # protected from eviction while this insert runs
@@ -216,7 +216,7 @@ class PrefixCache:
         return sum(n.refs for n in self._nodes())
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common prefix of two token sequences."""
     n = 0
     for x, y in zip(a, b):
