@@ -121,7 +121,8 @@ def test_smollm2s_q4_1_and_q8_0_blocks_are_read_without_a_round_trip(smollm2_pat
     source = ckpt.weights
     for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.3.self_attn.q_proj.weight",
                  "model.embed_tokens.weight"):
-        blocks = source.blocks(name)
-        assert blocks.fmt == source.format(name) == ("q8_0" if "embed" in name else "q4_1")
+        fmt = source.format(name)
+        assert fmt == ("q8_0" if "embed" in name else "q4_1")
+        blocks = source.blocks(name, fmt)
         # llama.cpp's Q/K row permutation is undone on the blocks as on the floats
         assert torch.equal(blocks.dequantize(), ckpt.tensors[name]), name

@@ -82,10 +82,26 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_LAYER[module]}.{kind}"
 
 
+K_QUANT_BYTES = {gguf.GGMLQuantizationType.Q4_K: (144, [0, 2]), gguf.GGMLQuantizationType.Q6_K: (210, [208])}
+
+
+def k_quant_blocks(qtype: gguf.GGMLQuantizationType, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """Random well-formed ``qtype`` blocks (K-quant) for a ``shape`` matrix: uint8 ``[rows, row bytes]``, with
+    small finite fp16 scales (the fields at the listed byte offsets of each 256-weight super-block)."""
+    size, halves = K_QUANT_BYTES[qtype]
+    rows, k = shape
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * k // 256, size), dtype=np.uint8)
+    for at in halves:
+        raw[:, at:at + 2] = (rng.random(len(raw)) * 0.02).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
 def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor],
                qtypes: dict[str, gguf.GGMLQuantizationType] | None = None, arch: str | None = None,
                metadata: dict | None = None) -> Path:
-    """Writes ``tensors`` (HF names) as llama.cpp would: GGUF names, Llama Q/K permuted, optional quantization."""
+    """Writes ``tensors`` (HF names) as llama.cpp would: GGUF names, Llama Q/K permuted, optional quantization
+    (Q4_K and Q6_K tensors get random blocks, not the tensor's values)."""
     arch = arch or config.arch
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_layers)
@@ -117,6 +133,8 @@ def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor]
         qtype = (qtypes or {}).get(name)
         if qtype is None:
             w.add_tensor(gguf_name(name), np.ascontiguousarray(data, dtype=np.float32))
+        elif qtype in K_QUANT_BYTES:  # the gguf package cannot encode these: random well-formed blocks instead
+            w.add_tensor(gguf_name(name), k_quant_blocks(qtype, data.shape, seed=len(name)), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()

@@ -2,14 +2,21 @@
 decode step's seconds by context length (a request's ``decode_step_s``).
 
 Both are measured by the engine (``executor.py``) with forwards that it rolls back; this module keeps
-the tables and picks from them. It does not run models itself.
+the tables and picks from them, and remembers a measured verification cost curve on disk
+(``remembered_curve``), so a later start of the same model shape on the same machine does not time it again.
+It does not run models itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from specdecode.timing import interleaved_timings
 
@@ -77,3 +84,29 @@ def fastest(times: Sequence[Sequence[float]]) -> list[float]:
     """Each entry's fastest time: noise only ever adds time, and one slow sample would otherwise price a
     draft length out of a cost curve."""
     return [min(t) for t in times]
+
+
+def remembered_curve(what: dict[str, Any], measure: Callable[[], list[float]], folder: Path) -> list[float]:
+    """A cost curve (seconds per size) measured on an earlier start for the same ``what`` (everything the cost
+    depends on: the model's shape and weight formats, the backend, threads, CPU, the sizes timed), else
+    ``measure()`` now and remembered as ``folder/<hash of what>.json``. Costs depend on no weight value, so
+    models of one shape share a curve; delete the folder to measure again."""
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    path = folder / f"{key}.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("what") == json.loads(json.dumps(what, default=str)) and len(saved.get("seconds", ())) \
+                == len(what.get("sizes", ())) and all(isinstance(x, float) and x > 0 for x in saved["seconds"]):
+            return saved["seconds"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    seconds = measure()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"what": what, "seconds": seconds}, default=str))
+        os.replace(tmp, path)
+    except OSError:  # only an optimization: measured again next time
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    return seconds

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import torch
 
-from specdecode.batch.costs import MAX_PADDED_ROWS, RowPadding, StepCostTable, fastest
+from specdecode.batch.costs import MAX_PADDED_ROWS, RowPadding, StepCostTable, fastest, remembered_curve
 from specdecode.batch.observer import StepObserver
 from specdecode.batch.rows import ForwardRows, SequenceRows, lay_out
 from specdecode.batch.scheduler import Scheduler, SchedulerConfig, fit_rows
@@ -40,6 +40,8 @@ from specdecode.drafters.base import Draft, Drafter, OwnCache, StopRule
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
+from specdecode.models.fetch import cache_dir
+from specdecode.models.native import cpu_model, source_digest
 from specdecode.models.prefill import prefill
 from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
@@ -432,7 +434,8 @@ class BatchEngine:
         first real requests; off our kernels, tunes the row padding (``RowPadding.tune``: on our kernels cost
         only grows with the rows, and tuning there picks timing noise); then gives cost-aware controllers
         the cost of a forward by its rows, 1 to ``max_rows`` (at most SEEDED_ROWS; the fastest of ``repeats``
-        interleaved timings per size, one sequence at a WARMUP_CONTEXT-token context). Call before serving."""
+        interleaved timings per size, one sequence at a WARMUP_CONTEXT-token context; remembered on disk for the
+        next start of the same setting, ``costs.remembered_curve``). Call before serving."""
         if self.has_work:
             raise RuntimeError("warmup needs an idle engine")
         self._warming = True
@@ -447,8 +450,17 @@ class BatchEngine:
             self.step_costs.at(WARMUP_CONTEXT, lambda: self._time_rows(slot, 1))
             if self._new_controller.uses_costs:
                 sizes = range(1, min(self.scheduler.config.max_rows, SEEDED_ROWS) + 1)
-                times = interleaved_timings(lambda rows: self._time_rows(slot, rows), sizes, repeats)
-                self._new_controller.seed_costs(fastest(times))
+                measure = lambda: fastest(interleaved_timings(lambda rows: self._time_rows(slot, rows), sizes, repeats))  # noqa: E731
+                self._new_controller.seed_costs(remembered_curve(self._cost_setting(sizes, repeats), measure,
+                                                                 cache_dir() / "costs"))
+
+    def _cost_setting(self, sizes: range, repeats: int) -> dict[str, object]:
+        """Everything a forward's cost depends on (no weight value does): for remembering a measured curve."""
+        t = self.target
+        return {"config": t.config, "weights": t.weight_format, "backend": t.backend.name, "dtype": t.dtype,
+                "threads": torch.get_num_threads(), "cpu": cpu_model(), "kernels": source_digest(),
+                "cache": self.cache_config, "padding": self.padding.table, "context": WARMUP_CONTEXT,
+                "sizes": list(sizes), "repeats": repeats}
 
     @contextmanager
     def verify_timer(self, context: Seq[int]) -> Iterator[Callable[[int], float]]:

@@ -292,7 +292,6 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
                 peer = build_hf_model(ckpt.config, ckpt.tensors, hf_dtype)
             except Exception as exc:  # a peer that cannot be built is reported, not fatal
                 hf_error = f"{type(exc).__name__}: {exc}"
-        ckpt.tensors.clear()  # the float32 copy is no longer needed
         return ours, peer
 
     targets, hf_target = load(config.model, "target", wants_hf, config.weights)

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from specdecode.models.loader import Checkpoint, load_checkpoint
-from specdecode.models import native
+from specdecode.models import native, packed_cache
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.backends import Backend, resolve_backend
 from specdecode.models.transformer import Transformer
@@ -20,6 +20,8 @@ from specdecode.models.weights import BLOCK_FORMATS, WEIGHT_FORMATS
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DRAFT_QUANT = ("none", "int8")  # weight-only quantization offered for draft models
+CHEAPEST = "cheapest"  # a draft model's default format: see draft_format
+DRAFT_WEIGHTS = (CHEAPEST, *WEIGHT_FORMATS)
 DEVICES = ("auto", "cpu", "cuda")  # also "cuda:N"
 
 
@@ -108,6 +110,15 @@ def check_weights(weights: str, backend: Backend) -> None:
                          f"projections would run on {backend.name}{why}")
 
 
+def draft_format(requested: str, backend: Backend) -> str:
+    """The weight format a draft model is loaded in: ``requested``, where "cheapest" means q4_1 on a backend
+    that computes block formats (a q4 step streams ~0.3 of bf16's bytes and q4_1 rounds finer than q4_0;
+    a draft's format changes how often it is right, never the output), else "auto"."""
+    if requested != CHEAPEST:
+        return requested
+    return "q4_1" if backend.block_formats else "auto"
+
+
 def load_model(source: str, dtype: str = "auto", device: str = "cpu",
                progress: Callable[[str], None] | None = None, linear: str = "auto",
                quantize: str = "none", weights: str = "auto") -> LoadedModel:
@@ -138,7 +149,8 @@ def load_model(source: str, dtype: str = "auto", device: str = "cpu",
 def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", linear: str = "auto",
                     quantize: str = "none", progress: Callable[[str], None] | None = None,
                     weights: str = "auto") -> LoadedModel:
-    """Builds our decoder from loaded weights (the checkpoint's tensors stay usable, e.g. for a peer).
+    """Builds our decoder from loaded weights (the checkpoint's tensors stay usable, e.g. for a peer). On a
+    backend that packs projections they are read and packed one at a time (``Transformer.packed_from``).
 
     Args:
         ckpt: the loaded checkpoint.
@@ -150,9 +162,30 @@ def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", l
         progress: told about a first compile of one of our kernels, and about quantizing.
         weights: the projections' format (see ``load_model``).
     """
+    if quantize != "int8":
+        backend = resolve_backend(linear, dtype, torch.device(device), progress)
+        if backend.packs:
+            return LoadedModel(_packed(ckpt, dtype, backend, weights, progress or (lambda _m: None)), ckpt.tokenizer,
+                               ckpt.source)
     model = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=dtype).to(device)
     if quantize == "int8":
         model.quantize_weights()
     else:
         model.pack_weights(linear, log=progress, weights=weights, source=ckpt.weights)
     return LoadedModel(model, ckpt.tokenizer, ckpt.source)
+
+
+def _packed(ckpt: Checkpoint, dtype: torch.dtype, backend: Backend, weights: str,
+            say: Callable[[str], None]) -> Transformer:
+    """The checkpoint packed for ``backend``: read back from ``packed_cache`` where a GGUF file was packed so
+    before, else packed one projection at a time (and saved for the next start)."""
+    if ckpt.file is None or not packed_cache.serves(backend):
+        return Transformer.packed_from(ckpt.config, ckpt.weights, dtype, backend, weights, say)
+    key = packed_cache.EntryKey.of(ckpt.file, weights, backend, dtype)
+    model = packed_cache.load(key, ckpt.config, backend, say)
+    if model is None:
+        say(f"packing {ckpt.file.name} for {backend.name} (first start with these settings; the packed model is "
+            f"kept in {packed_cache.folder()})")
+        model = Transformer.packed_from(ckpt.config, ckpt.weights, dtype, backend, weights, say)
+        packed_cache.save(key, model, say)
+    return model

@@ -1,5 +1,5 @@
 """GGUF files read without the ``gguf`` package's reader: the header, metadata and tensor table from a
-memory map, and one tensor at a time dequantized to float32 (the ``gguf`` package's dequantization).
+memory map, and one tensor's stored bytes at a time.
 
 It does not map names or build configs (``loader.py``), and it imports nothing of the models package but
 nothing else either: the tokenizer reads GGUF metadata through it without importing the loader.
@@ -16,7 +16,6 @@ from typing import Any, BinaryIO
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
 
 
 class LoadError(RuntimeError):
@@ -197,20 +196,3 @@ def read_gguf_raw(f: BinaryIO, info: GGUFTensorInfo) -> np.ndarray:
     if f.readinto(raw) != info.nbytes:
         raise GGUFError(f"{f.name}: truncated while reading tensor {info.name}")
     return raw
-
-
-def read_gguf_tensor(f: BinaryIO, info: GGUFTensorInfo) -> np.ndarray:
-    """Reads and dequantizes one tensor to a float32 numpy array of ``info.shape``.
-
-    Args:
-        f: the GGUF file opened in binary mode.
-        info: the tensor's entry from :func:`read_gguf`.
-    """
-    raw = read_gguf_raw(f, info)
-    block, type_size = GGML_QUANT_SIZES[info.qtype]
-    row_bytes = info.shape[-1] // block * type_size
-    try:
-        values = dequantize(raw.reshape(*info.shape[:-1], row_bytes), info.qtype)
-    except NotImplementedError as exc:
-        raise LoadError(f"{f.name}: tensor {info.name} uses {info.qtype.name}, which gguf cannot dequantize") from exc
-    return values.astype(np.float32, copy=False).reshape(info.shape)

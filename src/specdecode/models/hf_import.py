@@ -8,7 +8,7 @@ weights (``packing.py``, which asks ``projection_parts`` where a packed projecti
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -38,7 +38,7 @@ def hf_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
     missing = [n for n in expected_tensor_shapes(config) if n not in tensors]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    state = {"embed.weight": tensors["model.embed_tokens.weight"], "norm": tensors["model.norm.weight"]}
+    state = unpacked_state(config, lambda name: tensors[name])
     if not config.tie_word_embeddings:
         state["lm_head.weight"] = tensors["lm_head.weight"]
     for i in range(config.num_layers):
@@ -46,7 +46,15 @@ def hf_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
             state[f"layers.{i}.{name}.weight"] = torch.cat([tensors[f"{p}.weight"] for p in parts])
         if config.attention_bias:
             state[f"layers.{i}.wqkv.bias"] = torch.cat([tensors[f"{p}.bias"] for p in projection_parts(i)["wqkv"]])
-        p = f"model.layers.{i}."
-        state[f"layers.{i}.attn_norm"] = tensors[f"{p}input_layernorm.weight"]
-        state[f"layers.{i}.mlp_norm"] = tensors[f"{p}post_attention_layernorm.weight"]
     return {k: v.to(dtype) for k, v in state.items()}
+
+
+def unpacked_state(config: ModelConfig, read: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters that packing leaves as they are (the embedding table and the RMSNorm weights), each
+    ``read(checkpoint name)``; the projections and the output head are ``packing.py``'s."""
+    state = {"embed.weight": read("model.embed_tokens.weight"), "norm": read("model.norm.weight")}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        state[f"layers.{i}.attn_norm"] = read(f"{p}input_layernorm.weight")
+        state[f"layers.{i}.mlp_norm"] = read(f"{p}post_attention_layernorm.weight")
+    return state

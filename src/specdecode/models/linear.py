@@ -82,13 +82,26 @@ class NativeLinear(nn.Module):
         super().__init__()
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
             raise ValueError(f"the {path} kernel needs a CPU bf16 weight, got {weight.dtype} on {weight.device}")
+        self._setup(native.pack(weight, native.BUILDS[path].tile), *weight.shape, bias, path)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
+                    path: str) -> "NativeLinear":
+        """A layer over a weight already in this kernel's layout (``packed``, as a saved layer held it)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._setup(packed, out_features, in_features, bias, path)
+        return layer
+
+    def _setup(self, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
+               path: str) -> None:
         ops = native.kernel(path)
         if ops is None:
             raise RuntimeError(f"the {path} kernel is unavailable: {native.unavailable_reason(path)}")
         self.path = path
         self._op = getattr(ops, native.BUILDS[path].bf16_linear)
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", native.pack(weight, native.BUILDS[path].tile))  # [N/T, K/2, T, 2]
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("packed", packed)  # [N/T, K/2, T, 2]
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,12 +136,25 @@ class QuantLinear(nn.Module):
 
     def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None, path: str = "avx2") -> None:
         super().__init__()
+        self._setup(pack_blocks(weight, native.BUILDS[path].quant_tile), weight.fmt, *weight.shape, bias, path)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, fmt: str, out_features: int, in_features: int,
+                    bias: torch.Tensor | None, path: str) -> "QuantLinear":
+        """A layer over blocks already in this kernel's layout (``packed``, as a saved layer held it)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._setup(packed, fmt, out_features, in_features, bias, path)
+        return layer
+
+    def _setup(self, packed: torch.Tensor, fmt: str, out_features: int, in_features: int,
+               bias: torch.Tensor | None, path: str) -> None:
         ops = native.kernel(path)
         if ops is None:
             raise RuntimeError(f"the {path} kernel is unavailable: {native.unavailable_reason(path)}")
-        self.path, self.fmt, self._ops = path, weight.fmt, ops
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", pack_blocks(weight, native.BUILDS[path].quant_tile))
+        self.path, self.fmt, self._ops = path, fmt, ops
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("packed", packed)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Load checkpoint weights, config and tokenizer from a registry name, a GGUF file, a HF folder or a hub id.
 
 Every source ends as the same thing: a `ModelConfig`, float32 CPU tensors under Hugging Face names, and
-a `Tokenizer`. GGUF files are read and their tensors dequantized by `gguf.py`; here their names and
-config are mapped and llama.cpp's rotary permutation of Llama Q/K is undone. This module does not build or run the model (see `transformer.py`), does not convert dtypes
-beyond float32 and does not write anything except through `fetch.py` and the tokenizer cache.
+a `Tokenizer`. A GGUF file's header is read by `gguf.py`; here its names and config are mapped, and its
+tensors are read one at a time when the model is built (`GGUFTensors`: as floats, or as blocks for the
+packer), with llama.cpp's rotary permutation of Llama Q/K undone. This module does not build or run the
+model (see `transformer.py`) and does not write anything except through `fetch.py` and the tokenizer cache.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,9 @@ from specdecode.models import registry
 from specdecode.models.config import ModelConfig, expected_tensor_shapes
 from specdecode.models.fetch import fetch
 # GGUFError and LoadError are raised through this module too: importers find them here.
-from specdecode.models.gguf import (GGUFError, GGUFFile, LoadError, read_gguf, read_gguf_raw,  # noqa: F401
-                                    read_gguf_tensor)
+from specdecode.models.gguf import GGUFError, GGUFFile, GGUFTensorInfo, LoadError, read_gguf, read_gguf_raw  # noqa: F401
 from specdecode.models.tokenizer import Tokenizer
-from specdecode.models.weights import FORMAT_OF, BlockWeight, WeightSource, from_gguf
+from specdecode.models.weights import FORMAT_OF, BlockWeight, WeightSource, convert, dequantized
 
 Progress = Callable[[str], None]
 
@@ -41,18 +40,21 @@ class Checkpoint:
     Args:
         config: the architecture.
         tensors: float32 CPU tensors with HF names (``model.layers.0.self_attn.q_proj.weight`` ...);
-            no ``lm_head.weight`` when embeddings are tied.
+            no ``lm_head.weight`` when embeddings are tied. A GGUF file's are read when asked for
+            (``GGUFTensors``): each access reads the file again.
         tokenizer: the tokenizer, with chat template when the checkpoint has one.
         source: the file or folder the weights were read from.
-        stored: the formats the file stores its weights in and a reader of their own blocks (GGUF); None
-            for float checkpoints.
+        stored: the formats the file stores its weights in and readers of each tensor as blocks or in a
+            dtype, one at a time (GGUF); None for float checkpoints.
+        file: the GGUF file (what a packed model on disk is keyed by); None for folders.
     """
 
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str
     stored: WeightSource | None = None
+    file: Path | None = None
 
     @property
     def weights(self) -> WeightSource:
@@ -165,8 +167,83 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
 
 
+class GGUFTensors(Mapping[str, torch.Tensor]):
+    """A GGUF file's tensors by HF name, each read from the file when asked for and never kept, so that a
+    model is built one tensor at a time (llama.cpp's rotary row order of Llama Q/K undone on every read).
+
+    Args:
+        gguf: the parsed header.
+        config: the architecture (its head counts undo the Q/K row order).
+        names: HF name of each GGUF tensor name.
+    """
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, names: dict[str, str]) -> None:
+        self.path, self.config = gguf.path, config
+        self.infos = {names[i.name]: i for i in gguf.tensors.values()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read(name, torch.float32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.infos)
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: info.shape for name, info in self.infos.items()}
+
+    def formats(self) -> dict[str, str]:
+        """Our format of each matrix as stored (``weights.FORMAT_OF``; types not listed: q8_0)."""
+        return {name: FORMAT_OF.get(info.qtype, "q8_0") for name, info in self.infos.items() if len(info.shape) == 2}
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor ``name`` dequantized into ``dtype``, ``_CHUNK`` values at a time (a float32 copy of a whole
+        150k-row table is never made)."""
+        info = self.infos[name]
+        raw = self._raw(info)
+        if len(info.shape) == 1:
+            return self._ordered(name, dequantized(raw, info.qtype, info.shape).to(dtype))
+        n, k = info.shape
+        rows, step = raw.reshape(n, -1), max(1, _CHUNK // k)
+        out = torch.empty(info.shape, dtype=dtype)
+        for i in range(0, n, step):
+            part = rows[i:i + step]
+            out[i:i + len(part)] = dequantized(part, info.qtype, (len(part), k))
+        return self._ordered(name, out)
+
+    def blocks(self, name: str, fmt: str) -> BlockWeight:
+        """Matrix ``name`` in block format ``fmt``: its own blocks where it is stored so (``weights.convert``)."""
+        info = self.infos[name]
+        blocks = convert(self._raw(info), info.qtype, info.shape, fmt)
+        order = self._order(name, info.shape[0])
+        return blocks if order is None else blocks.rows(order)
+
+    def _raw(self, info: GGUFTensorInfo) -> np.ndarray:
+        with open(self.path, "rb") as f:
+            return read_gguf_raw(f, info)
+
+    def _order(self, name: str, n: int) -> torch.Tensor | None:
+        """The row order that undoes llama.cpp's rotary permutation of a Llama Q/K projection, else None."""
+        heads = {".self_attn.q_proj.": self.config.num_heads, ".self_attn.k_proj.": self.config.num_kv_heads}
+        for part, n_heads in heads.items():
+            if self.config.arch == "llama" and part in name:
+                return unpermute_rotary(torch.arange(n)[:, None], n_heads)[:, 0]
+        return None
+
+    def _ordered(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        order = self._order(name, tensor.shape[0])
+        return tensor if order is None else tensor[order].contiguous()
+
+
+_CHUNK = 1 << 22  # values dequantized at a time: 16 MB of float32
+
+
 def load_gguf(path: str | os.PathLike[str], progress: Progress | None = None) -> Checkpoint:
-    """Loads a GGUF file: config from metadata, dequantized float32 tensors with HF names, tokenizer.
+    """Loads a GGUF file: config from metadata, its tensors with HF names (read when used), tokenizer.
+
+    Nothing is dequantized here: ``Checkpoint.tensors`` reads each tensor from the file when asked for, and
+    ``Checkpoint.weights`` hands the packer each matrix's own blocks.
 
     Args:
         path: the ``.gguf`` file.
@@ -176,67 +253,35 @@ def load_gguf(path: str | os.PathLike[str], progress: Progress | None = None) ->
         GGUFError: the file is not a readable GGUF file.
         LoadError: the model uses something this decoder does not support.
     """
-    say = progress or (lambda _msg: None)
     gguf = read_gguf(path)
     config = gguf_config(gguf)
     mapped = {name: hf_name(name) for name in gguf.tensors}
     unknown = [name for name, hf in mapped.items() if hf is None]
     if unknown:
         raise LoadError(f"{gguf.path}: tensors with no Llama/Qwen2 counterpart: {unknown[:8]}")
-    names = {name: hf for name, hf in mapped.items() if hf is not None}
-    say(f"dequantizing {len(gguf.tensors)} tensors from {gguf.path.name}")
-    start = time.perf_counter()
-    tensors: dict[str, torch.Tensor] = {}
-    with open(gguf.path, "rb") as f:
-        for info in gguf.tensors.values():
-            name = names[info.name]
-            tensor = torch.from_numpy(read_gguf_tensor(f, info))
-            if config.arch == "llama" and ".self_attn.q_proj." in name:
-                tensor = unpermute_rotary(tensor, config.num_heads)
-            elif config.arch == "llama" and ".self_attn.k_proj." in name:
-                tensor = unpermute_rotary(tensor, config.num_kv_heads)
-            tensors[name] = tensor
-    say(f"dequantized in {time.perf_counter() - start:.1f} s")
-    check_tensors(config, tensors, str(gguf.path))
+    tensors = GGUFTensors(gguf, config, {name: hf for name, hf in mapped.items() if hf is not None})
+    check_tensors(config, tensors.shapes(), str(gguf.path))
     tokenizer = Tokenizer.from_gguf(gguf.path, metadata=gguf.metadata)
-    return Checkpoint(config, tensors, tokenizer, str(gguf.path), _stored_blocks(gguf, config, names, tensors))
-
-
-def _stored_blocks(gguf: GGUFFile, config: ModelConfig, names: dict[str, str],
-                   tensors: dict[str, torch.Tensor]) -> WeightSource:
-    """The GGUF's matrices' formats, and a reader of their own blocks (rows unpermuted as the floats are)."""
-    infos = {names[i.name]: i for i in gguf.tensors.values() if len(i.shape) == 2}
-    formats = {name: FORMAT_OF.get(info.qtype, "q8_0") for name, info in infos.items()}
-
-    def read_blocks(name: str) -> BlockWeight | None:
-        info = infos[name]
-        with open(gguf.path, "rb") as f:
-            blocks = from_gguf(read_gguf_raw(f, info), info.qtype, info.shape)
-        heads = {".self_attn.q_proj.": config.num_heads, ".self_attn.k_proj.": config.num_kv_heads}
-        for part, n_heads in heads.items():
-            if blocks is not None and config.arch == "llama" and part in name:
-                blocks = blocks.rows(unpermute_rotary(torch.arange(info.shape[0])[:, None], n_heads)[:, 0])
-        return blocks
-
-    return WeightSource(tensors, formats, read_blocks)
+    stored = WeightSource(tensors, tensors.formats(), tensors.blocks, tensors.read)
+    return Checkpoint(config, tensors, tokenizer, str(gguf.path), stored, gguf.path)
 
 
 # ----------------------------------------------------------------------------------------------
 # HF folders and hub ids
 
-def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Raises LoadError unless ``tensors`` holds exactly the expected names with the expected shapes.
+def check_tensors(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Raises LoadError unless ``shapes`` holds exactly the expected names with the expected shapes.
 
     Args:
         config: the architecture the tensors must fit.
-        tensors: HF-named tensors.
+        shapes: HF-named tensors' shapes.
         source: named in the error message.
     """
     expected = expected_tensor_shapes(config)
-    missing = [n for n in expected if n not in tensors]
-    extra = [n for n in tensors if n not in expected]
-    wrong = [f"{n} {tuple(tensors[n].shape)} != {expected[n]}" for n in expected
-             if n in tensors and tuple(tensors[n].shape) != expected[n]]
+    missing = [n for n in expected if n not in shapes]
+    extra = [n for n in shapes if n not in expected]
+    wrong = [f"{n} {tuple(shapes[n])} != {expected[n]}" for n in expected
+             if n in shapes and tuple(shapes[n]) != expected[n]]
     problems = [f"{label}: {items[:5]}{' ...' if len(items) > 5 else ''}"
                 for label, items in (("missing", missing), ("unexpected", extra), ("wrong shape", wrong)) if items]
     if problems:
@@ -288,7 +333,7 @@ def load_hf_dir(path: str | os.PathLike[str], progress: Progress | None = None) 
             raise LoadError(f"{file}: cannot read safetensors weights ({exc})") from exc
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    check_tensors(config, tensors, str(folder))
+    check_tensors(config, {n: tuple(t.shape) for n, t in tensors.items()}, str(folder))
     return Checkpoint(config, tensors, Tokenizer.from_hf_dir(folder), str(folder))
 
 

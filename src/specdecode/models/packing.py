@@ -18,7 +18,7 @@ from torch import nn
 from specdecode.models.backends import AUTO, Backend
 from specdecode.models.hf_import import head_part, projection_parts
 from specdecode.models.linear import Int8Linear, NativeLinear, QuantLinear
-from specdecode.models.weights import WeightSource, as_format, choose_format, concat, quantize
+from specdecode.models.weights import WeightSource, choose_format, concat, quantize
 
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -47,7 +47,8 @@ def check_repack(model, kernel: str, weights: str) -> None:
         raise ValueError(f"the projections already run on {current}; cannot switch to {kernel}")
 
 
-def pack_projections(model, backend: Backend, weights: str, source: WeightSource | None) -> None:
+def pack_projections(model, backend: Backend, weights: str, source: WeightSource | None,
+                     log: Callable[[str], None] | None = None) -> None:
     """Swaps each projection of ``model`` (and its output head) for ``backend``'s packed copy.
 
     Args:
@@ -55,31 +56,38 @@ def pack_projections(model, backend: Backend, weights: str, source: WeightSource
         backend: where the projections will run.
         weights: "bf16" or a block format for every projection (the output head at least q8_0), or "auto":
             as ``source`` stores them (block formats only where ``backend.block_formats``).
-        source: the checkpoint's float weights and stored formats; without it, block formats are quantized from
-            the model's own weights.
+        source: the checkpoint's weights and stored formats, read one projection at a time (the model's own
+            projection weights are then not read and may be unfilled, on the meta device); without it, the
+            model's own weights are packed.
+        log: told how far packing has come, every quarter of the layers, where it takes a while (a GGUF read
+            and converted into another format).
     """
     def make(layer: nn.Module, parts: list[str], head: bool) -> nn.Module:
         fmt = choose_format(weights, [source.format(f"{p}.weight") for p in parts] if source else ["bf16"], head)
-        if fmt == "bf16":
-            return backend.linear(layer.weight, layer.bias)
-        if source is None:
-            blocks = quantize(layer.weight, fmt)
-        else:  # stored blocks are read only where they can be kept
-            blocks = concat([as_format(source.blocks(f"{p}.weight") if source.format(f"{p}.weight") == fmt else None,
-                                       source.tensors[f"{p}.weight"], fmt) for p in parts])
         bias = layer.bias
         if bias is not None and source is not None:  # the checkpoint's fp32 biases, not the bf16 copies
             bias = torch.cat([source.tensors[f"{p}.bias"] for p in parts])
-        return backend.block_linear(blocks, bias)
+        if source is None:
+            return backend.linear(layer.weight, bias) if fmt == "bf16" else backend.block_linear(quantize(layer.weight, fmt), bias)
+        # one projection's weights read from the checkpoint at a time: the model's own may never have been filled
+        if fmt == "bf16":
+            return backend.linear(torch.cat([source.float(f"{p}.weight", model.dtype) for p in parts]), bias)
+        return backend.block_linear(concat([source.blocks(f"{p}.weight", fmt) for p in parts]), bias)
 
-    swap_projections(model, make)
+    swap_projections(model, make, log if source is not None else None)
 
 
-def swap_projections(model, make: Callable[[nn.Module, list[str], bool], nn.Module]) -> None:
-    """Replaces each projection of ``model`` by ``make(layer, its checkpoint names, is the output head)``."""
+def swap_projections(model, make: Callable[[nn.Module, list[str], bool], nn.Module],
+                     log: Callable[[str], None] | None = None) -> None:
+    """Replaces each projection of ``model`` by ``make(layer, its checkpoint names, is the output head)``,
+    telling ``log`` after each quarter of the layers."""
+    n = len(model.layers)
+    marks = {max(1, n * q // 4) for q in (1, 2, 3)}
     for i, block in enumerate(model.layers):
         for name, parts in projection_parts(i).items():
             setattr(block, name, make(getattr(block, name), parts, False))
+        if log is not None and i + 1 in marks:
+            log(f"packed {i + 1}/{n} layers")
     head = model.lm_head or _HeadView(model.embed.weight)
     model.head_layer, model.lm_head = make(head, [head_part(model.config)], True), None
 

@@ -21,9 +21,10 @@ FIRST_TABLE = 256  # positions in a first table; later ones double
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` with the config's RoPE scaling applied."""
+    """Inverse frequencies ``[head_dim // 2]`` with the config's RoPE scaling applied, on the CPU (also while a
+    model is built on the meta device, where torch's own arange would first import seconds of decompositions)."""
     dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":

@@ -32,15 +32,16 @@ from specdecode.models.backends import AUTO, INT8, TORCH, Backend, LayerRunner, 
 from specdecode.models.backends.base import block_formats_refused
 from specdecode.models.block import Block
 from specdecode.models.config import ModelConfig
-from specdecode.models.hf_import import hf_state_dict
+from specdecode.models.hf_import import hf_state_dict, unpacked_state
 from specdecode.models.linear import Int8Linear, NativeLinear, PackedLinear, QuantLinear
-from specdecode.models.rope import Rope, rope_inv_freq
+from specdecode.models.rope import Rope
 from specdecode.models.rows import ForwardOutput, LogitRows, plan_rows
 from specdecode.models.weights import BLOCK_FORMATS, WEIGHT_FORMATS, WeightSource
 
 
 class Transformer(nn.Module):
-    """Decoder-only transformer with fused projections.
+    """Decoder-only transformer with fused projections; built by ``from_hf_tensors`` or ``packed_from`` (its
+    own parameters are left unfilled).
 
     Args:
         config: the architecture.
@@ -49,7 +50,9 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        # given an (unfilled) table: nn.Embedding's own random init costs seconds of imports on the meta device
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size,
+                                  _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -254,10 +257,16 @@ class Transformer(nn.Module):
         if weights in BLOCK_FORMATS and not backend.block_formats:
             raise block_formats_refused(weights, backend)
         if backend.packs:
-            self.packed_as = weights if backend.block_formats else "bf16"  # "auto" off block formats: bf16
-            packing.pack_projections(self, backend, self.packed_as, source)
-            self.backend, self.runner = backend, backend.prepare(self.layers, self.rope, self, fuse)
+            packing.pack_projections(self, backend, weights if backend.block_formats else "bf16", source, log)
+            self.adopt_packed(backend, weights, fuse)
         return backend
+
+    def adopt_packed(self, backend: Backend, weights: str, fuse: bool = True) -> "Transformer":
+        """Readies the layers to run on ``backend``, whose packed copies the projections already are (packed
+        here, or read back by ``packed_cache``); ``weights`` is the format they were packed as asked for."""
+        self.packed_as = weights if backend.block_formats else "bf16"  # "auto" off block formats: bf16
+        self.backend, self.runner = backend, backend.prepare(self.layers, self.rope, self, fuse)
+        return self
 
     def quantize_weights(self) -> None:
         """Replaces every projection (and the output head) with int8 weight-only copies (``backends.INT8``).
@@ -295,5 +304,29 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         model.load_state_dict(state, strict=True, assign=True)
-        model.rope.inv_freq = rope_inv_freq(config)
         return model.eval().requires_grad_(False)
+
+    @classmethod
+    def packed_from(cls, config: ModelConfig, source: WeightSource, dtype: torch.dtype, backend: Backend,
+                    weights: str = AUTO, log: Callable[[str], None] | None = None) -> "Transformer":
+        """Builds the model with its projections packed for ``backend`` (one that ``packs``), reading the
+        checkpoint one projection at a time: no float copy of the whole model is ever held, as
+        ``from_hf_tensors`` followed by ``pack_weights`` would.
+
+        Args:
+            config: the architecture.
+            source: the checkpoint's weights (``Checkpoint.weights``).
+            dtype: the model dtype (the embedding table, norms and bf16 projections).
+            backend: a packing backend.
+            weights: one of WEIGHT_FORMATS, as for ``pack_weights``.
+            log: told about a first compile of one of our kernels.
+        """
+        if not backend.packs:
+            raise ValueError(f"{backend.name} does not pack projections; build the model with from_hf_tensors")
+        with torch.device("meta"):
+            model = cls(config)
+        state = unpacked_state(config, lambda name: source.float(name, dtype))
+        model.load_state_dict(state, strict=False, assign=True)  # projections stay on meta until packed
+        model.eval().requires_grad_(False)
+        model.pack_weights(backend.name, log=log, weights=weights, source=source)
+        return model

@@ -27,7 +27,10 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as QT
-from gguf.quants import Q4_K, quantize as gguf_quantize
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+
+from specdecode.models.block_codecs import (Q4_K_BYTES, Q6_K_BYTES, q4_k_dequantize, q4_k_parts, q6_k_dequantize,
+                                            q8_0_quantize)
 
 WEIGHT_FORMATS = ("auto", "bf16", "q8_0", "q4_0", "q4_1")  # what --weights offers
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")
@@ -84,24 +87,32 @@ class BlockWeight:
 
 @dataclass
 class WeightSource:
-    """A checkpoint's weights as ``Transformer.pack_weights`` reads them.
+    """A checkpoint's weights as ``packing.pack_projections`` reads them, one tensor at a time.
 
     Args:
-        tensors: float32 tensors by HF name (dequantized where the file stores blocks).
+        tensors: float32 tensors by HF name (for a GGUF file, read and dequantized when asked for).
         formats: our format of each stored tensor (``FORMAT_OF``); a name not in it is "bf16".
-        read_blocks: a stored tensor's own blocks by HF name (``from_gguf``), or None where it is not in a
-            block format read as stored.
+        read_blocks: ``(name, fmt)`` -> the tensor in block format ``fmt``: its own blocks where it is stored
+            so, else converted; None quantizes the float tensor.
+        read_float: ``(name, dtype)`` -> the tensor in ``dtype`` (a GGUF file converts it in row chunks, so no
+            float32 copy of a large table is made); None converts the float32 tensor.
     """
 
     tensors: Mapping[str, torch.Tensor]
     formats: Mapping[str, str] = field(default_factory=dict)
-    read_blocks: Callable[[str], "BlockWeight | None"] = lambda name: None
+    read_blocks: Callable[[str, str], BlockWeight] | None = None
+    read_float: Callable[[str, torch.dtype], torch.Tensor] | None = None
 
     def format(self, name: str) -> str:
         return self.formats.get(name, "bf16")
 
-    def blocks(self, name: str) -> "BlockWeight | None":
-        return self.read_blocks(name) if self.format(name) != "bf16" else None
+    def blocks(self, name: str, fmt: str) -> BlockWeight:
+        """Tensor ``name`` in block format ``fmt`` (its stored blocks where they already are, no round trip)."""
+        return self.read_blocks(name, fmt) if self.read_blocks else quantize(self.tensors[name], fmt)
+
+    def float(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor ``name`` in ``dtype``."""
+        return self.read_float(name, dtype) if self.read_float else self.tensors[name].to(dtype)
 
 
 def concat(parts: Sequence[BlockWeight]) -> BlockWeight:
@@ -149,16 +160,12 @@ def from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> BlockWeight
         codes = _nibbles(b[..., 4:]).reshape(n, k)
         return BlockWeight("q4_1", torch.from_numpy(codes), _halves(b[..., :2]), _halves(b[..., 2:4]), k)
     if qtype == QT.Q4_K:  # 256-weight super-blocks: fp16 d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
-        b = blocks.reshape(-1, 144)
-        d, dmin = _halves(b[:, :2]).float()[:, None], _halves(b[:, 2:4]).float()[:, None]  # [S, 1]
-        sc, mins = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))  # [S, 8] each
-        qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 weights: low nibbles then high nibbles
-        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
-        scale = (d * torch.from_numpy(sc.astype(np.float32))).reshape(n, -1).to(torch.float16)
-        minimum = (-dmin * torch.from_numpy(mins.astype(np.float32))).reshape(n, -1).to(torch.float16)
+        d, dmin, scales, mins, codes = q4_k_parts(torch.from_numpy(blocks.reshape(-1, Q4_K_BYTES)))
+        scale = (d * scales.float()).reshape(n, -1).to(torch.float16)
+        minimum = (-dmin * mins.float()).reshape(n, -1).to(torch.float16)
         if not (scale.isfinite().all() and minimum.isfinite().all()):
             return None  # a scale beyond fp16's range: requantize from the float values instead
-        return BlockWeight("q4_1", torch.from_numpy(codes), scale, minimum, k)
+        return BlockWeight("q4_1", codes.reshape(n, k), scale, minimum, k)
     return None
 
 
@@ -168,18 +175,61 @@ def quantize(weight: torch.Tensor, fmt: str) -> BlockWeight:
     if fmt not in BLOCK_FORMATS:
         raise ValueError(f"weight format {fmt!r} is not one of {', '.join(BLOCK_FORMATS)}")
     n, k = weight.shape
-    w = torch.nn.functional.pad(weight.detach().float().cpu(), (0, -k % BLOCK)).numpy()
-    raw = gguf_quantize(np.ascontiguousarray(w), _QTYPES[fmt])
+    w = torch.nn.functional.pad(weight.detach().float().cpu(), (0, -k % BLOCK))
+    if fmt == "q8_0":  # the reference quantizer's arithmetic in torch (``block_codecs``): the same bits, faster
+        codes, d = q8_0_quantize(w.reshape(-1, BLOCK))
+        return BlockWeight(fmt, (codes.to(torch.int16) + 128).to(torch.uint8).reshape(n, -1), d.reshape(n, -1), None, k)
+    raw = gguf_quantize(np.ascontiguousarray(w.numpy()), _QTYPES[fmt])
     out = from_gguf(raw, _QTYPES[fmt], (n, w.shape[1]))
     return BlockWeight(out.fmt, out.codes, out.d, out.m, k)
 
 
-def as_format(weight: BlockWeight | None, fallback: torch.Tensor, fmt: str) -> BlockWeight:
-    """``weight`` itself where it already is in ``fmt`` (no round trip), else ``fallback`` (its float values)
-    quantized to ``fmt``."""
-    if weight is not None and weight.fmt == fmt:
-        return weight
-    return quantize(fallback, fmt)
+def convert(raw: np.ndarray, qtype: QT, shape: tuple[int, int], fmt: str, chunk: int = 1 << 22,
+            keep: bool = True) -> BlockWeight:
+    """A GGUF tensor in block format ``fmt``: its own blocks where its type maps to ``fmt`` code for code
+    (``from_gguf``), else dequantized and requantized; ``chunk`` weights at a time either way, so that no
+    full-size temporary of a large tensor (a 150k-row output head) is made.
+
+    Args:
+        raw: the tensor's bytes, uint8 (any shape holding ``N * row_bytes`` bytes).
+        qtype: its GGUF type.
+        shape: ``(N, K)``.
+        fmt: one of BLOCK_FORMATS.
+        keep: keep the stored blocks where they are in ``fmt`` (False requantizes them).
+    """
+    n, k = shape
+    rows, step = raw.reshape(n, -1), max(1, chunk // k)
+    width = -(-k // BLOCK)
+    out = BlockWeight(fmt, torch.empty(n, width * BLOCK, dtype=torch.uint8), torch.empty(n, width, dtype=torch.float16),
+                      torch.empty(n, width, dtype=torch.float16) if fmt == "q4_1" else None, k)
+    own = keep and FORMAT_OF.get(qtype) == fmt
+    for i in range(0, n, step):
+        part_shape = (min(step, n - i), k)
+        part = from_gguf(rows[i:i + step], qtype, part_shape) if own else None
+        if own and part is None:  # a block the format cannot keep as it is: the whole tensor is requantized
+            return convert(raw, qtype, shape, fmt, chunk, keep=False)
+        if part is None:
+            part = quantize(dequantized(rows[i:i + step], qtype, part_shape), fmt)
+        out.codes[i:i + step], out.d[i:i + step] = part.codes, part.d
+        if part.m is not None:
+            out.m[i:i + step] = part.m
+    return out
+
+
+def dequantized(raw: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 values of a GGUF tensor's bytes (``raw`` uint8 ``[..., row_bytes]``): Q4_K and Q6_K by
+    ``block_codecs``, other types by the ``gguf`` package (the same bits either way).
+
+    Raises:
+        NotImplementedError: a type the ``gguf`` package cannot dequantize.
+    """
+    if qtype in _TORCH_DECODERS:
+        size, decode = _TORCH_DECODERS[qtype]
+        return decode(torch.from_numpy(np.ascontiguousarray(raw).reshape(-1, size))).reshape(shape)
+    return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, qtype), dtype=np.float32).reshape(shape))
+
+
+_TORCH_DECODERS = {QT.Q4_K: (Q4_K_BYTES, q4_k_dequantize), QT.Q6_K: (Q6_K_BYTES, q6_k_dequantize)}
 
 
 def choose_format(requested: str, stored: Sequence[str], head: bool = False) -> str:
@@ -196,27 +246,35 @@ def choose_format(requested: str, stored: Sequence[str], head: bool = False) -> 
     return requested
 
 
-def pack(weight: BlockWeight, tile: int) -> torch.Tensor:
+def pack(weight: BlockWeight, tile: int, chunk: int = 1 << 22) -> torch.Tensor:
     """The kernels' layout: uint8 ``[ceil(N / tile), B, record]``, record = a block of ``tile`` outputs: codes
     (q8_0: per group of 4 inputs, ``tile`` lanes of 4 bytes; q4: inputs 4p..4p+3 in the low nibbles and
-    16+4p.. in the high ones), then ``tile`` fp16 scales, then ``tile`` fp16 minimums for q4_1."""
+    16+4p.. in the high ones), then ``tile`` fp16 scales, then ``tile`` fp16 minimums for q4_1. Written
+    ``chunk`` codes at a time, so a large head needs no full-size temporaries."""
     n, width = weight.codes.shape
-    blocks, pad = width // BLOCK, -n % tile
-    codes = torch.nn.functional.pad(weight.codes, (0, 0, 0, pad))  # padded outputs: zero codes and scales
-    tiles = codes.shape[0] // tile
-    c = codes.view(tiles, tile, blocks, BLOCK).permute(0, 2, 1, 3)  # [tiles, B, tile, 32]
-    if weight.fmt == "q8_0":
-        body = c.reshape(tiles, blocks, tile, 8, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, quad, tile, 4]
-    else:
-        low, high = c[..., :16], c[..., 16:]
-        packed = low | (high << 4)  # [tiles, B, tile, 16]: byte 4p + j holds inputs 4p + j and 16 + 4p + j
-        body = packed.reshape(tiles, blocks, tile, 4, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, p, tile, 4]
-    parts = [body.reshape(tiles, blocks, -1)]
-    for scales in (weight.d, weight.m):
-        if scales is not None:
-            s = torch.nn.functional.pad(scales, (0, 0, 0, pad)).view(tiles, tile, blocks).transpose(1, 2)
-            parts.append(s.contiguous().view(torch.uint8).reshape(tiles, blocks, -1))
-    return torch.cat(parts, dim=-1).contiguous()
+    blocks = width // BLOCK
+    tiles = -(-n // tile)
+    code_bytes = tile * (BLOCK if weight.fmt == "q8_0" else BLOCK // 2)
+    scale_sets = [s for s in (weight.d, weight.m) if s is not None]
+    out = torch.empty(tiles, blocks, code_bytes + 2 * tile * len(scale_sets), dtype=torch.uint8)
+    step = max(1, chunk // (tile * width))  # tiles per chunk
+    for t0 in range(0, tiles, step):
+        t1 = min(tiles, t0 + step)
+        rows = slice(t0 * tile, min(n, t1 * tile))
+        pad = (t1 - t0) * tile - (rows.stop - rows.start)  # padded outputs: zero codes and scales
+        codes = torch.nn.functional.pad(weight.codes[rows], (0, 0, 0, pad))
+        c = codes.view(t1 - t0, tile, blocks, BLOCK).permute(0, 2, 1, 3)  # [tiles, B, tile, 32]
+        if weight.fmt == "q8_0":
+            body = c.reshape(t1 - t0, blocks, tile, 8, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, quad, tile, 4]
+        else:
+            packed = c[..., :16] | (c[..., 16:] << 4)  # [tiles, B, tile, 16]: byte 4p + j: inputs 4p + j, 16 + 4p + j
+            body = packed.reshape(t1 - t0, blocks, tile, 4, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, p, tile, 4]
+        out[t0:t1, :, :code_bytes] = body.reshape(t1 - t0, blocks, -1)
+        for j, scales in enumerate(scale_sets):
+            s = torch.nn.functional.pad(scales[rows], (0, 0, 0, pad)).view(t1 - t0, tile, blocks).transpose(1, 2)
+            at = code_bytes + 2 * tile * j
+            out[t0:t1, :, at:at + 2 * tile] = s.contiguous().view(torch.uint8).reshape(t1 - t0, blocks, -1)
+    return out
 
 
 def unpack(packed: torch.Tensor, fmt: str, n: int, k: int, tile: int) -> BlockWeight:
