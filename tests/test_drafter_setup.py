@@ -58,3 +58,36 @@ def test_the_suffix_cache_flags_belong_to_the_suffix_drafters_and_bound_one_shar
     off = drafter_factory(DrafterConfig(kind="suffix", suffix_cache=False), target_config, target, CacheConfig(),
                           lambda line: None)()
     assert off.cache.enabled is False and off.cache is not first.cache
+
+
+def test_a_draft_model_defaults_to_the_cheapest_format_our_kernels_run(tmp_path):
+    from kernel_paths import path_problem
+
+    from specdecode.models.backends import TORCH
+    from specdecode.models.build import draft_format
+
+    assert draft_format("cheapest", TORCH) == "auto" and draft_format("q8_0", TORCH) == "q8_0"
+    if path_problem("avx2") is not None:
+        pytest.skip(f"needs one of our kernels: {path_problem('avx2')}")
+    target_config = TargetConfig(str(write_tiny_hf_model(tmp_path / "t")), dtype="bfloat16", device="cpu", linear="avx2")
+    target = target_config.load()
+    said = []
+    new = drafter_factory(DrafterConfig(kind="draft", draft_model=str(write_tiny_hf_model(tmp_path / "d", seed=1))),
+                          target_config, target, CacheConfig(), said.append)
+    assert new().model.weight_format.startswith("q4_1") and any("(q4_1 weights)" in line for line in said)
+    explicit = drafter_factory(DrafterConfig(kind="draft", draft_model=str(tmp_path / "d"), draft_weights="auto"),
+                               target_config, target, CacheConfig(), said.append)
+    assert explicit().model.weight_format == "bf16"  # a folder's own format
+
+
+def test_draft_model_auto_is_the_registered_targets_registered_draft(tmp_path):
+    from specdecode.models import registry
+
+    assert registry.draft_for("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
+    with pytest.raises(ValueError, match="names no registered draft; registered pairs: qwen2.5-coder-1.5b-instruct "
+                                         "-> qwen2.5-coder-0.5b-instruct"):
+        registry.draft_for("smollm2-135m-instruct")
+    target_config = TargetConfig(str(write_tiny_hf_model(tmp_path / "t")), dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="--draft-model auto: --model .* is not a registered model"):
+        drafter_factory(DrafterConfig(kind="draft", draft_model="auto"), target_config, target_config.load(),
+                        CacheConfig(), lambda line: None)

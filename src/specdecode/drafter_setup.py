@@ -16,7 +16,8 @@ from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.drafters.suffix import SuffixCache
 from specdecode.heads import no_head_message, shipped_head
 from specdecode.kv.cache import CacheConfig
-from specdecode.models.build import LoadedModel, load_model
+from specdecode.models import registry as models_registry
+from specdecode.models.build import CHEAPEST, LoadedModel, draft_format, load_model
 from specdecode.skip_sets import resolve_skip_set
 from specdecode.target import TargetConfig
 
@@ -27,9 +28,11 @@ class DrafterConfig:
 
     Args:
         kind: a registered drafter (``drafters.registry.names()``, ``--drafter``).
-        draft_model: the draft model of ``draft`` and ``draft-tree`` (``--draft-model``).
+        draft_model: the draft model of ``draft`` and ``draft-tree`` (``--draft-model``); "auto" = the
+            registered draft of the registered target (``registry.draft_for``).
         draft_quant: "int8" = int8 weight-only draft model, "none" keeps its weights (``--draft-quant``).
-        draft_weights: the draft model's weight format (``--draft-weights``).
+        draft_weights: the draft model's weight format (``--draft-weights``): "cheapest" (``build.draft_format``)
+            or one of WEIGHT_FORMATS.
         head: head file of ``eagle``, ``eagle-tree`` and ``medusa``; None = the one shipped for the target.
         draft_vocab: their draft vocabulary size (0 = all tokens); None = as trained.
         ngram: (min, max) n-gram sizes of ``ngram`` and ``ngram-tree``.
@@ -47,7 +50,7 @@ class DrafterConfig:
     kind: str = "ngram"
     draft_model: str | None = None
     draft_quant: str = "none"
-    draft_weights: str = "auto"
+    draft_weights: str = CHEAPEST
     head: str | None = None
     draft_vocab: int | None = None
     ngram: tuple[int, int] = (1, 3)
@@ -62,10 +65,10 @@ class DrafterConfig:
         uses_model = bool(spec.needs & Needs.DRAFT_MODEL)
         if uses_model and not self.draft_model:
             raise ValueError(f"--drafter {self.kind} needs --draft-model NAME|PATH")
-        if self.draft_quant != "none" and self.draft_weights != "auto":
+        if self.draft_quant != "none" and self.draft_weights != CHEAPEST:
             raise ValueError("--draft-quant int8 and --draft-weights both set the draft model's weights; give one")
         given = {"--draft-model": bool(self.draft_model), "--draft-quant": self.draft_quant != "none",
-                 "--draft-weights": self.draft_weights != "auto", "--head": bool(self.head),
+                 "--draft-weights": self.draft_weights != CHEAPEST, "--head": bool(self.head),
                  "--draft-vocab": self.draft_vocab is not None, "--tree-width": self.tree_width is not None,
                  "--skip-layers": self.skip_layers != "auto", "--no-suffix-cache": not self.suffix_cache,
                  "--suffix-cache-requests": self.suffix_cache_requests != 1000,
@@ -103,9 +106,11 @@ def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: 
     if spec.needs & Needs.SKIP_SET:  # a bad --skip-layers is a ValueError naming it
         skip_layers = resolve_skip_set(target, target_config.dtype, config.skip_layers, progress=log)
     if spec.needs & Needs.DRAFT_MODEL:
-        log(f"loading draft model {config.draft_model} ...")
-        draft = load_model(config.draft_model, target_config.dtype, target_config.device, progress=log,
-                           linear=target_config.linear, quantize=config.draft_quant, weights=config.draft_weights)
+        source = models_registry.draft_for(target_config.model) if config.draft_model == "auto" else config.draft_model
+        weights = draft_format(config.draft_weights, target.model.backend) if config.draft_quant == "none" else "auto"
+        log(f"loading draft model {source} ({weights} weights) ...")
+        draft = load_model(source, target_config.dtype, target_config.device, progress=log,
+                           linear=target_config.linear, quantize=config.draft_quant, weights=weights)
         check_draft_pair(target, draft)
         draft_model = draft.model
     if spec.needs & Needs.HEAD:

