@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Rewrite this sentence in the passive voice: The committee approved the new budget after a long debate, and the mayor signed it the next morning.
 
-.PHONY: demo test test-slow clean
+.PHONY: demo test test-slow peers clean
 
 # pip reads torch==2.13.0 from pyproject.toml: the CPU build, never a multi-GB CUDA one.
 $(VENV)/.installed: pyproject.toml
@@ -24,6 +24,11 @@ test: $(VENV)/.installed
 # The Qwen pair (0.5B drafting for 1.5B, 1.6 GB download) and other long checks.
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider -m slow
+
+# llama.cpp's own tools (llama-server, llama-bench, ...) as the bench's peers: about 15 min on 2 cores, once per
+# machine; never part of `make test`.
+peers: $(VENV)/.installed
+	$(VENV)/bin/specdecode peers build
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

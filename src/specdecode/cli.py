@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the named models and whether each is cached")
     m.add_argument("--json", action="store_true")
 
+    peers = sub.add_parser("peers", help="build llama.cpp's own tools (llama-server, llama-bench, ...) as peers")
+    peers.add_argument("action", choices=("build", "list"),
+                       help="build: download llama-cpp-python's source and build the tools (about 15 min on 2 cores); "
+                            "list: where they are")
+    peers.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: every core)")
+
     c = sub.add_parser("calibrate-layerskip", help="search the layers to skip for self-speculation")
     add_model_arguments(c)
     c.add_argument("--gamma", type=positive_int, default=4, help="draft length the prediction assumes")
@@ -200,6 +206,21 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_peers(args: argparse.Namespace) -> int:
+    from specdecode.bench import llamacpp_tools
+
+    if args.action == "build":
+        try:
+            llamacpp_tools.build(_log, jobs=args.jobs)
+        except RuntimeError as exc:  # a missing tool or a failed step: the message says which
+            raise UsageError(str(exc)) from None
+        return 0
+    for tool in llamacpp_tools.TOOLS:
+        path = llamacpp_tools.find(tool)
+        print(f"{tool:26} {path if path else f'not built (`{llamacpp_tools.BUILD_COMMAND}`)'}")
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     target = target_config(args).load(progress=_log)
     result = calibrate_and_store(target, args.dtype, gamma=args.gamma, new_tokens=args.new_tokens, progress=_log)
@@ -272,7 +293,7 @@ USER_ERRORS = (UsageError, ValueError, OSError, LoadError, FetchError, UnknownMo
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "models": cmd_models, "calibrate-layerskip": cmd_calibrate,
             "fit-controller": cmd_fit_controller, "train-head": cmd_train_head, "serve": cmd_serve,
-            "bench-serve": cmd_bench_serve}
+            "bench-serve": cmd_bench_serve, "peers": cmd_peers}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

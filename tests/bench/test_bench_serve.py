@@ -25,10 +25,30 @@ def test_the_llamacpp_peer_is_a_method_and_needs_its_server_and_a_gguf(monkeypat
     config = BenchServeConfig(model=str(tmp_path / "model-folder"), threads=1)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"needs llama-cpp-python's server: pip install 'llama-cpp-python\[server\]'"):
-        serve_command._peer_command(config)
+        serve_command._peer_command("llamacpp", config, 4)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     with pytest.raises(ValueError, match="needs a GGUF model"):
-        serve_command._peer_command(config)
+        serve_command._peer_command("llamacpp", config, 4)
+
+
+def test_the_llamacpp_server_peer_is_refused_with_the_build_command_and_runs_its_slots(monkeypatch, tmp_path):
+    from specdecode.bench import llamacpp_tools
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    assert _methods("llamacpp-server") == ["none", "llamacpp-server"]
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    config = BenchServeConfig(model=str(gguf), threads=2)
+    with pytest.raises(llamacpp_tools.PeerMissing, match="specdecode peers build"):
+        serve_command._peer_command("llamacpp-server", config, 4)
+    binary = llamacpp_tools.build_dir() / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    cmd = serve_command._peer_command("llamacpp-server", config, 4)
+    assert cmd[0] == str(binary) and cmd[cmd.index("-m") + 1] == str(gguf) and cmd[cmd.index("--port") + 1] == "{port}"
+    assert cmd[cmd.index("--parallel") + 1] == "4" and cmd[cmd.index("-t") + 1] == "2"
+    assert cmd[cmd.index("-c") + 1] == str(4 * 4096)  # each slot gets the context
 
 
 def test_ray_methods_name_their_replicas_and_share_the_cores():

@@ -450,7 +450,9 @@ class BatchEngine:
             self.step_costs.at(WARMUP_CONTEXT, lambda: self._time_rows(slot, 1))
             if self._new_controller.uses_costs:
                 sizes = range(1, min(self.scheduler.config.max_rows, SEEDED_ROWS) + 1)
-                measure = lambda: fastest(interleaved_timings(lambda rows: self._time_rows(slot, rows), sizes, repeats))  # noqa: E731
+                def measure() -> list[float]:
+                    return fastest(interleaved_timings(lambda rows: self._time_rows(slot, rows), sizes, repeats))
+
                 self._new_controller.seed_costs(remembered_curve(self._cost_setting(sizes, repeats), measure,
                                                                  cache_dir() / "costs"))
 

@@ -21,8 +21,7 @@ from specdecode.control import GAMMA_POLICIES
 from specdecode.control.config import MAX_GAMMA
 from specdecode.drafters import TREE_WIDTH, Needs, registry
 from specdecode.flags import add_kv_arguments, add_model_arguments, cache_configs, gamma
-from specdecode.models.build import DRAFT_QUANT
-from specdecode.models.weights import WEIGHT_FORMATS
+from specdecode.models.build import CHEAPEST, DRAFT_QUANT, DRAFT_WEIGHTS
 
 
 def _families(value: str) -> tuple[str, ...]:
@@ -102,8 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time verifying 0..K drafted tokens, v(k) (default 16; 0 = skip)")
     p.add_argument("--draft-quant", choices=DRAFT_QUANT, default="none",
                    help="int8: our draft model with int8 weight-only projections (peers keep bf16)")
-    p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="auto",
-                   help="our draft model's weight format, as --weights is the target's (default auto)")
+    p.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default=CHEAPEST,
+                   help="our draft model's weight format, as --weights is the target's; cheapest (default, as "
+                        "generate's) = q4_1 on our kernels, else auto")
     add_kv_arguments(p)
 
 

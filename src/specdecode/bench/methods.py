@@ -29,10 +29,13 @@ from specdecode.sampling import SamplingParams
 # The n-gram drafter given each prompt's prediction (prompt files' "prediction"; other methods never see it).
 PREDICTION_FAMILY = "prediction"
 OUR_FAMILIES = registry.names() + (PREDICTION_FAMILY,)  # our engine with each drafter ("none": plain decoding)
-PEER_FAMILIES = ("hf", "hf-assisted", "hf-lookup", "llamacpp", "llamacpp-lookup")
+# llama.cpp's own llama-server (``specdecode peers build``): plain, with the draft model, with n-gram lookup.
+SERVER_PEERS = ("llamacpp-server", "llamacpp-server-draft", "llamacpp-server-lookup")
+PEER_FAMILIES = ("hf", "hf-assisted", "hf-lookup", "llamacpp", "llamacpp-lookup", *SERVER_PEERS)
 FAMILIES = OUR_FAMILIES + PEER_FAMILIES
 # Families that need a separate draft model (--draft-model).
-DRAFT_MODEL_FAMILIES = (*registry.names_where(lambda spec: bool(spec.needs & Needs.DRAFT_MODEL)), "hf-assisted")
+DRAFT_MODEL_FAMILIES = (*registry.names_where(lambda spec: bool(spec.needs & Needs.DRAFT_MODEL)), "hf-assisted",
+                        "llamacpp-server-draft")
 
 _HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "mistral": ("MistralConfig", "MistralForCausalLM")}
@@ -80,6 +83,7 @@ class Method:
         predicts: it is handed each prompt's prediction (the ``prediction`` family).
         learns: its drafter keeps what earlier requests generated (``DrafterSpec.learns``), so its timed runs see
             the outputs of the prompts before them (and of earlier repeats).
+        close: releases what the method holds outside this process (a peer's server), or None.
     """
 
     name: str
@@ -98,6 +102,7 @@ class Method:
     draft_weights: str | None = None
     predicts: bool = False
     learns: bool = False
+    close: Callable[[], None] | None = None
 
     @property
     def kind(self) -> str:
@@ -339,3 +344,35 @@ def llamacpp_method(family: str, gguf_path: str | Path, eos_token_ids: frozenset
 
     return Method(family, family, run, lookup_tokens if family == "llamacpp-lookup" else None, params,
                   kernel="llama.cpp", dtype="gguf", weights="gguf")
+
+
+def llamacpp_server_method(family: str, gguf_path: str | Path, sampling: SamplingParams, max_new_tokens: int,
+                           n_ctx: int, draft_path: str | Path | None = None, draft_max: int = 16) -> Method:
+    """llama.cpp's own llama-server on the same GGUF (``bench/llamacpp_server.py``), one request at a time:
+    plain (``llamacpp-server``), drafted by ``draft_path`` (``-draft``) or by n-gram lookup (``-lookup``), at
+    most ``draft_max`` tokens a step. Its tokens/s is wall time around each HTTP call, as ours is around
+    each call; ``close`` stops the server.
+
+    Raises:
+        llamacpp_tools.PeerMissing: llama-server is not built here (the message names the build command).
+    """
+    from specdecode.bench.llamacpp_server import LOOKUP_TYPE, LlamaServer, ServerOptions
+
+    lookup = family.endswith("-lookup")
+    options = ServerOptions(Path(gguf_path), torch.get_num_threads(), ctx=n_ctx,
+                            draft=Path(draft_path) if family.endswith("-draft") else None, lookup=lookup,
+                            draft_max=draft_max)
+    server = LlamaServer(options)
+
+    def run(prompt_ids: list[int], seed: int) -> Output:
+        start = time.perf_counter()
+        reply = server.complete(prompt_ids, max_new_tokens, sampling, seed)
+        seconds = time.perf_counter() - start
+        finish = "eos" if reply.get("stop_type") == "eos" else "length"
+        return Output([int(t) for t in reply.get("tokens", [])], seconds, None, finish)
+
+    params: dict[str, Any] = {"n_threads": options.threads}
+    if options.draft is not None or lookup:
+        params.update(draft_max=draft_max, **({"spec_type": LOOKUP_TYPE} if lookup else {}))
+    return Method(family, family, run, draft_max if (options.draft is not None or lookup) else None, params,
+                  kernel="llama.cpp", dtype="gguf", weights="gguf", close=server.close)

@@ -167,7 +167,9 @@ def aggregate(samples: Sequence[Any], method_names: Sequence[str], categories: S
         mine = [s for s in samples if s.method == name]
         ours = name.partition("@")[0].partition(":")[0] in OUR_FAMILIES
         plain = plain_of(name) if ours else (plains[0] if plains else "none")
-        baselines = {"hf": tps.get("hf"), "none": tps.get(plain), "llamacpp": tps.get("llamacpp")}
+        # llama.cpp's plain decoding: its own server where it ran (C++ per token), else llama-cpp-python's
+        baselines = {"hf": tps.get("hf"), "none": tps.get(plain),
+                     "llamacpp": tps.get("llamacpp-server") or tps.get("llamacpp")}
         ref = outputs.get(plain) if identity and name != plain else None
         overall = figures(mine, tps.get(name, {}), baselines, all_ids, ref)
         by_category = {}

@@ -22,15 +22,18 @@ import torch
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.config import MAX_GAMMA
 from specdecode.control.records import record_json
-from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, PREDICTION_FAMILY, Method, Output,
-                                      build_hf_model, dtype_name, engine_method, hf_method, llamacpp_available,
-                                      llamacpp_method, method_name, plain_of)
+from specdecode.bench.llamacpp_tools import PeerMissing
+from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, PREDICTION_FAMILY, SERVER_PEERS,
+                                      Method, Output, build_hf_model, dtype_name, engine_method, hf_method,
+                                      llamacpp_available, llamacpp_method, llamacpp_server_method, method_name,
+                                      plain_of)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
 from specdecode.drafters import TREE_WIDTH, Needs, registry
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import shipped_head
 from specdecode.kv.cache import CacheConfig
-from specdecode.models.build import LoadedModel, check_weights, cpu_has_fast_bf16, from_checkpoint, resolve_dtype
+from specdecode.models.build import (CHEAPEST, DRAFT_WEIGHTS, LoadedModel, check_weights, cpu_has_fast_bf16,
+                                     draft_format, from_checkpoint, resolve_dtype)
 from specdecode.models.loader import load_checkpoint
 from specdecode.models.native import cpu_flags, cpu_model
 from specdecode.models.backends import resolve_backend
@@ -77,7 +80,8 @@ class BenchConfig:
         tree_width: children per expanded node of the draft-tree and eagle-tree methods.
         weights: the target's weight formats (``--weights``); each one runs our methods on its own copy of
             the target, named ``method@format`` when there is more than one, and checked against its own ``none``.
-        draft_weights: the draft model's weight format.
+        draft_weights: the draft model's weight format: "cheapest" (``build.draft_format``, as ``generate``'s
+            default) or one of WEIGHT_FORMATS.
     """
 
     model: str
@@ -104,7 +108,7 @@ class BenchConfig:
     draft_vocab: int | None = None
     tree_width: int = TREE_WIDTH
     weights: tuple[str, ...] = ("auto",)
-    draft_weights: str = "auto"
+    draft_weights: str = CHEAPEST
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES]
@@ -114,9 +118,9 @@ class BenchConfig:
             raise ValueError("--gammas: give at least one gamma")
         if self.draft_quant != "none" and not self.draft_model:
             raise ValueError(f"--draft-quant {self.draft_quant} needs --draft-model NAME|PATH")
-        if self.draft_weights != "auto" and not self.draft_model:
+        if self.draft_weights != CHEAPEST and not self.draft_model:
             raise ValueError(f"--draft-weights {self.draft_weights} needs --draft-model NAME|PATH")
-        if self.draft_quant != "none" and self.draft_weights != "auto":
+        if self.draft_quant != "none" and self.draft_weights != CHEAPEST:
             raise ValueError("--draft-quant int8 and --draft-weights both set the draft model's weights; give one")
         for g in self.gammas:
             if g not in GAMMA_POLICIES and not (isinstance(g, int) and 1 <= g <= MAX_GAMMA):
@@ -127,7 +131,8 @@ class BenchConfig:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
         if not self.temperature >= 0.0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
-        bad = [w for w in (*self.weights, self.draft_weights) if w not in WEIGHT_FORMATS]
+        bad = [w for w in self.weights if w not in WEIGHT_FORMATS] + \
+            [w for w in (self.draft_weights,) if w not in DRAFT_WEIGHTS]
         if bad or not self.weights or len(set(self.weights)) != len(self.weights):
             raise ValueError(f"--weights: expected distinct formats among {', '.join(WEIGHT_FORMATS)}, got "
                              f"{list(self.weights)} (draft {self.draft_weights})")
@@ -274,7 +279,8 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
     torch_dtype = resolve_dtype(config.dtype)
     hf_dtype = peer_dtype(config.dtype, torch_dtype)
     backend = resolve_backend(config.linear, torch_dtype, torch.device("cpu"), log)  # refuse before loading
-    for weights in (*config.weights, *((config.draft_weights,) if config.draft_model else ())):
+    draft_weights = draft_format(config.draft_weights, backend) if config.draft_quant == "none" else "auto"
+    for weights in (*config.weights, *((draft_weights,) if config.draft_model else ())):
         check_weights(weights, backend)
     wants_hf = transformers_available() and any(f.startswith("hf") for f in config.families)
     hf_error = None
@@ -298,8 +304,8 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
     draft = hf_draft = None
     if config.draft_model and any(f in DRAFT_MODEL_FAMILIES for f in config.families):
         drafts, hf_draft = load(config.draft_model, "draft model", "hf-assisted" in config.families,
-                                (config.draft_weights,), config.draft_quant)
-        draft = drafts[config.draft_weights]
+                                (draft_weights,), config.draft_quant)
+        draft = drafts[draft_weights]
         check_draft_pair(targets[config.weights[0]], draft)
     return _Loaded(targets[config.weights[0]], targets, draft, hf_target, hf_draft, hf_error, torch_dtype, hf_dtype)
 
@@ -374,7 +380,20 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int, log: Lo
             else:
                 methods.append(hf_method("hf-lookup", loaded.hf_target, eos, sampling, config.max_new_tokens,
                                          lookup_tokens=lookup_k, lookup_ngram=config.ngram_sizes[1]))
-        else:  # llama.cpp
+        elif family in SERVER_PEERS:  # llama.cpp's own server
+            if not target.source.endswith(".gguf") or (family.endswith("-draft") and not (
+                    loaded.draft and loaded.draft.source.endswith(".gguf"))):
+                skipped.append((family, "needs GGUF models (--model and, drafted, --draft-model NAME or a .gguf path)"))
+                continue
+            try:
+                methods.append(llamacpp_server_method(family, target.source, sampling, config.max_new_tokens,
+                                                      budget_ctx, loaded.draft.source if loaded.draft else None,
+                                                      draft_max=max(config.int_gammas, default=16)))
+            except PeerMissing as exc:
+                skipped.append((family, str(exc)))
+            except RuntimeError as exc:
+                failed[family] = str(exc)
+        else:  # llama-cpp-python
             if not llamacpp_available():
                 skipped.append((family, "llama-cpp-python is not installed"))
                 continue
@@ -544,7 +563,19 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
                    // 256) * 256
     methods, skipped, failed, notes = build_methods(config, loaded, budget_ctx, log,
                                                     any(p.prediction for p in prompts))
-    load_s = time.perf_counter() - t_load
+    try:
+        return _run_methods(config, prompts, loaded, rendered, longest, methods, skipped, failed, notes,
+                            time.perf_counter() - t_load, log, stream, progress)
+    finally:
+        for method in methods:
+            if method.close is not None:
+                method.close()
+
+
+def _run_methods(config: BenchConfig, prompts: list[Prompt], loaded: _Loaded, rendered: dict[str, list[int]],
+                 longest: Prompt, methods: list[Method], skipped: list, failed: dict[str, str], notes: list[str],
+                 load_s: float, log: Log, stream: TextIO, progress: bool) -> RunResult:
+    """Warms up and times every method on every prompt (the methods built by ``run_bench``)."""
     rss_after_load = current_rss_mb()
     if not config.greedy:
         notes.append(f"temperature {config.temperature} > 0: outputs are sampled (seed {config.seed} + prompt index), "

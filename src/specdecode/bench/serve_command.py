@@ -37,6 +37,8 @@ from specdecode.argtypes import positive_int
 from specdecode.bench.library import Library
 from specdecode.bench.load import run_level, summarize
 from specdecode.bench.prompts import default_prompts, packaged_prompts, select
+from specdecode.bench import llamacpp_tools
+from specdecode.bench.llamacpp_server import ServerOptions
 from specdecode.drafters import registry
 from specdecode.flags import add_model_arguments
 from specdecode.models.native import cpu_flags, cpu_model
@@ -45,7 +47,10 @@ from specdecode.target import TargetConfig
 
 # Drafters a server runs on the target alone (the heads: the shipped ones).
 SERVED_DRAFTERS = registry.names_where(lambda spec: spec.self_contained)
-PEERS = ("llamacpp",)  # llama-cpp-python's server (`pip install 'llama-cpp-python[server]'`), a GGUF model only
+# llama-cpp-python's server (`pip install 'llama-cpp-python[server]'`, one request at a time) and llama.cpp's own
+# llama-server with --max-running slots (`specdecode peers build`): a GGUF model only.
+PEERS = ("llamacpp", "llamacpp-server")
+PEER_READY = {"llamacpp": "/v1/models", "llamacpp-server": "/health"}
 METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
 
 
@@ -89,7 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", type=_methods, default=_methods("none,ngram:adaptive"),
                    help="comma list: none (plain decoding, always run), DRAFTER:GAMMA for DRAFTER in "
                         f"{', '.join(SERVED_DRAFTERS)}, either prefixed by rayN: (served by N replicas on Ray Serve, "
-                        "sharing the cores), and the peer llamacpp (llama-cpp-python's server on the same GGUF) "
+                        "sharing the cores), and the peers llamacpp (llama-cpp-python's server on the same GGUF) "
+                        "and llamacpp-server (llama.cpp's own, --max-running slots; `specdecode peers build`) "
                         "(default none,ngram:adaptive)")
     p.add_argument("--concurrency", type=_levels, default=_levels("1,2,4,8"),
                    help="concurrent clients per level (default 1,2,4,8)")
@@ -253,25 +259,29 @@ def _server_flags(method: str, config: BenchServeConfig, max_running: int) -> li
     return flags
 
 
-def _peer_command(config: BenchServeConfig) -> list[str]:
-    """The command line of llama-cpp-python's OpenAI server on the GGUF ``--model`` names, with the servers'
-    thread count and context; refused with the reason where it cannot run."""
+def _peer_command(name: str, config: BenchServeConfig, max_running: int) -> list[str]:
+    """The command line of peer ``name`` on the GGUF ``--model`` names, with the servers' thread count and context
+    (llama-server: ``max_running`` slots of it); refused with the reason where it cannot run."""
     import importlib.util
 
-    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("sse_starlette") is None:
-        raise ValueError("--methods llamacpp needs llama-cpp-python's server: pip install 'llama-cpp-python[server]'")
     from specdecode.models import registry
     from specdecode.models.fetch import fetch
 
+    if name == "llamacpp" and (importlib.util.find_spec("llama_cpp") is None
+                               or importlib.util.find_spec("sse_starlette") is None):
+        raise ValueError("--methods llamacpp needs llama-cpp-python's server: pip install 'llama-cpp-python[server]'")
+    binary = llamacpp_tools.require("llama-server") if name == "llamacpp-server" else None  # names the build command
     try:
         path = str(fetch(registry.get(config.model)))
     except registry.UnknownModelError:
         path = config.model
     if not path.endswith(".gguf"):
-        raise ValueError(f"--methods llamacpp needs a GGUF model; {config.model!r} is not one")
-    threads = str(config.threads or os.cpu_count())
+        raise ValueError(f"--methods {name} needs a GGUF model; {config.model!r} is not one")
+    threads = config.threads or os.cpu_count() or 1
+    if binary is not None:
+        return ServerOptions(Path(path), threads, ctx=4096, slots=max_running).command(binary, "{port}")
     return [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "m", "--host", "127.0.0.1",
-            "--port", "{port}", "--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads,
+            "--port", "{port}", "--n_ctx", "4096", "--n_threads", str(threads), "--n_threads_batch", str(threads),
             "--interrupt_requests", "False"]  # its default cuts a running stream short when the next request comes
 
 
@@ -310,9 +320,9 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
         prompts = load_prompts(path) if path.exists() else packaged_prompts([config.workload])
     else:
         prompts = select(load_prompts(config.prompts) if config.prompts else default_prompts(), limit=config.limit)
-    peer = _peer_command(config) if any(m in PEERS for m in config.methods) else None  # checked before any server starts
-    servers = [Server(m, [], peer, ready="/v1/models") if m in PEERS else Server(m, _server_flags(m, config, max_running))
-               for m in config.methods]
+    peers = {m: _peer_command(m, config, max_running) for m in config.methods if m in PEERS}  # before any starts
+    servers = [Server(m, [], peers[m], ready=PEER_READY[m]) if m in PEERS
+               else Server(m, _server_flags(m, config, max_running)) for m in config.methods]
     library = None
     try:  # the servers started above are stopped whatever fails from here on
         if config.library:
@@ -413,8 +423,9 @@ def _write(report: dict[str, Any], out: Path, log: Callable[[str], None]) -> Non
              f"CPU: {s['cpu']}, flags {', '.join(s['flags'])}; {os.cpu_count()} cores; {s['max_tokens']} tokens per "
              f"request, greedy, {s['repeats']} repeat(s) (medians). Single-stream plain decoding: "
              f"{s['single_stream_tokens_per_s']:.1f} tok/s, step (ITL p50) {1e3 * s['single_stream_step_s']:.1f} ms."
-             + (" The llamacpp row is llama-cpp-python's server on the same GGUF (one request at a time); its answers "
-                "may differ from ours at near-ties, so its identity is informational." if any(
+             + (" Peer rows: llamacpp is llama-cpp-python's server (one request at a time), llamacpp-server "
+                "llama.cpp's own with --max-running slots, both on the same GGUF; their answers may differ from ours "
+                "at near-ties, so their identity is informational." if any(
                     r["method"] in PEERS for r in s["rows"]) else ""), "",
              "| method | concurrency | tok/s | library tok/s | vs library | vs plain | vs single-stream plain | TTFT p50 | "
              "ITL p50 | ITL p99 | ITL p99 / step | identical to plain |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -68,7 +68,9 @@ def pack_projections(model, backend: Backend, weights: str, source: WeightSource
         if bias is not None and source is not None:  # the checkpoint's fp32 biases, not the bf16 copies
             bias = torch.cat([source.tensors[f"{p}.bias"] for p in parts])
         if source is None:
-            return backend.linear(layer.weight, bias) if fmt == "bf16" else backend.block_linear(quantize(layer.weight, fmt), bias)
+            if fmt == "bf16":
+                return backend.linear(layer.weight, bias)
+            return backend.block_linear(quantize(layer.weight, fmt), bias)
         # one projection's weights read from the checkpoint at a time: the model's own may never have been filled
         if fmt == "bf16":
             return backend.linear(torch.cat([source.float(f"{p}.weight", model.dtype) for p in parts]), bias)

@@ -1,0 +1,135 @@
+"""llama.cpp's ``llama-server`` (built by ``llamacpp_tools``) as a peer: started on a free loopback port with the
+same GGUF and threads, asked for completions of token ids over HTTP, stopped afterwards. ``bench`` runs it
+one request at a time for llama.cpp's plain decoding (``llamacpp-server``), its speculative decoding with the
+same draft model (``llamacpp-server-draft``) and its n-gram lookup (``llamacpp-server-lookup``,
+``--spec-type ngram-simple``); ``bench-serve`` runs it with ``--parallel`` slots.
+
+It does not build the server (``llamacpp_tools.py``) or aggregate timings (``runner.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from specdecode.bench import llamacpp_tools
+from specdecode.sampling import SamplingParams
+
+LOOKUP_TYPE = "ngram-simple"  # llama.cpp's prompt lookup among its --spec-type choices
+READY_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How a llama-server peer runs.
+
+    Args:
+        model: the target GGUF file.
+        threads: threads for generation and for prompt processing.
+        ctx: context tokens per slot.
+        slots: parallel slots (``--parallel``; continuous batching).
+        draft: a draft model's GGUF file (speculative decoding), or None.
+        lookup: draft with llama.cpp's n-gram prompt lookup (``LOOKUP_TYPE``).
+        draft_max: most tokens drafted per step, with ``draft`` or ``lookup``.
+    """
+
+    model: Path
+    threads: int
+    ctx: int = 4096
+    slots: int = 1
+    draft: Path | None = None
+    lookup: bool = False
+    draft_max: int = 16
+
+    def command(self, binary: Path, port: str) -> list[str]:
+        """llama-server's command line listening on ``port`` (a number, or a placeholder another runner fills)."""
+        cmd = [str(binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", port, "-t", str(self.threads),
+               "-tb", str(self.threads), "-c", str(self.ctx * self.slots), "--parallel", str(self.slots),
+               "--no-webui", "--log-disable"]
+        if self.draft is not None:
+            cmd += ["-md", str(self.draft), "--spec-draft-n-max", str(self.draft_max), "-td", str(self.threads)]
+        if self.lookup:
+            cmd += ["--spec-type", LOOKUP_TYPE, "--spec-ngram-mod-n-max", str(self.draft_max)]
+        return cmd
+
+
+class LlamaServer:
+    """A running llama-server child process; a context manager that stops it (and its log) on exit.
+
+    Raises (on start):
+        llamacpp_tools.PeerMissing: llama-server has not been built here.
+        RuntimeError: it exited or did not become ready within READY_TIMEOUT_S (its log's last lines named).
+    """
+
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = options.command(llamacpp_tools.require("llama-server"), str(self.port))
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "LlamaServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._log.close()
+
+    def log_tail(self, lines: int = 12) -> str:
+        self._log.seek(0)
+        return "\n".join(self._log.read().splitlines()[-lines:])
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with code {self._proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"llama-server was not ready after {READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def complete(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                 seed: int) -> dict[str, Any]:
+        """One /completion of ``prompt_ids``: its reply (``tokens``, ``stop_type``, ``timings``); the prompt is
+        processed afresh (no prompt cache), as our bench's calls are."""
+        body = {"prompt": list(prompt_ids), "n_predict": max_new_tokens, "return_tokens": True,
+                "cache_prompt": False, "seed": seed, "temperature": 0.0 if sampling.greedy else sampling.temperature,
+                "top_k": sampling.top_k or 0, "top_p": sampling.top_p, "min_p": 0.0, "repeat_penalty": 1.0}
+        request = urllib.request.Request(f"{self.url}/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            return json.loads(reply.read())
