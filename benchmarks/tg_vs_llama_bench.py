@@ -1,0 +1,81 @@
+"""Plain token generation, ours against llama.cpp's own `llama-bench` on the same GGUF and threads, side by
+side in one run: llama-bench's tg N (its mean over `-r` runs of N tokens from an empty context) and ours the
+same way (N greedy decode steps after a one-token prompt, no end-of-sequence stop, the fastest of the same
+number of runs... and the median, both printed), rounds interleaved.
+
+    python benchmarks/tg_vs_llama_bench.py --model smollm2-135m-instruct --tokens 128 --rounds 3
+    python benchmarks/tg_vs_llama_bench.py --model qwen2.5-coder-1.5b-instruct --tokens 64 --rounds 3
+
+Needs the peers (`specdecode peers build`). Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+import torch
+
+from specdecode.bench.llamacpp_tools import require
+from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import load_model
+from specdecode.models.fetch import fetch
+from specdecode.models.registry import UnknownModelError, get
+from specdecode.models.rows import LogitRows
+
+
+def llama_bench(binary: str, gguf: str, threads: int, tokens: int, runs: int) -> float:
+    """llama-bench's tg tokens/s (its own average over ``runs``)."""
+    out = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", str(runs),
+                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+@torch.inference_mode()
+def ours(model, tokens: int) -> float:
+    """Our tokens/s over ``tokens`` greedy decode steps after a one-token prompt (one sequence, 2 threads)."""
+    cache = model.new_cache(CacheConfig(max_len=tokens + 16))
+    token = torch.tensor([1])
+    model.forward_rows(token, cache, (0,), (1,), logits=LogitRows.LAST)  # the prompt
+    start = time.perf_counter()
+    for _ in range(tokens):
+        logits = model.forward_rows(token, cache, (0,), (1,), logits=LogitRows.LAST).logits
+        token = logits.argmax(-1)
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    try:
+        gguf = str(fetch(get(args.model)))
+    except UnknownModelError:
+        gguf = args.model
+    binary = str(require("llama-bench"))
+    model = load_model(gguf).model
+    ours(model, 8)  # one-time costs out of the rounds
+    rows = []
+    for _ in range(args.rounds):
+        theirs = llama_bench(binary, gguf, args.threads, args.tokens, 3)
+        mine = statistics.median(ours(model, args.tokens) for _ in range(3))
+        rows.append({"ours": mine, "llama_bench": theirs, "ratio": mine / theirs})
+    ratio = statistics.median(r["ratio"] for r in rows)
+    print(f"{'round':>5} {'ours tok/s':>11} {'llama-bench':>12} {'ratio':>6}")
+    for i, r in enumerate(rows):
+        print(f"{i:5d} {r['ours']:11.1f} {r['llama_bench']:12.1f} {r['ratio']:6.2f}")
+    print(f"median ratio {ratio:.2f} ({model.weight_format} on {model.backend.name}, {args.threads} threads, "
+          f"tg{args.tokens})")
+    print(json.dumps({"model": args.model, "tokens": args.tokens, "threads": args.threads, "rounds": rows,
+                      "median_ratio": ratio, "weights": model.weight_format, "kernel": model.backend.name}))
+
+
+if __name__ == "__main__":
+    main()
