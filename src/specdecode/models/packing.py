@@ -82,7 +82,10 @@ def pack_projections(model, backend: Backend, weights: str, source: WeightSource
 def swap_projections(model, make: Callable[[nn.Module, list[str], bool], nn.Module],
                      log: Callable[[str], None] | None = None) -> None:
     """Replaces each projection of ``model`` by ``make(layer, its checkpoint names, is the output head)``,
-    telling ``log`` after each quarter of the layers."""
+    telling ``log`` after each quarter of the layers. The output head goes first: its temporaries (a 150k-row
+    head's codes beside its packed copy) then come while little else is resident, which bounds the peak."""
+    head = model.lm_head or _HeadView(model.embed.weight)
+    model.head_layer, model.lm_head = make(head, [head_part(model.config)], True), None
     n = len(model.layers)
     marks = {max(1, n * q // 4) for q in (1, 2, 3)}
     for i, block in enumerate(model.layers):
@@ -90,8 +93,6 @@ def swap_projections(model, make: Callable[[nn.Module, list[str], bool], nn.Modu
             setattr(block, name, make(getattr(block, name), parts, False))
         if log is not None and i + 1 in marks:
             log(f"packed {i + 1}/{n} layers")
-    head = model.lm_head or _HeadView(model.embed.weight)
-    model.head_layer, model.lm_head = make(head, [head_part(model.config)], True), None
 
 
 def int8_projections(model) -> None:
