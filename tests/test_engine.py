@@ -557,3 +557,29 @@ def test_row_padding_is_tuned_and_changes_no_output(target, models, plain):
     engine.batch.padding.table = {n: 8 for n in range(1, 9)}  # the most padding there is: still the same tokens
     for p in PROMPTS:
         assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512", "tiled"])
+def test_a_qwen3_model_speculates_exactly_on_our_kernels(path):
+    """Qwen3's per-head query/key norms inside the fused layer: greedy n-gram and layer-skip speculation give
+    plain decoding's tokens, alone and batched."""
+    import torch
+    from kernel_paths import require_path
+    from tiny_models import tiny_model
+
+    from specdecode.batch.executor import BatchEngine
+    from specdecode.batch.scheduler import SchedulerConfig
+
+    require_path(path)
+    model = tiny_model("qwen3", seed=2, dtype=torch.bfloat16, num_layers=3)
+    model.pack_weights(path, weights="q8_0")
+    prompts = [[5, 9, 2, 5, 9, 2, 7], [11, 3, 3, 8, 1, 11, 3]]
+    plain = [Engine(model).generate(p, max_new_tokens=24).token_ids for p in prompts]
+    assert len({tuple(ids) for ids in plain}) == 2
+    for drafter in (lambda: NgramDrafter(max_ngram=3, min_ngram=1), lambda: LayerSkipDrafter(model, [1])):
+        spec = SpeculativeConfig(gamma=3)
+        assert [Engine(model, drafter=drafter(), spec=spec).generate(p, max_new_tokens=24).token_ids
+                for p in prompts] == plain
+        batch = BatchEngine(model, new_drafter=drafter, spec=spec, scheduler=SchedulerConfig(max_running=2))
+        results = batch.run([dict(prompt=p, max_new_tokens=24, eos_token_ids=()) for p in prompts])
+        assert [r.token_ids for r in results] == plain

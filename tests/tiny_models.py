@@ -27,7 +27,7 @@ def tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
 _GLOBAL = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 _PER_LAYER = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight",
               "down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight", "q_proj.bias",
-              "k_proj.bias", "v_proj.bias")
+              "k_proj.bias", "v_proj.bias", "q_norm.weight", "k_norm.weight")
 
 
 def _draw_rank(name: str) -> tuple[int, int]:

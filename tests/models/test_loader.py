@@ -41,6 +41,7 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     ("llama", {"num_kv_heads": 4, "tie_word_embeddings": False}),
     ("qwen2", {}),
     ("qwen2", {"tie_word_embeddings": True, "head_dim": 32}),
+    ("qwen3", {"tie_word_embeddings": True}),
 ])
 def test_gguf_round_trip(tmp_path: Path, arch: str, overrides: dict) -> None:
     config = tiny_config(arch, **overrides)
@@ -308,3 +309,47 @@ def test_corrupt_safetensors_and_index_are_named(tmp_path):
     (folder / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(LoadError, match="weight_map"):
         load_hf_dir(folder)
+
+
+def llama_cpp_rope_factors(head_dim: int, theta: float, factor: float, low: float, high: float,
+                           old_context: int) -> np.ndarray:
+    """``rope_freqs.weight`` as llama.cpp's converter writes it for a Llama 3.x model (each frequency's divisor)."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_context / high:
+            out.append(1.0)
+        elif wavelen > old_context / low:
+            out.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama3_rope_factors_in_a_gguf_scale_rope_as_transformers_llama3_does(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = tiny_config("llama", rope_theta=500.0, num_heads=4, head_dim=16, tie_word_embeddings=False)
+    tensors = random_tensors(config, seed=4)
+    tensors = {k: (v * 0.1 if "norm" not in k else torch.ones_like(v)) for k, v in tensors.items()}
+    factors = llama_cpp_rope_factors(16, 500.0, 8.0, 1.0, 4.0, 32)
+    assert len(set(factors.tolist())) > 2  # kept, smoothed and scaled bands all present
+    path = write_gguf(tmp_path / "l3.gguf", config, tensors, extra={"rope_freqs.weight": factors})
+    ckpt = load_checkpoint(str(path))
+    assert ckpt.config.rope_scaling["rope_type"] == "freq_factors" and "rope_freqs.weight" not in ckpt.tensors
+    from specdecode.kv.cache import CacheConfig
+    from specdecode.models.transformer import Transformer
+
+    ours = Transformer.from_hf_tensors(ckpt.config, dict(ckpt.tensors))
+    hf_config = dataclasses.replace(config, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config.to_hf())).eval()
+    hf.load_state_dict(tensors, strict=False)
+    ids = torch.randint(0, config.vocab_size, (1, 80), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits.float()
+    got = ours(ids, ours.new_cache(CacheConfig(max_len=80))).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    plain = Transformer.from_hf_tensors(config, tensors)  # without the factors: measurably other logits
+    assert (plain(ids, plain.new_cache(CacheConfig(max_len=80))).logits - want).abs().max() > 1e-2

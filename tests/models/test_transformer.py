@@ -26,8 +26,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PARITY_ATOL = 1e-4
 STEP_ATOL = 1e-4  # our own paths (full vs incremental) differ only by summation order (and thread count)
 
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-HF_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "mistral": "MistralForCausalLM"}
+HF_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
@@ -79,6 +80,8 @@ def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
     ("llama", {"num_kv_heads": 4}),  # plain multi-head attention
     ("llama", {"tie_word_embeddings": False}),
     ("qwen2", {}),
+    ("qwen3", {}),  # per-head query/key RMSNorm
+    ("qwen3", {"tie_word_embeddings": True}),
     ("mistral", {}),
 ])
 def test_logits_match_transformers(arch, overrides):
@@ -233,7 +236,7 @@ def test_model_config_validation(overrides, message):
         ModelConfig(**fields)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_config_round_trips_through_hf_dict(arch):
     config = tiny_config(arch, rope_scaling=dict(LINEAR), sliding_window=64 if arch == "mistral" else None)
     back = ModelConfig.from_hf(config.to_hf())

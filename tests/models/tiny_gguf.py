@@ -21,7 +21,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 
@@ -99,9 +100,10 @@ def k_quant_blocks(qtype: gguf.GGMLQuantizationType, shape: tuple[int, int], see
 
 def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor],
                qtypes: dict[str, gguf.GGMLQuantizationType] | None = None, arch: str | None = None,
-               metadata: dict | None = None) -> Path:
+               metadata: dict | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
     """Writes ``tensors`` (HF names) as llama.cpp would: GGUF names, Llama Q/K permuted, optional quantization
-    (Q4_K and Q6_K tensors get random blocks, not the tensor's values)."""
+    (Q4_K and Q6_K tensors get random blocks, not the tensor's values); ``extra`` float32 tensors under their
+    GGUF names (``rope_freqs.weight``)."""
     arch = arch or config.arch
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_layers)
@@ -137,6 +139,8 @@ def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor]
             w.add_tensor(gguf_name(name), k_quant_blocks(qtype, data.shape, seed=len(name)), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
+    for name, data in (extra or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -38,7 +38,7 @@ DRAFT_MODEL_FAMILIES = (*registry.names_where(lambda spec: bool(spec.needs & Nee
                         "llamacpp-server-draft")
 
 _HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-               "mistral": ("MistralConfig", "MistralForCausalLM")}
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 
 @dataclass

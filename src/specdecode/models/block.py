@@ -1,4 +1,5 @@
-"""One pre-norm decoder layer of the Llama/Qwen2/Mistral family as torch modules: attention with GQA, then a
+"""One pre-norm decoder layer of the Llama/Qwen2/Qwen3/Mistral family as torch modules: attention with GQA (Qwen3's
+per-head query/key RMSNorm before RoPE), then a
 SwiGLU MLP, with q/k/v fused into one projection and gate/up into another (on a CPU the per-call overhead
 of small matmuls dominates small models).
 
@@ -41,6 +42,9 @@ class Block(nn.Module):
         self.wqkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.attention_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.mlp_norm = nn.Parameter(torch.ones(c.hidden_size))
+        # Qwen3: an RMSNorm over each query and key head before RoPE
+        self.q_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.attention_ops: ModuleType | None = None  # our compiled attention, set by a backend (``native``)
@@ -66,7 +70,12 @@ class Block(nn.Module):
         b, t, _ = x.shape
         h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
         qkv = self.wqkv(h).view(b, t, self.heads + 2 * self.kv_heads, self.head_dim)  # [B, T, H + 2 Hkv, D]
-        qk = apply_rope(qkv[:, :, :self.heads + self.kv_heads], cos, sin)  # queries and keys in one go
+        qk = qkv[:, :, :self.heads + self.kv_heads]
+        if self.q_norm is not None:
+            d = (self.head_dim,)
+            qk = torch.cat([F.rms_norm(qk[:, :, :self.heads], d, self.q_norm, self.eps),
+                            F.rms_norm(qk[:, :, self.heads:], d, self.k_norm, self.eps)], dim=2)
+        qk = apply_rope(qk, cos, sin)  # queries and keys in one go
         q = qk[:, :, :self.heads].transpose(1, 2)  # [B, H, T, D]
         k = qk[:, :, self.heads:].transpose(1, 2)  # [B, Hkv, T, D]
         return q, k, qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)

@@ -1,4 +1,4 @@
-"""Architecture description of a Llama/Qwen2/Mistral-family decoder.
+"""Architecture description of a Llama/Qwen2/Qwen3/Mistral-family decoder.
 
 One dataclass that every loader (GGUF, HF folder, hub id) fills in and the decoder in
 `transformer.py` reads. It does not hold weights or tokenizer data.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class ModelConfig:
         num_kv_heads: key/value heads (GQA when fewer than num_heads).
         head_dim: width of one head.
         rope_theta: RoPE base frequency.
-        rope_scaling: HF-style scaling dict (``rope_type`` linear or llama3) or None.
+        rope_scaling: HF-style scaling dict (``rope_type`` linear or llama3) or None; a GGUF's per-frequency
+            divisors (``rope_freqs.weight``) as ``{"rope_type": "freq_factors", "factors": [...]}``.
         rms_norm_eps: epsilon of every RMSNorm.
         tie_word_embeddings: output head shares the embedding matrix.
         attention_bias: q/k/v projections carry a bias (Qwen2).
@@ -49,6 +50,11 @@ class ModelConfig:
     attention_bias: bool = False
     max_position_embeddings: int = 4096
     sliding_window: int | None = None
+
+    @property
+    def qk_norm(self) -> bool:
+        """Queries and keys get a per-head RMSNorm before RoPE (Qwen3's ``q_norm`` / ``k_norm``)."""
+        return self.arch == "qwen3"
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -101,7 +107,7 @@ class ModelConfig:
         return {
             "model_type": self.arch,
             "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                               "qwen2": "Qwen2ForCausalLM"}[self.arch]],
+                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.arch]],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -148,4 +154,6 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if c.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})
     return shapes

@@ -30,7 +30,8 @@ from specdecode.models.weights import FORMAT_OF, BlockWeight, WeightSource, conv
 
 Progress = Callable[[str], None]
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ROPE_FACTORS = "rope_freqs.weight"  # a config value stored as a tensor, not a weight
 
 
 @dataclass
@@ -80,6 +81,8 @@ _GGUF_BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -119,8 +122,6 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
             raise LoadError(f"{path}: GGUF metadata lacks {arch}.{name}")
         return value
 
-    if "rope_freqs.weight" in gguf.tensors:
-        raise LoadError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported")
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", hidden // heads))
     rotary = int(key("rope.dimension_count", head_dim))
@@ -132,6 +133,13 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         rope_scaling = {"rope_type": scaling_type, "factor": _f32(key("rope.scaling.factor"))}
         if f"{arch}.rope.scaling.original_context_length" in meta:
             rope_scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
+    if ROPE_FACTORS in gguf.tensors:  # Llama 3.x: llama.cpp stores the scaled frequencies' divisors as a tensor
+        factors = gguf.tensors[ROPE_FACTORS]
+        if factors.shape != (head_dim // 2,):
+            raise LoadError(f"{path}: {ROPE_FACTORS} has shape {factors.shape}, expected ({head_dim // 2},)")
+        with open(path, "rb") as f:
+            values = dequantized(read_gguf_raw(f, factors), factors.qtype, factors.shape)
+        rope_scaling = {"rope_type": "freq_factors", "factors": [float(v) for v in values]}
     embd = gguf.tensors.get("token_embd.weight")
     if embd is None:
         raise LoadError(f"{path}: GGUF file has no token_embd.weight tensor")
@@ -174,12 +182,12 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
     Args:
         gguf: the parsed header.
         config: the architecture (its head counts undo the Q/K row order).
-        names: HF name of each GGUF tensor name.
+        names: HF name of each GGUF tensor name that is a weight (the others are not offered).
     """
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, names: dict[str, str]) -> None:
         self.path, self.config = gguf.path, config
-        self.infos = {names[i.name]: i for i in gguf.tensors.values()}
+        self.infos = {names[i.name]: i for i in gguf.tensors.values() if i.name in names}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.read(name, torch.float32)
@@ -255,10 +263,10 @@ def load_gguf(path: str | os.PathLike[str], progress: Progress | None = None) ->
     """
     gguf = read_gguf(path)
     config = gguf_config(gguf)
-    mapped = {name: hf_name(name) for name in gguf.tensors}
+    mapped = {name: hf_name(name) for name in gguf.tensors if name != ROPE_FACTORS}
     unknown = [name for name, hf in mapped.items() if hf is None]
     if unknown:
-        raise LoadError(f"{gguf.path}: tensors with no Llama/Qwen2 counterpart: {unknown[:8]}")
+        raise LoadError(f"{gguf.path}: tensors with no Llama/Qwen2/Qwen3 counterpart: {unknown[:8]}")
     tensors = GGUFTensors(gguf, config, {name: hf for name, hf in mapped.items() if hf is not None})
     check_tensors(config, tensors.shapes(), str(gguf.path))
     tokenizer = Tokenizer.from_gguf(gguf.path, metadata=gguf.metadata)

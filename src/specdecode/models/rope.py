@@ -31,6 +31,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv.float()
     if kind == "linear":
         return (inv / scaling["factor"]).float()
+    if kind == "freq_factors":  # llama.cpp's form of llama3 scaling: each frequency divided by its stored factor
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64, device="cpu")
+        if factors.shape != inv.shape:
+            raise ValueError(f"rope_scaling factors: {factors.numel()} values for {inv.numel()} frequencies")
+        return (inv / factors).float()
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -40,7 +45,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
         mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, "
+                     "freq_factors)")
 
 
 def rope_tables(inv_freq: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""A Llama/Qwen2/Mistral-family decoder that runs over a KV cache (:class:`~specdecode.kv.cache.Cache`): the
+"""A Llama/Qwen2/Qwen3/Mistral-family decoder that runs over a KV cache (:class:`~specdecode.kv.cache.Cache`): the
 model's maths, apart from how it runs.
 
 One forward takes any number of new tokens per sequence (prefill, one decode step, or a draft to verify),

@@ -43,6 +43,9 @@ def _reference_layer(block, x: torch.Tensor, past_k: torch.Tensor, past_v: torch
     """One layer in float64 over rows x [T, h] after past keys/values [Hkv, P, D] (bf16 values): (x', k, v)."""
     t, heads, kv, d = x.shape[0], block.heads, block.kv_heads, block.head_dim
     qkv = _project(block.wqkv, _rms(x, block.attn_norm, eps)).view(t, heads + 2 * kv, d)
+    if block.q_norm is not None:  # Qwen3: each query and key head normed before RoPE
+        qkv = torch.cat([_rms(qkv[:, :heads], block.q_norm, eps), _rms(qkv[:, heads:heads + kv], block.k_norm, eps),
+                         qkv[:, heads + kv:]], dim=1)
     angles = positions[:, None].double() * inv_freq.double()[None]  # [T, D/2]
     cos, sin = angles.cos()[:, None], angles.sin()[:, None]
     a, b = qkv[..., :d // 2], qkv[..., d // 2:]
@@ -64,9 +67,13 @@ def _reference_layer(block, x: torch.Tensor, past_k: torch.Tensor, past_v: torch
 
 @pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 @pytest.mark.parametrize("weights", FORMATS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
 def test_fused_layers_compute_the_float64_reference(path, weights, arch):
     model = tiny_model(arch, seed=3, dtype=torch.bfloat16)
+    if arch == "qwen3":  # norm weights far from 1, so that a skipped or misplaced norm shows
+        for block in model.layers:
+            block.q_norm.data.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(5))
+            block.k_norm.data.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(6))
     assert model.pack_weights(path, weights=weights).row_invariant
     assert model.runner.fused
     g = torch.Generator().manual_seed(9)

@@ -67,7 +67,8 @@ class NativeBackend:
 def fused_layer(ops: ModuleType, block: Block) -> Any:
     """``block`` as one kernel object (``native`` Layer) over its packed projections' weights."""
     return ops.Layer(block.wqkv.proj(), block.wo.proj(), block.w_gate_up.proj(), block.w_down.proj(),
-                     block.attn_norm, block.mlp_norm, block.eps, block.heads, block.kv_heads, block.head_dim)
+                     block.attn_norm, block.mlp_norm, block.eps, block.heads, block.kv_heads, block.head_dim,
+                     block.q_norm, block.k_norm)
 
 
 class FusedLayers:

@@ -158,11 +158,13 @@ inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
 struct Layer {
   Proj qkv, o, gate_up, down;
   std::vector<float> ln1, ln2;
+  std::vector<float> q_norm, k_norm;  // Qwen3's per-head RMSNorm weights [D] before RoPE; empty elsewhere
   float eps;
   int64_t heads, kv_heads, head_dim, hidden, inter;
 
   Layer(Proj qkv_, Proj o_, Proj gate_up_, Proj down_, const torch::Tensor& ln1_, const torch::Tensor& ln2_, double eps_,
-        int64_t heads_, int64_t kv_heads_, int64_t head_dim_)
+        int64_t heads_, int64_t kv_heads_, int64_t head_dim_, c10::optional<torch::Tensor> q_norm_,
+        c10::optional<torch::Tensor> k_norm_)
       : qkv(std::move(qkv_)), o(std::move(o_)), gate_up(std::move(gate_up_)), down(std::move(down_)), eps(float(eps_)),
         heads(heads_), kv_heads(kv_heads_), head_dim(head_dim_) {
     hidden = ln1_.numel();
@@ -170,6 +172,13 @@ struct Layer {
     auto f1 = ln1_.to(at::kFloat).contiguous(), f2 = ln2_.to(at::kFloat).contiguous();
     ln1.assign(f1.data_ptr<float>(), f1.data_ptr<float>() + hidden);
     ln2.assign(f2.data_ptr<float>(), f2.data_ptr<float>() + hidden);
+    TORCH_CHECK(q_norm_.has_value() == k_norm_.has_value(), "q_norm and k_norm come together");
+    if (q_norm_.has_value()) {
+      auto fq = q_norm_->to(at::kFloat).contiguous(), fk = k_norm_->to(at::kFloat).contiguous();
+      TORCH_CHECK(fq.numel() == head_dim_ && fk.numel() == head_dim_, "q_norm/k_norm must have head_dim weights");
+      q_norm.assign(fq.data_ptr<float>(), fq.data_ptr<float>() + head_dim_);
+      k_norm.assign(fk.data_ptr<float>(), fk.data_ptr<float>() + head_dim_);
+    }
     TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
     TORCH_CHECK(qkv.k_in == hidden && qkv.n_out == (heads + 2 * kv_heads) * head_dim && o.k_in == heads * head_dim &&
                 o.n_out == hidden && gate_up.k_in == hidden && gate_up.n_out == 2 * inter && down.n_out == hidden,
@@ -187,6 +196,8 @@ inline void rope_units(const Layer& L, float* proj, int64_t n, const float* cos,
     const float* c = cos + pos[r] * half;
     const float* s = sin + pos[r] * half;
     float* src = proj + r * width + head * d;
+    if (!L.q_norm.empty() && head < L.heads + L.kv_heads)  // Qwen3: RMSNorm of the head, in place, before RoPE
+      rms_norm_row(src, (head < L.heads ? L.q_norm : L.k_norm).data(), d, L.eps, src);
     if (head < L.heads + L.kv_heads) {  // rotate-half RoPE on queries and keys
       for (int64_t i = 0; i < half; ++i) {
         const float a = src[i], b = src[i + half];
