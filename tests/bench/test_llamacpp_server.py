@@ -54,7 +54,7 @@ def test_a_completion_goes_to_the_server_with_the_peers_options(fake_server, tmp
     args = reply["args"]
     assert args[args.index("-md") + 1] == str(tmp_path / "d.gguf") and args[args.index("--spec-draft-n-max") + 1] == "8"
     assert args[args.index("-t") + 1] == "2" and args[args.index("--parallel") + 1] == "1"
-    assert server._proc.poll() is not None  # stopped on leaving the block
+    assert server.server.proc.poll() is not None  # stopped on leaving the block
 
 
 def test_the_bench_method_times_calls_and_stops_its_server(fake_server, tmp_path):
@@ -68,5 +68,5 @@ def test_the_bench_method_times_calls_and_stops_its_server(fake_server, tmp_path
 
 
 def test_a_server_that_exits_is_reported_with_its_log(fake_server, tmp_path):
-    with pytest.raises(RuntimeError, match="exited with code 3:\nerror: cannot load the model"):
+    with pytest.raises(RuntimeError, match="llama-server server exited with 3:\nerror: cannot load the model"):
         LlamaServer(ServerOptions(tmp_path / "broken.gguf", threads=1))

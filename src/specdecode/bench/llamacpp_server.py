@@ -10,27 +10,17 @@ It does not build the server (``llamacpp_tools.py``) or aggregate timings (``run
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import tempfile
-import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from specdecode.bench import llamacpp_tools
+from specdecode.bench.child_server import Server
 from specdecode.sampling import SamplingParams
 
 LOOKUP_TYPE = "ngram-simple"  # llama.cpp's prompt lookup among its --spec-type choices
 READY_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -68,22 +58,20 @@ class ServerOptions:
 
 
 class LlamaServer:
-    """A running llama-server child process; a context manager that stops it (and its log) on exit.
+    """A running llama-server child process (``child_server.Server``); a context manager that stops it on exit.
 
     Raises (on start):
         llamacpp_tools.PeerMissing: llama-server has not been built here.
-        RuntimeError: it exited or did not become ready within READY_TIMEOUT_S (its log's last lines named).
+        RuntimeError: it exited or did not become ready within READY_TIMEOUT_S (its output named).
     """
 
     def __init__(self, options: ServerOptions) -> None:
         self.options = options
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = options.command(llamacpp_tools.require("llama-server"), str(self.port))
-        self._log = tempfile.TemporaryFile(mode="w+")
-        self._proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        binary = llamacpp_tools.require("llama-server")
+        self.server = Server("llama-server", [], options.command(binary, "{port}"), ready="/health")
+        self.url = self.server.url
         try:
-            self._wait_ready()
+            self.server.wait_ready(READY_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
@@ -95,32 +83,7 @@ class LlamaServer:
         self.close()
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        self._log.close()
-
-    def log_tail(self, lines: int = 12) -> str:
-        self._log.seek(0)
-        return "\n".join(self._log.read().splitlines()[-lines:])
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with code {self._proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"llama-server was not ready after {READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+        self.server.stop()
 
     def complete(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                  seed: int) -> dict[str, Any]:

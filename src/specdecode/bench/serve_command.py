@@ -21,19 +21,14 @@ import argparse
 import json
 import math
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from specdecode.argtypes import positive_int
+from specdecode.bench.child_server import Server
 from specdecode.bench.library import Library
 from specdecode.bench.load import run_level, summarize
 from specdecode.bench.prompts import default_prompts, packaged_prompts, select
@@ -179,61 +174,6 @@ def bench_serve_config(args: argparse.Namespace) -> BenchServeConfig:
                             tuple(args.concurrency), args.requests, args.max_tokens, args.repeats, args.prompts,
                             args.limit, args.max_running, args.max_rows, args.prefill_chunk, args.out,
                             args.library, args.workload)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server child process on a free loopback port (``specdecode serve``, or a peer's command); its output
-    goes to a temporary file (a pipe nobody reads while it serves could fill and block it).
-
-    Args:
-        name: what the errors call it.
-        flags: ``specdecode serve`` flags (``--port`` is added).
-        command: another server's command line instead, ``{port}`` standing for the port.
-        ready: the path that answers 200 once it serves.
-    """
-
-    def __init__(self, name: str, flags: list[str], command: list[str] | None = None, ready: str = "/health") -> None:
-        self.name, self.flags, self.port, self.ready = name, flags, _free_port(), ready
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile("w+")
-        argv = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), *flags] if command is None \
-            else [a.replace("{port}", str(self.port)) for a in command]
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        """Returns once the ready path answers 200; raises RuntimeError if the process exits or time runs out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the {self.name} server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}{self.ready}", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError(f"the {self.name} server did not answer {self.ready} within {timeout:.0f} s")
-
-    def stop(self) -> None:
-        """SIGTERM (the server finishes what runs), then a kill after 60 s."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def _server_flags(method: str, config: BenchServeConfig, max_running: int) -> list[str]:

@@ -1,0 +1,72 @@
+"""A server child process on a free loopback port, its output kept in a temporary file (a pipe that nobody reads
+while it serves could fill and block it): ``specdecode serve`` for ``bench-serve``, or a peer's own command
+(llama.cpp's llama-server). Started, waited for until a path answers 200, stopped with SIGTERM.
+
+It does not decide what runs (``serve_command.py``, ``llamacpp_server.py``) or send requests.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server child process on a free loopback port (``specdecode serve``, or a peer's command); its output
+    goes to a temporary file (a pipe nobody reads while it serves could fill and block it).
+
+    Args:
+        name: what the errors call it.
+        flags: ``specdecode serve`` flags (``--port`` is added).
+        command: another server's command line instead, ``{port}`` standing for the port.
+        ready: the path that answers 200 once it serves.
+    """
+
+    def __init__(self, name: str, flags: list[str], command: list[str] | None = None, ready: str = "/health") -> None:
+        self.name, self.flags, self.port, self.ready = name, flags, _free_port(), ready
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")
+        argv = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), *flags] if command is None \
+            else [a.replace("{port}", str(self.port)) for a in command]
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Returns once the ready path answers 200; raises RuntimeError if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the {self.name} server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}{self.ready}", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass  # not listening yet, or not ready (503)
+            time.sleep(0.2)
+        raise RuntimeError(f"the {self.name} server did not answer {self.ready} within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        """SIGTERM (the server finishes what runs), then a kill after 60 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
