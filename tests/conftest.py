@@ -59,3 +59,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def fresh_cost_curves(tmp_path_factory, monkeypatch):
+    """Each test's warm-up measures its cost curve: curves remembered on this machine (``~/.cache/specdecode/
+    costs``) would otherwise stand in for what a test checks was measured."""
+    from specdecode.batch import executor
+
+    folder = tmp_path_factory.mktemp("cost-curves")
+    monkeypatch.setattr(executor, "cache_dir", lambda: folder)

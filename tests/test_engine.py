@@ -516,6 +516,20 @@ def test_seeded_curve_keeps_each_ks_fastest_time(target, monkeypatch):
     assert costs.shape[:5] == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])  # the spikes left no trace (a median would not)
 
 
+def test_a_second_engine_of_the_same_setting_reuses_the_measured_curve(target, monkeypatch):
+    curves = []
+    for _ in range(2):
+        engine = Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma="cost", gamma_max=4))
+        calls = []
+        monkeypatch.setattr(engine.batch.padding, "tune", lambda *a, **k: {})
+        monkeypatch.setattr(engine.batch.step_costs, "at", lambda context, time_step: 0.010)
+        monkeypatch.setattr(engine.batch, "_time_rows", lambda slot, rows, pad=True: calls.append(rows) or 0.01 * rows)
+        engine.batch.warmup(repeats=2)
+        curves.append((len(calls), engine.batch._new_controller.shared.costs.shape[:5]))
+    assert curves[0][0] == 10 and curves[1][0] == 0  # measured once (5 sizes x 2), then remembered
+    assert curves[1][1] == pytest.approx(curves[0][1])
+
+
 def test_prompt_plus_budget_beyond_the_context_length_is_refused(target):
     limit = target.config.max_position_embeddings
     with pytest.raises(ValueError, match="context length"):
