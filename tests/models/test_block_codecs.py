@@ -42,6 +42,7 @@ def test_q8_0_encodes_as_gguf():
     w[0, :32] = 0  # an all-zero block
     w[2, 5] = 1e30  # one huge weight
     w[3, :32] = [127] + [k + 0.5 * (-1) ** k for k in range(-15, 16)]  # d = 1: exact halves round away from zero
+    w[4, :4] = [127, np.float32(0.49999997), -np.float32(0.49999997), np.float32(1.4999999)]  # just below halves
     codes, d = q8_0_quantize(torch.from_numpy(w).reshape(-1, 32))
     with np.errstate(over="ignore", invalid="ignore"):  # the reference's own fp16 overflow of the huge block
         ref = quantize(w, QT.Q8_0).reshape(-1, 34)

@@ -115,3 +115,32 @@ def test_switched_off_nothing_is_written(gguf_file, monkeypatch):
     load(gguf_file)
     _, said = load(gguf_file)
     assert entries() == [] and not any("packing" in line for line in said)
+
+
+def test_a_failed_write_leaves_no_entry_and_old_leftovers_are_removed(gguf_file, monkeypatch):
+    import os
+    import time
+
+    real_save = torch.save
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("PytorchStreamWriter failed writing file data: No space left on device")
+    monkeypatch.setattr(torch, "save", full_disk)
+    _, said = load(gguf_file)
+    assert any("could not write the packed model" in line for line in said)
+    assert entries() == [] and list(packed_cache.folder().glob(".*.tmp")) == []
+    monkeypatch.setattr(torch, "save", real_save)
+    stale = packed_cache.folder() / ".gone.pt.1-2.tmp"
+    orphan = packed_cache.folder() / "orphan.pt"
+    for path in (stale, orphan):
+        path.write_bytes(b"x")
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    load(gguf_file)
+    assert not stale.exists() and not orphan.exists() and len(entries()) == 1
+
+
+def test_other_conversion_code_makes_another_entry(gguf_file, monkeypatch):
+    load(gguf_file)
+    monkeypatch.setattr(packed_cache, "conversion_digest", lambda: "0" * 12)
+    _, said = load(gguf_file)
+    assert any("packing m.gguf" in line for line in said) and len(entries()) == 2

@@ -434,8 +434,9 @@ class BatchEngine:
         first real requests; off our kernels, tunes the row padding (``RowPadding.tune``: on our kernels cost
         only grows with the rows, and tuning there picks timing noise); then gives cost-aware controllers
         the cost of a forward by its rows, 1 to ``max_rows`` (at most SEEDED_ROWS; the fastest of ``repeats``
-        interleaved timings per size, one sequence at a WARMUP_CONTEXT-token context; remembered on disk for the
-        next start of the same setting, ``costs.remembered_curve``). Call before serving."""
+        interleaved timings per size, one sequence at a WARMUP_CONTEXT-token context; on row-invariant backends
+        remembered on disk for the next start of the same setting, ``costs.remembered_curve``). Call before
+        serving."""
         if self.has_work:
             raise RuntimeError("warmup needs an idle engine")
         self._warming = True
@@ -453,16 +454,18 @@ class BatchEngine:
                 def measure() -> list[float]:
                     return fastest(interleaved_timings(lambda rows: self._time_rows(slot, rows), sizes, repeats))
 
+                # remembered only on row-invariant backends: elsewhere the padding just tuned is part of the cost
+                remembered = self.target.backend.row_invariant
                 self._new_controller.seed_costs(remembered_curve(self._cost_setting(sizes, repeats), measure,
-                                                                 cache_dir() / "costs"))
+                                                                 cache_dir() / "costs") if remembered else measure())
 
     def _cost_setting(self, sizes: range, repeats: int) -> dict[str, object]:
         """Everything a forward's cost depends on (no weight value does): for remembering a measured curve."""
         t = self.target
         return {"config": t.config, "weights": t.weight_format, "backend": t.backend.name, "dtype": t.dtype,
+                "device": t.device, "fused": t.runner.fused, "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "cpu": cpu_model(), "kernels": source_digest(),
-                "cache": self.cache_config, "padding": self.padding.table, "context": WARMUP_CONTEXT,
-                "sizes": list(sizes), "repeats": repeats}
+                "cache": self.cache_config, "context": WARMUP_CONTEXT, "sizes": list(sizes), "repeats": repeats}
 
     @contextmanager
     def verify_timer(self, context: Seq[int]) -> Iterator[Callable[[int], float]]:

@@ -35,6 +35,8 @@ class ServerOptions:
         draft: a draft model's GGUF file (speculative decoding), or None.
         lookup: draft with llama.cpp's n-gram prompt lookup (``LOOKUP_TYPE``).
         draft_max: most tokens drafted per step, with ``draft`` or ``lookup``.
+        lookup_ngram: with ``lookup``, the length of the n-gram looked up (llama.cpp's default, 12, rarely
+            matches in chat; the bench passes its own ``--ngram`` maximum).
     """
 
     model: Path
@@ -44,6 +46,7 @@ class ServerOptions:
     draft: Path | None = None
     lookup: bool = False
     draft_max: int = 16
+    lookup_ngram: int = 3
 
     def command(self, binary: Path, port: str) -> list[str]:
         """llama-server's command line listening on ``port`` (a number, or a placeholder another runner fills)."""
@@ -53,7 +56,8 @@ class ServerOptions:
         if self.draft is not None:
             cmd += ["-md", str(self.draft), "--spec-draft-n-max", str(self.draft_max), "-td", str(self.threads)]
         if self.lookup:
-            cmd += ["--spec-type", LOOKUP_TYPE, "--spec-ngram-mod-n-max", str(self.draft_max)]
+            cmd += ["--spec-type", LOOKUP_TYPE, "--spec-ngram-simple-size-n", str(self.lookup_ngram),
+                    "--spec-ngram-simple-size-m", str(self.draft_max)]
         return cmd
 
 

@@ -347,10 +347,11 @@ def llamacpp_method(family: str, gguf_path: str | Path, eos_token_ids: frozenset
 
 
 def llamacpp_server_method(family: str, gguf_path: str | Path, sampling: SamplingParams, max_new_tokens: int,
-                           n_ctx: int, draft_path: str | Path | None = None, draft_max: int = 16) -> Method:
+                           n_ctx: int, draft_path: str | Path | None = None, draft_max: int = 16,
+                           lookup_ngram: int = 3) -> Method:
     """llama.cpp's own llama-server on the same GGUF (``bench/llamacpp_server.py``), one request at a time:
-    plain (``llamacpp-server``), drafted by ``draft_path`` (``-draft``) or by n-gram lookup (``-lookup``), at
-    most ``draft_max`` tokens a step. Its tokens/s is wall time around each HTTP call, as ours is around
+    plain (``llamacpp-server``), drafted by ``draft_path`` (``-draft``) or by n-gram lookup of ``lookup_ngram``
+    tokens (``-lookup``), at most ``draft_max`` tokens a step. Its tokens/s is wall time around each HTTP call, as ours is around
     each call; ``close`` stops the server.
 
     Raises:
@@ -361,7 +362,7 @@ def llamacpp_server_method(family: str, gguf_path: str | Path, sampling: Samplin
     lookup = family.endswith("-lookup")
     options = ServerOptions(Path(gguf_path), torch.get_num_threads(), ctx=n_ctx,
                             draft=Path(draft_path) if family.endswith("-draft") else None, lookup=lookup,
-                            draft_max=draft_max)
+                            draft_max=draft_max, lookup_ngram=lookup_ngram)
     server = LlamaServer(options)
 
     def run(prompt_ids: list[int], seed: int) -> Output:
@@ -373,6 +374,6 @@ def llamacpp_server_method(family: str, gguf_path: str | Path, sampling: Samplin
 
     params: dict[str, Any] = {"n_threads": options.threads}
     if options.draft is not None or lookup:
-        params.update(draft_max=draft_max, **({"spec_type": LOOKUP_TYPE} if lookup else {}))
+        params.update(draft_max=draft_max, **({"spec_type": LOOKUP_TYPE, "lookup_ngram": lookup_ngram} if lookup else {}))
     return Method(family, family, run, draft_max if (options.draft is not None or lookup) else None, params,
                   kernel="llama.cpp", dtype="gguf", weights="gguf", close=server.close)

@@ -318,11 +318,31 @@ def _skip_layers(config: BenchConfig, target: LoadedModel, log: Log) -> tuple[in
 
 def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int, log: Log, has_predictions: bool = False
                   ) -> tuple[list[Method], list[tuple[str, str]], dict[str, str], list[str]]:
-    """Every method the configuration asks for, in display order; plus skipped ones, failed ones and notes."""
+    """Every method the configuration asks for, in display order; plus skipped ones, failed ones and notes.
+    What failing here leaves running (a peer's server) is stopped."""
+    built: list[Method] = []
+    try:
+        return _build_methods(config, loaded, budget_ctx, log, has_predictions, built)
+    except BaseException:
+        close_methods(built)
+        raise
+
+
+def close_methods(methods: Sequence[Method]) -> None:
+    """Releases what each method holds outside this process, each whatever the others do."""
+    for method in methods:
+        if method.close is not None:
+            try:
+                method.close()
+            except Exception as exc:  # one that cannot stop cleanly does not keep the others running
+                print(f"could not stop {method.name}: {exc}", file=sys.stderr)
+
+
+def _build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int, log: Log, has_predictions: bool,
+                   methods: list[Method]) -> tuple[list[Method], list[tuple[str, str]], dict[str, str], list[str]]:
     target = loaded.target
     sampling = SamplingParams(config.temperature)
     eos = target.tokenizer.eos_token_ids
-    methods: list[Method] = []
     skipped: list[tuple[str, str]] = []
     failed: dict[str, str] = {}
     notes: list[str] = []
@@ -388,7 +408,8 @@ def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int, log: Lo
             try:
                 methods.append(llamacpp_server_method(family, target.source, sampling, config.max_new_tokens,
                                                       budget_ctx, loaded.draft.source if loaded.draft else None,
-                                                      draft_max=max(config.int_gammas, default=16)))
+                                                      draft_max=max(config.int_gammas, default=16),
+                                                      lookup_ngram=config.ngram_sizes[1]))
             except PeerMissing as exc:
                 skipped.append((family, str(exc)))
             except RuntimeError as exc:
@@ -567,9 +588,7 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
         return _run_methods(config, prompts, loaded, rendered, longest, methods, skipped, failed, notes,
                             time.perf_counter() - t_load, log, stream, progress)
     finally:
-        for method in methods:
-            if method.close is not None:
-                method.close()
+        close_methods(methods)
 
 
 def _run_methods(config: BenchConfig, prompts: list[Prompt], loaded: _Loaded, rendered: dict[str, list[int]],

@@ -261,10 +261,12 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
     else:
         prompts = select(load_prompts(config.prompts) if config.prompts else default_prompts(), limit=config.limit)
     peers = {m: _peer_command(m, config, max_running) for m in config.methods if m in PEERS}  # before any starts
-    servers = [Server(m, [], peers[m], ready=PEER_READY[m]) if m in PEERS
-               else Server(m, _server_flags(m, config, max_running)) for m in config.methods]
+    servers: list[Server] = []
     library = None
-    try:  # the servers started above are stopped whatever fails from here on
+    try:  # every server started is stopped whatever fails from here on
+        for m in config.methods:
+            servers.append(Server(m, [], peers[m], ready=PEER_READY[m]) if m in PEERS
+                           else Server(m, _server_flags(m, config, max_running)))
         if config.library:
             library = Library(TargetConfig(config.model, config.dtype, "auto", config.linear, config.weights), log)
         for s in servers:
@@ -298,7 +300,10 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
                            else "") + f", ITL p99 {1e3 * (summary['itl_p99_s'] or 0):.0f} ms, errors {summary['errors']}")
     finally:
         for s in servers:
-            s.stop()
+            try:
+                s.stop()
+            except Exception as exc:  # one that cannot stop cleanly does not keep the others running
+                log(f"could not stop the {s.name} server: {exc}")
     report = _report(config, levels, runs, texts)
     _print_table(report, log)
     if config.out:

@@ -61,7 +61,8 @@ def q8_0_quantize(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     reference quantizer: ``d = max|w| / 127``, codes rounded half away from zero."""
     d = blocks.abs().amax(dim=1, keepdim=True) / 127
     inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    x = blocks * inverse  # |x| <= 127 (+ rounding)
-    # The reference's sign(x) * (floor(|x|) + floor(2 * frac)) is trunc(x +- 0.5) here: x +- 0.5 is exact below 2^22.
-    q = (x + torch.copysign(torch.tensor(0.5), x)).to(torch.int8)
-    return q, d[:, 0].half()
+    x = blocks * inverse
+    a = x.abs()
+    floored = a.floor()  # the reference's rounding step by step (x + 0.5 would round 0.49999997 up to 1)
+    q = torch.sign(x) * (floored + (2 * (a - floored)).floor())
+    return q.to(torch.int8), d[:, 0].half()

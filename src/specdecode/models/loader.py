@@ -134,6 +134,8 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         if f"{arch}.rope.scaling.original_context_length" in meta:
             rope_scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
     if ROPE_FACTORS in gguf.tensors:  # Llama 3.x: llama.cpp stores the scaled frequencies' divisors as a tensor
+        if rope_scaling is not None:
+            raise LoadError(f"{path}: {ROPE_FACTORS} together with rope scaling {scaling_type!r} is not supported")
         factors = gguf.tensors[ROPE_FACTORS]
         if factors.shape != (head_dim // 2,):
             raise LoadError(f"{path}: {ROPE_FACTORS} has shape {factors.shape}, expected ({head_dim // 2},)")
@@ -194,6 +196,9 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.infos)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor
+        return name in self.infos
 
     def __len__(self) -> int:
         return len(self.infos)

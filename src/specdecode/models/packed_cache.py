@@ -3,7 +3,8 @@ embedding table, the norms), written on the first start from a GGUF file and map
 warm start reads no GGUF tensor and converts nothing.
 
 An entry is keyed by the GGUF file's sha256, the weight format asked for, the backend (kernel build), the
-model dtype, the kernel sources' digest and ``LAYOUT``; any change makes another entry. It is two files in
+model dtype, the kernel sources' digest, a digest of the Python that converts and packs (and of the gguf and
+torch versions) and ``LAYOUT``; any change makes another entry. It is two files in
 ``cache_dir()/packed``: ``<key>.pt`` (``torch.save``; read back with ``mmap``, so its pages are the file's)
 and ``<key>.json``, written last: the key's parts, the layers' layout and a crc32 of every 16 MiB of the
 ``.pt`` file. An entry without its json, with other parts, or whose ``.pt`` size or any crc differs is never
@@ -22,6 +23,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -42,6 +44,7 @@ LAYOUT = 1  # bumped whenever what is saved, or how a layer is rebuilt from it, 
 SWITCH_ENV, BUDGET_ENV = "SPECDECODE_PACKED_CACHE", "SPECDECODE_PACKED_CACHE_GB"
 _CRC_SPAN = 16 << 20  # bytes per crc32: spans checked in parallel (zlib releases the GIL)
 _HASH_SPAN = 16 << 20
+TMP_SUFFIX = ".tmp"
 
 
 def serves(backend: Backend) -> bool:
@@ -64,11 +67,13 @@ class EntryKey:
     backend: str
     dtype: str
     kernels: str
+    conversion: str  # the Python that reads, converts and packs blocks, and the libraries it leans on
     layout: int = LAYOUT
 
     @classmethod
     def of(cls, gguf: Path, weights: str, backend: Backend, dtype: torch.dtype) -> "EntryKey":
-        return cls(file_digest(gguf), weights, backend.name, str(dtype).replace("torch.", ""), native.source_digest())
+        return cls(file_digest(gguf), weights, backend.name, str(dtype).replace("torch.", ""), native.source_digest(),
+                   conversion_digest())
 
     @property
     def name(self) -> str:
@@ -76,12 +81,26 @@ class EntryKey:
         return f"{self.file_sha256[:16]}-{self.weights}-{self.backend}-{hashlib.sha256(parts).hexdigest()[:12]}"
 
 
+def conversion_digest() -> str:
+    """A short hash of the sources that decide a packed model's bytes besides the kernels (reading, converting,
+    choosing formats, packing, naming) and of the gguf and torch versions: an edit to any rebuilds the entries."""
+    from importlib.metadata import version
+
+    from specdecode.models import block_codecs, hf_import, linear, loader, packing, weights
+
+    h = hashlib.sha256(f"gguf {version('gguf')}, torch {torch.__version__}".encode())
+    for module in (block_codecs, hf_import, linear, loader, packing, weights):
+        h.update(Path(module.__file__).read_bytes())
+    return h.hexdigest()[:12]
+
+
 def file_digest(path: Path) -> str:
     """The sha256 of a file, remembered in ``folder()/digests.json`` by path, size and modification time (a
     fetched model's verified ``.sha256`` marker is trusted the same way), so it is computed once per file."""
     path = path.resolve()
     stat = path.stat()
-    ident = f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    # the inode and change time too: a file copied over another with its size and mtime kept is another file
+    ident = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}:{stat.st_ctime_ns}"
     marker = path.with_name(path.name + ".sha256")
     if marker.is_file() and marker.stat().st_mtime_ns >= stat.st_mtime_ns:
         digest, _, size = marker.read_text().strip().partition(" ")
@@ -121,7 +140,7 @@ def load(key: EntryKey, config: ModelConfig, backend: Backend, say: Callable[[st
         os.utime(meta_file)  # recently used: evicted last
         state = torch.load(pt, mmap=True, weights_only=True)
         return _rebuild(config, backend, key.weights, state, meta["layers"])
-    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:  # checksums passed, yet unreadable
+    except Exception as exc:  # checksums passed, yet unreadable (another torch's format, a pickle error ...)
         say(f"packed model {pt.name} cannot be read ({type(exc).__name__}: {exc}); rebuilding it")
         _remove(key)
         return None
@@ -131,7 +150,7 @@ def save(key: EntryKey, model: Transformer, say: Callable[[str], None]) -> None:
     """Writes ``model`` (packed for ``key``'s backend) as entry ``key``; a failure to write is reported and
     leaves no entry (the cache is only an optimization)."""
     pt, meta_file = _paths(key)
-    tmp = pt.with_name(f".{pt.name}.{os.getpid()}.tmp")
+    tmp = _temporary(pt)
     try:
         pt.parent.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), tmp)
@@ -139,7 +158,7 @@ def save(key: EntryKey, model: Transformer, say: Callable[[str], None]) -> None:
                 "size": tmp.stat().st_size, "crc32": _crcs(tmp)}
         os.replace(tmp, pt)
         _write_atomically(meta_file, json.dumps(meta).encode())
-    except OSError as exc:
+    except Exception as exc:  # torch.save reports a full disk as RuntimeError
         say(f"could not write the packed model to {pt.parent} ({exc}); the next start packs it again")
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -224,8 +243,13 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _temporary(path: Path) -> Path:
+    """A name beside ``path`` that no other process or thread writes (``_evict`` removes old leftovers)."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _temporary(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_bytes(data)
@@ -241,9 +265,17 @@ def _remove(key: EntryKey) -> None:
 
 
 def _evict(keep: Path) -> None:
-    """Removes the least recently used entries (by their json's time) while the cache holds more than the budget."""
+    """Removes what an interrupted write left (temporaries older than an hour, a ``.pt`` without its json), then
+    the least recently used entries (by their json's time) while the cache holds more than the budget."""
     budget = float(os.environ.get(BUDGET_ENV, "16")) * (1 << 30)
     try:
+        now = time.time()
+        for leftover in folder().glob(f".*{TMP_SUFFIX}"):
+            if now - leftover.stat().st_mtime > 3600:
+                leftover.unlink(missing_ok=True)
+        for pt in folder().glob("*.pt"):
+            if not pt.with_suffix(".json").exists() and now - pt.stat().st_mtime > 3600:
+                pt.unlink(missing_ok=True)
         entries = sorted((p for p in folder().glob("*.json") if p.name != "digests.json"),
                          key=lambda p: p.stat().st_mtime_ns)
         sizes = {meta: meta.with_suffix(".pt").stat().st_size if meta.with_suffix(".pt").is_file() else 0
