@@ -27,7 +27,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from specdecode.bench.serve_command import _free_port  # noqa: E402
+from specdecode.bench.child_server import free_port  # noqa: E402
 from specdecode.serve.ray_app import (APP_NAME, METRICS_PUSH_S, DeploymentError, build_application,  # noqa: E402
                                       run_application, serve_flags)
 
@@ -88,7 +88,7 @@ def _alive(processes: dict[int, bytes]) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_path):
-    port = _free_port()
+    port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     session = Path(ray._private.worker._global_node.get_session_dir_path()).name
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -270,7 +270,7 @@ def test_shutdown_leaves_no_ray_process(cluster):
 
 @pytest.mark.slow
 def test_the_serve_ray_command_serves_and_stops_cleanly(smollm2_path, solo, tmp_path):
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--ray", "--replicas", "1", "--port",
                              str(port), *_flags(smollm2_path)], stdout=log.open("w"), stderr=subprocess.STDOUT)

@@ -16,7 +16,8 @@ import time
 import urllib.request
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port that nothing listens on now (the system picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -34,7 +35,7 @@ class Server:
     """
 
     def __init__(self, name: str, flags: list[str], command: list[str] | None = None, ready: str = "/health") -> None:
-        self.name, self.flags, self.port, self.ready = name, flags, _free_port(), ready
+        self.name, self.flags, self.port, self.ready = name, flags, free_port(), ready
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
         argv = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), *flags] if command is None \
