@@ -144,3 +144,11 @@ def test_other_conversion_code_makes_another_entry(gguf_file, monkeypatch):
     monkeypatch.setattr(packed_cache, "conversion_digest", lambda: "0" * 12)
     _, said = load(gguf_file)
     assert any("packing m.gguf" in line for line in said) and len(entries()) == 2
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan"])
+def test_a_bad_budget_is_refused_by_name_before_packing(gguf_file, monkeypatch, value):
+    monkeypatch.setenv(packed_cache.BUDGET_ENV, value)
+    with pytest.raises(ValueError, match="SPECDECODE_PACKED_CACHE_GB=.*a number >= 0"):
+        load(gguf_file)
+    assert entries() == []

@@ -70,7 +70,6 @@ class LlamaServer:
     """
 
     def __init__(self, options: ServerOptions) -> None:
-        self.options = options
         binary = llamacpp_tools.require("llama-server")
         self.server = Server("llama-server", [], options.command(binary, "{port}"), ready="/health")
         self.url = self.server.url

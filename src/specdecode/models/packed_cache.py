@@ -51,7 +51,24 @@ def serves(backend: Backend) -> bool:
     """Whether models packed for ``backend`` are kept: on for our kernels' builds (oneDNN's packed layout is
     opaque and cannot be saved), off where ``SPECDECODE_PACKED_CACHE`` is 0/off/false/no."""
     switched_off = os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "off", "false", "no")
+    budget_bytes()  # a bad budget is refused before anything is packed
     return backend.name in native.BUILDS and not switched_off
+
+
+def budget_bytes() -> float:
+    """The cache's budget, ``SPECDECODE_PACKED_CACHE_GB`` GiB (default 16).
+
+    Raises:
+        ValueError: the variable is not a number >= 0 (the message names it).
+    """
+    value = os.environ.get(BUDGET_ENV, "16")
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:
+        raise ValueError(f"{BUDGET_ENV}={value!r}: expected the packed-model cache's size in GiB, a number >= 0")
+    return gib * (1 << 30)
 
 
 def folder() -> Path:
@@ -267,7 +284,7 @@ def _remove(key: EntryKey) -> None:
 def _evict(keep: Path) -> None:
     """Removes what an interrupted write left (temporaries older than an hour, a ``.pt`` without its json), then
     the least recently used entries (by their json's time) while the cache holds more than the budget."""
-    budget = float(os.environ.get(BUDGET_ENV, "16")) * (1 << 30)
+    budget = budget_bytes()
     try:
         now = time.time()
         for leftover in folder().glob(f".*{TMP_SUFFIX}"):
