@@ -8,8 +8,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tiny_gguf import k_quant_blocks, random_tensors, tiny_config, write_gguf
+from kernel_paths import NATIVE_PATHS, path_params
+from tiny_gguf import VOCAB_SIZE, k_quant_blocks, random_tensors, tiny_config, write_gguf
 
+from specdecode.drafters import NgramDrafter
+from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.backends import resolve_backend
 from specdecode.models.loader import load_checkpoint
@@ -46,7 +49,7 @@ def logits(model: Transformer) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("weights", ["auto", "q8_0", "bf16"])
+@pytest.mark.parametrize("weights", ["auto", "blocks", "q8_0", "bf16"])
 def test_packed_from_builds_the_model_that_all_floats_give(tmp_path, arch, weights):
     ckpt = k_quant_model(tmp_path, arch)
     backend = resolve_backend("auto", torch.bfloat16, torch.device("cpu"))
@@ -64,14 +67,57 @@ def test_packed_from_builds_the_model_that_all_floats_give(tmp_path, arch, weigh
     assert torch.equal(logits(lean), logits(full))
 
 
-def test_auto_keeps_q4_k_codes_and_requantizes_q6_k_like_the_reference(tmp_path):
+def test_k_quants_are_read_as_stored_and_blocks_maps_them_like_the_reference(tmp_path):
     ckpt = k_quant_model(tmp_path, "llama")
     source = ckpt.weights
-    assert source.format("model.layers.0.mlp.gate_proj.weight") == "q4_1"  # Q4_K: its codes kept
-    assert source.format("model.layers.0.mlp.down_proj.weight") == "q8_0"  # Q6_K: requantized
-    down = ckpt.tensors["model.layers.0.mlp.down_proj.weight"]  # float32, as the gguf package dequantizes it
-    assert torch.equal(source.blocks("model.layers.0.mlp.down_proj.weight", "q8_0").dequantize(),
-                       quantize(down, "q8_0").dequantize())
+    gate, down = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight"
+    assert source.format(gate) == "q4_k" and source.format(down) == "q6_k"
+    for name in (gate, down):  # as stored: bitwise the values the gguf package dequantizes
+        assert torch.equal(source.blocks(name, source.format(name)).dequantize(), ckpt.tensors[name])
+    # "blocks": Q4_K's codes as q4_1, Q6_K requantized to q8_0 as the reference quantizer does
+    assert torch.equal(source.blocks(gate, "q4_1").codes, source.blocks(gate, "q4_k").codes)
+    assert torch.equal(source.blocks(down, "q8_0").dequantize(), quantize(ckpt.tensors[down], "q8_0").dequantize())
+
+
+def k_quant_only_model(tmp_path, arch: str):
+    """A GGUF whose every projection is one K-quant (attention and gate/up Q4_K, o and down Q6_K, head Q6_K)."""
+    config = tiny_config(arch, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,
+                         tie_word_embeddings=False, vocab_size=VOCAB_SIZE)
+    qtypes = {"lm_head.weight": QT.Q6_K}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        qtypes.update({f"{p}self_attn.{n}_proj.weight": QT.Q4_K for n in "qkv"})
+        qtypes.update({f"{p}self_attn.o_proj.weight": QT.Q6_K, f"{p}mlp.gate_proj.weight": QT.Q4_K,
+                       f"{p}mlp.up_proj.weight": QT.Q4_K, f"{p}mlp.down_proj.weight": QT.Q6_K})
+    return load_checkpoint(str(write_gguf(tmp_path / f"{arch}.gguf", config, random_tensors(config), qtypes=qtypes)))
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_k_quants_as_stored_speculate_exactly_and_rows_are_invariant(tmp_path, path, arch):
+    ckpt = k_quant_only_model(tmp_path, arch)
+    target = Transformer.packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
+                                     resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
+    assert target.weight_format == "q4_k+q6_k, head q6_k"
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9], [90, 3, 17, 44, 2, 60]]
+    plain = [Engine(target).generate(p, max_new_tokens=24).token_ids for p in prompts]
+    drafted = accepted = 0
+    for gamma in (2, 7):  # verifications of 3 and 8 rows: q6_k's one-row and unpacked paths both
+        engine = Engine(target, drafter=NgramDrafter(max_ngram=3, min_ngram=1), spec=SpeculativeConfig(gamma=gamma))
+        for prompt, want in zip(prompts, plain):
+            result = engine.generate(prompt, max_new_tokens=24)
+            assert result.token_ids == want, (gamma, prompt)
+            drafted, accepted = drafted + result.stats.drafted_tokens, accepted + result.stats.accepted_tokens
+    assert drafted > accepted  # rejections were rolled back
+    with torch.inference_mode():  # each row of a batch bitwise what it is alone
+        tokens = torch.tensor([[1, 5, 9, 2, 7, 3]])
+        whole = target(tokens, target.new_cache(CacheConfig(max_len=16))).logits[0]
+        cache = target.new_cache(CacheConfig(max_len=16))
+        target(tokens[:, :3], cache)
+        assert torch.equal(target(tokens[:, 3:], cache).logits[0], whole[3:])
+        cache = target.new_cache(CacheConfig(max_len=16))  # one row at a time: q6_k's one-row path
+        steps = [target(tokens[:, i:i + 1], cache).logits[0, 0] for i in range(6)]
+        assert torch.equal(torch.stack(steps), whole)
 
 
 @pytest.mark.parametrize("qtype, fmt", [(QT.Q6_K, "q8_0"), (QT.Q4_K, "q4_1"), (QT.Q4_K, "q8_0"), (QT.Q6_K, "q4_0")])

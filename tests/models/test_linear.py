@@ -13,8 +13,10 @@ from torch import nn
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.models.linear import Int8Linear, NativeLinear, PackedLinear, QuantLinear, can_pack
+from specdecode.models.super_blocks import SUPER_FORMATS, SUPER_QTYPES, from_gguf
 from specdecode.models.weights import BLOCK_FORMATS, quantize
 from kernel_paths import NATIVE_PATHS, block_activations, path_params, path_problem
+from tiny_gguf import k_quant_blocks
 from tiny_models import varied_model
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="needs oneDNN bf16 on CPU")
@@ -85,15 +87,42 @@ def test_block_formats_are_close_to_float64_and_row_invariant(path, fmt, out_fea
         assert torch.equal(layer(x.bfloat16()), layer(x.bfloat16().float()).bfloat16())  # bf16 in, bf16 out
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def _stored_k_quant(fmt: str, n: int, k: int, seed: int = 0):
+    return from_gguf(k_quant_blocks(SUPER_QTYPES[fmt], (n, k), seed), SUPER_QTYPES[fmt], (n, k))
+
+
+@pytest.mark.parametrize("path", OURS)
+@pytest.mark.parametrize("fmt", SUPER_FORMATS)
+@pytest.mark.parametrize("out_features,in_features,bias", [(5, 256, False), (70, 512, True), (576, 1536, False)])
+def test_k_quants_as_stored_are_close_to_float64_and_row_invariant(path, fmt, out_features, in_features, bias):
+    g = torch.Generator().manual_seed(out_features)
+    blocks = _stored_k_quant(fmt, out_features, in_features, seed=out_features)
+    b = torch.randn(out_features, generator=g) if bias else None
+    layer = QuantLinear(blocks, b, path)
+    x = torch.randn(32, in_features, generator=g)
+    with torch.inference_mode():
+        got = layer(x)
+        xq, w = block_activations(x), blocks.dequantize().double()  # the file's own values, as gguf reads them
+        exact = xq @ w.T + (0 if b is None else b.double())
+        # Exact integer sums per block of 32 (q6_k: its two scaled halves), fp32 scaling, one fp32 add per block.
+        bound = (in_features / 32 + 3) * 2**-23 * (xq.abs() @ w.abs().T + (0 if b is None else b.abs().double()))
+        assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= bound + 1e-30).all()
+        for rows in range(1, 33):  # every row bitwise the same whatever shares its call
+            assert torch.equal(layer(x[:rows]), got[:rows]), rows
+        assert torch.equal(layer(x.bfloat16()), layer(x.bfloat16().float()).bfloat16())  # bf16 in, bf16 out
+        with pytest.raises(RuntimeError, match="multiple of 256"):
+            layer(x[:, :in_features - 32])
+
+
+@pytest.mark.parametrize("fmt", [*BLOCK_FORMATS, *SUPER_FORMATS])
 def test_the_block_kernels_of_every_build_agree_bitwise(fmt):
     """Integer block sums (VNNI or AVX2's vpmaddubsw) and the same fp32 steps: one answer on every build."""
     runnable = [p for p in NATIVE_PATHS if path_problem(p) is None]
     if len(runnable) < 2:
         pytest.skip(f"fewer than two builds run here: {runnable}")
     g = torch.Generator().manual_seed(3)
-    blocks = quantize(torch.randn(100, 320, generator=g), fmt)
-    x = torch.randn(9, 320, generator=g) * 5
+    blocks = _stored_k_quant(fmt, 100, 512) if fmt in SUPER_FORMATS else quantize(torch.randn(100, 320, generator=g), fmt)
+    x = torch.randn(9, blocks.shape[1], generator=g) * 5
     outs = [QuantLinear(blocks, None, p)(x) for p in runnable]
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 

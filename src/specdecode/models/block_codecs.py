@@ -1,7 +1,7 @@
 """llama.cpp block formats decoded and encoded with torch ops, bitwise as the ``gguf`` package's numpy
 reference does it (the same float32 operations in the same order; tests/models/test_block_codecs.py checks
 every one against it), and several times faster on a model's worth of blocks: Q4_K and Q6_K decoded to
-float32, Q4_K split into its codes and per-32 scales and minimums, float32 encoded as Q8_0.
+float32, and split into their codes and sub-block scales (and Q4_K's minimums), float32 encoded as Q8_0.
 
 Only the formats a load converts in bulk are here; ``weights.py`` uses them where it can and the ``gguf``
 package everywhere else. Nothing here packs for a kernel or reads a file.
@@ -43,16 +43,25 @@ def q4_k_dequantize(raw: torch.Tensor) -> torch.Tensor:
     return (step * codes.reshape(s, 8, 32).float() - low).reshape(s, QK_K)
 
 
-def q6_k_dequantize(raw: torch.Tensor) -> torch.Tensor:
+def q6_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q6_K super-blocks ``raw [S, 210]`` (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales,
-    fp16 d) -> float32 ``[S, 256]``: ``d * scale * (q - 32)``."""
+    fp16 d) -> ``d`` float32 ``[S, 1]``, the scales int8 ``[S, 16]`` (one per 16 weights) and the 6-bit codes
+    uint8 ``[S, 256]`` (0..63, the weight plus 32) in weight order."""
     s = raw.shape[0]
     ql, qh = raw[:, :128], raw[:, 128:192]
-    scales = raw[:, 192:208].contiguous().view(torch.int8).float()
-    step = (_f16(raw[:, 208:210]) * scales).reshape(s, 16, 1)
+    scales = raw[:, 192:208].contiguous().view(torch.int8)
     low = torch.stack([ql.reshape(s, 2, 64) >> shift for shift in (0, 4)], dim=2) & 0x0F  # [S, 2, 2, 64]
     high = torch.stack([qh.reshape(s, 2, 32) >> shift for shift in (0, 2, 4, 6)], dim=2) & 0x03  # [S, 2, 4, 32]
-    q = (low.reshape(s, 8, 32) | (high.reshape(s, 8, 32) << 4)).to(torch.int8) - 32
+    codes = low.reshape(s, 8, 32) | (high.reshape(s, 8, 32) << 4)
+    return _f16(raw[:, 208:210]), scales, codes.reshape(s, QK_K)
+
+
+def q6_k_dequantize(raw: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks ``raw [S, 210]`` -> float32 ``[S, 256]``: ``d * scale * (q - 32)``."""
+    d, scales, codes = q6_k_parts(raw)
+    s = raw.shape[0]
+    step = (d * scales.float()).reshape(s, 16, 1)
+    q = codes.to(torch.int8) - 32
     return (step * q.reshape(s, 16, 16).float()).reshape(s, QK_K)
 
 

@@ -14,8 +14,9 @@ call; for the 1-17 rows of a decode or verification step that reorder costs more
 itself (a SmolLM2 gate/up projection: 122 us plain, 55 us pre-packed). Packing once at load time
 gives bitwise the same results as ``F.linear`` in bf16 (tests/models/test_linear.py checks it).
 
-``QuantLinear`` keeps weights in llama.cpp's q8_0 / q4_0 / q4_1 blocks (``weights.py``) and multiplies
-int8-quantized rows of x with them (``kernels/linear_quant.h``): each row's integer block sums are exact,
+``QuantLinear`` keeps weights in llama.cpp's q8_0 / q4_0 / q4_1 blocks or its K-quants q4_k / q6_k as
+stored (``weights.py``, ``super_blocks.py``) and multiplies int8-quantized rows of x with them
+(``kernels/linear_quant.h``, ``linear_kquant.h``): each row's integer block sums are exact,
 so rows are bitwise independent of each other, and every build gives the same bits.
 
 ``Int8Linear`` stores weights as int8 with one scale per output row and multiplies with torch's
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from specdecode.models import native
-from specdecode.models.weights import FORMAT_CODES, BlockWeight, pack as pack_blocks, unpack as unpack_blocks
+from specdecode.models.weights import FORMAT_CODES, Blocks, pack as pack_blocks, unpack as unpack_blocks
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -129,12 +130,12 @@ class QuantLinear(nn.Module):
     """``y = x W^T + b`` with W in a block format, computed by our kernel of ``path`` on int8-quantized rows.
 
     Args:
-        weight: the ``[out_features, in_features]`` weight in q8_0, q4_0 or q4_1 (``weights.BlockWeight``).
+        weight: the ``[out_features, in_features]`` weight in a block format or a K-quant (``weights.Blocks``).
         bias: ``[out_features]`` (kept in fp32) or None.
         path: a build of ``native.BUILDS``: "tiled", "avx512" or "avx2".
     """
 
-    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None, path: str = "avx2") -> None:
+    def __init__(self, weight: Blocks, bias: torch.Tensor | None = None, path: str = "avx2") -> None:
         super().__init__()
         self._setup(pack_blocks(weight, native.BUILDS[path].quant_tile), weight.fmt, *weight.shape, bias, path)
 
@@ -160,7 +161,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._ops.quant_linear(x, self.packed, FORMAT_CODES[self.fmt], self.out_features, self.bias)
 
-    def blocks(self) -> BlockWeight:
+    def blocks(self) -> Blocks:
         """The weight in its block format, as packed."""
         return unpack_blocks(self.packed, self.fmt, self.out_features, self.in_features, native.BUILDS[self.path].quant_tile)
 

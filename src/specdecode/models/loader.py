@@ -26,7 +26,7 @@ from specdecode.models.fetch import fetch
 # GGUFError and LoadError are raised through this module too: importers find them here.
 from specdecode.models.gguf import GGUFError, GGUFFile, GGUFTensorInfo, LoadError, read_gguf, read_gguf_raw  # noqa: F401
 from specdecode.models.tokenizer import Tokenizer
-from specdecode.models.weights import FORMAT_OF, BlockWeight, WeightSource, convert, dequantized
+from specdecode.models.weights import FORMAT_OF, Blocks, WeightSource, convert, dequantized
 
 Progress = Callable[[str], None]
 
@@ -225,7 +225,7 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
             out[i:i + len(part)] = dequantized(part, info.qtype, (len(part), k))
         return self._ordered(name, out)
 
-    def blocks(self, name: str, fmt: str) -> BlockWeight:
+    def blocks(self, name: str, fmt: str) -> Blocks:
         """Matrix ``name`` in block format ``fmt``: its own blocks where it is stored so (``weights.convert``)."""
         info = self.infos[name]
         blocks = convert(self._raw(info), info.qtype, info.shape, fmt)

@@ -1,24 +1,27 @@
-"""Weight formats: bf16, or llama.cpp's block formats q8_0, q4_0 and q4_1 kept quantized in memory.
+"""Weight formats: bf16, llama.cpp's block formats q8_0, q4_0 and q4_1, and its K-quants q4_k and q6_k, kept
+quantized in memory.
 
 A block format holds, per output row and per block of 32 inputs, integer codes and an fp16 scale ``d`` (and
 for q4_1 an fp16 minimum ``m``): q8_0 ``w = d * q`` (q in -127..127), q4_0 ``w = d * (q - 8)`` and q4_1
 ``w = d * q + m`` (q in 0..15). :class:`BlockWeight` is that form, unpacked: codes, scales and minimums as
 tensors. It comes from a GGUF file's own blocks without a round trip (``from_gguf``), or from float weights
 through the ``gguf`` package's quantizers, which are llama.cpp's reference ones (``quantize``). ``pack`` lays it
-out for the kernels (``kernels/linear_quant.h``), ``unpack`` reads it back.
+out for the kernels (``kernels/linear_quant.h``), ``unpack`` reads it back. The K-quants (Q4_K, Q6_K: super-
+blocks of 256) are ``super_blocks.SuperBlockWeight``, read as stored and never quantized to; ``pack``,
+``unpack`` and ``concat`` here take either form.
 
-GGUF types other than these three are mapped (``FORMAT_OF``): Q4_K keeps its 4-bit codes and becomes q4_1,
-one block per 32-weight sub-block, with the sub-block's scale ``d * sc`` and minimum ``-dmin * m`` rounded to
-fp16 (a relative error of at most 2^-11 of a block's scale, against a 4-bit step of 1/15 of its range, while
-they stay above fp16's smallest normal, 6.1e-5); Q5_0, Q5_1, Q5_K, Q6_K and Q8_K become q8_0, requantized from
-their dequantized values, and so do the types not listed (Q2_K, Q3_K, IQ*: more bytes than the file's); F32,
-F16 and BF16 tensors stay bf16. A Q8_0 tensor holding the code -128 (llama.cpp's quantizer never writes it)
-is requantized too.
+Each GGUF type has our format (``FORMAT_OF``): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K are kept as stored; Q5_0,
+Q5_1, Q5_K and Q8_K become q8_0, requantized from their dequantized values, and so do the types not listed
+(Q2_K, Q3_K, IQ*: more bytes than the file's); F32, F16 and BF16 tensors stay bf16. A Q8_0 tensor holding the
+code -128 (llama.cpp's quantizer never writes it) is requantized too. Asked for q4_1 (``--weights q4_1``, a
+draft's cheapest format), a Q4_K tensor keeps its 4-bit codes, one q4_1 block per 32-weight sub-block, with
+the sub-block's scale ``d * sc`` and minimum ``-dmin * m`` rounded to fp16 (a relative error of at most 2^-11
+of a block's scale, against a 4-bit step of 1/15 of its range, while they stay above fp16's smallest normal,
+6.1e-5).
 
 This module does not compute products (the kernels do) or choose the format of a model (``Transformer
 .pack_weights`` does, with ``choose_format``).
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,19 +32,26 @@ import torch
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
+from specdecode.models import super_blocks
 from specdecode.models.block_codecs import (Q4_K_BYTES, Q6_K_BYTES, q4_k_dequantize, q4_k_parts, q6_k_dequantize,
                                             q8_0_quantize)
+from specdecode.models.super_blocks import SUPER_FORMATS, SUPER_QTYPES, SuperBlockWeight
 
-WEIGHT_FORMATS = ("auto", "bf16", "q8_0", "q4_0", "q4_1")  # what --weights offers
+WEIGHT_FORMATS = ("auto", "blocks", "bf16", "q8_0", "q4_0", "q4_1")  # what --weights offers
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")
-FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "bf16": 3}  # the kernels' codes (linear_quant.h, layer.h)
+FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "bf16": 3, "q4_k": 4, "q6_k": 5}  # the kernels' (linear_quant.h)
 BLOCK = 32
 _QTYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1}
 
 # Our format for each GGUF tensor type (those read as stored, and those mapped; see the module docstring).
-FORMAT_OF = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_1", QT.Q5_0: "q8_0",
-             QT.Q5_1: "q8_0", QT.Q5_K: "q8_0", QT.Q6_K: "q8_0", QT.Q8_K: "q8_0", QT.F32: "bf16", QT.F16: "bf16",
+FORMAT_OF = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_k", QT.Q5_0: "q8_0",
+             QT.Q5_1: "q8_0", QT.Q5_K: "q8_0", QT.Q6_K: "q6_k", QT.Q8_K: "q8_0", QT.F32: "bf16", QT.F16: "bf16",
              QT.BF16: "bf16"}
+# The 32-weight block format a GGUF type's blocks become code for code (``from_gguf``), no requantizing.
+_CODE_FOR_CODE = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_1"}
+# Where a projection's parts differ (q, k, v), a K-quant part takes the block format that holds it: one
+# projection has one format, and nothing converts into a K-quant.
+_STAND_IN = {"q4_k": "q4_1", "q6_k": "q8_0"}
 _WIDTH = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "bf16": 3}  # bits per weight, in order: auto's pick where parts differ
 
 
@@ -115,11 +125,16 @@ class WeightSource:
         return self.read_float(name, dtype) if self.read_float else self.tensors[name].to(dtype)
 
 
-def concat(parts: Sequence[BlockWeight]) -> BlockWeight:
+Blocks = BlockWeight | SuperBlockWeight  # a weight in any format the kernels compute with
+
+
+def concat(parts: Sequence[Blocks]) -> Blocks:
     """Parts of one format and width stacked along the outputs (q/k/v into one projection)."""
     fmt, k = parts[0].fmt, parts[0].k
     if any(p.fmt != fmt or p.k != k for p in parts):
         raise ValueError(f"cannot stack {[(p.fmt, p.k) for p in parts]}: one format and input width needed")
+    if fmt in SUPER_FORMATS:
+        return super_blocks.concat(list(parts))
     m = None if parts[0].m is None else torch.cat([p.m for p in parts])
     return BlockWeight(fmt, torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]), m, k)
 
@@ -185,7 +200,7 @@ def quantize(weight: torch.Tensor, fmt: str) -> BlockWeight:
 
 
 def convert(raw: np.ndarray, qtype: QT, shape: tuple[int, int], fmt: str, chunk: int = 1 << 22,
-            keep: bool = True) -> BlockWeight:
+            keep: bool = True) -> Blocks:
     """A GGUF tensor in block format ``fmt``: its own blocks where its type maps to ``fmt`` code for code
     (``from_gguf``), else dequantized and requantized; ``chunk`` weights at a time either way, so that no
     full-size temporary of a large tensor (a 150k-row output head) is made.
@@ -194,15 +209,23 @@ def convert(raw: np.ndarray, qtype: QT, shape: tuple[int, int], fmt: str, chunk:
         raw: the tensor's bytes, uint8 (any shape holding ``N * row_bytes`` bytes).
         qtype: its GGUF type.
         shape: ``(N, K)``.
-        fmt: one of BLOCK_FORMATS.
+        fmt: one of BLOCK_FORMATS, or the K-quant the tensor is stored in (SUPER_FORMATS).
         keep: keep the stored blocks where they are in ``fmt`` (False requantizes them).
+
+    Raises:
+        ValueError: a K-quant format that is not the tensor's own (nothing converts into one).
     """
     n, k = shape
     rows, step = raw.reshape(n, -1), max(1, chunk // k)
+    if fmt in SUPER_FORMATS:
+        if SUPER_QTYPES[fmt] != qtype:
+            raise ValueError(f"{fmt} weights come only from {SUPER_QTYPES[fmt].name} tensors, not {qtype.name}")
+        return super_blocks.concat([super_blocks.from_gguf(rows[i:i + step], qtype, (min(step, n - i), k))
+                                    for i in range(0, n, step)])
     width = -(-k // BLOCK)
     out = BlockWeight(fmt, torch.empty(n, width * BLOCK, dtype=torch.uint8), torch.empty(n, width, dtype=torch.float16),
                       torch.empty(n, width, dtype=torch.float16) if fmt == "q4_1" else None, k)
-    own = keep and FORMAT_OF.get(qtype) == fmt
+    own = keep and _CODE_FOR_CODE.get(qtype) == fmt
     for i in range(0, n, step):
         part_shape = (min(step, n - i), k)
         part = from_gguf(rows[i:i + step], qtype, part_shape) if own else None
@@ -235,22 +258,29 @@ _TORCH_DECODERS = {QT.Q4_K: (Q4_K_BYTES, q4_k_dequantize), QT.Q6_K: (Q6_K_BYTES,
 def choose_format(requested: str, stored: Sequence[str], head: bool = False) -> str:
     """The format of one projection (its parts stored as ``stored``, e.g. q, k and v) under ``--weights``.
 
-    "auto" takes the parts' own formats, the widest where they differ (a projection has one format);
-    an explicit block format applies as asked, except that the output head (``head``) is kept at least
-    q8_0 under q4 formats, as llama.cpp's quantizer keeps it wider.
+    "auto" takes the parts' own formats, K-quants included where all parts share one; where they differ,
+    the widest, a K-quant counting as the block format that holds it (``_STAND_IN``: one projection has one
+    format). "blocks" takes every K-quant as the block format that holds it (Q4_K's codes as q4_1, Q6_K
+    requantized to q8_0: cheaper verification rows, see ``kernels/linear_kquant.h``). An explicit block format
+    applies as asked, except that the output head (``head``) is kept at least q8_0 under q4 formats, as
+    llama.cpp's quantizer keeps it wider.
     """
-    if requested == "auto":
-        return max(stored, key=_WIDTH.__getitem__)
+    if requested == "auto" and len(set(stored)) == 1:
+        return stored[0]
+    if requested in ("auto", "blocks"):
+        return max((_STAND_IN.get(s, s) for s in stored), key=_WIDTH.__getitem__)
     if requested in ("q4_0", "q4_1") and head:
         return "q8_0"
     return requested
 
 
-def pack(weight: BlockWeight, tile: int, chunk: int = 1 << 22) -> torch.Tensor:
-    """The kernels' layout: uint8 ``[ceil(N / tile), B, record]``, record = a block of ``tile`` outputs: codes
+def pack(weight: Blocks, tile: int, chunk: int = 1 << 22) -> torch.Tensor:
+    """The kernels' layout of ``weight`` (a K-quant: ``SuperBlockWeight.pack``); a block format's: uint8 ``[ceil(N / tile), B, record]``, record = a block of ``tile`` outputs: codes
     (q8_0: per group of 4 inputs, ``tile`` lanes of 4 bytes; q4: inputs 4p..4p+3 in the low nibbles and
     16+4p.. in the high ones), then ``tile`` fp16 scales, then ``tile`` fp16 minimums for q4_1. Written
     ``chunk`` codes at a time, so a large head needs no full-size temporaries."""
+    if isinstance(weight, SuperBlockWeight):
+        return weight.pack(tile, chunk)
     n, width = weight.codes.shape
     blocks = width // BLOCK
     tiles = -(-n // tile)
@@ -277,8 +307,10 @@ def pack(weight: BlockWeight, tile: int, chunk: int = 1 << 22) -> torch.Tensor:
     return out
 
 
-def unpack(packed: torch.Tensor, fmt: str, n: int, k: int, tile: int) -> BlockWeight:
-    """The BlockWeight that ``pack`` turned into ``packed`` (padding dropped)."""
+def unpack(packed: torch.Tensor, fmt: str, n: int, k: int, tile: int) -> Blocks:
+    """The weight that ``pack`` turned into ``packed`` (padding dropped)."""
+    if fmt in SUPER_FORMATS:
+        return SuperBlockWeight.unpack(packed, fmt, n, k, tile)
     tiles, blocks, _ = packed.shape
     code_bytes = tile * (32 if fmt == "q8_0" else 16)
     body = packed[..., :code_bytes]

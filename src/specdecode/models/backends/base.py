@@ -21,7 +21,7 @@ from specdecode.models.block import Block
 from specdecode.models.config import ModelConfig
 from specdecode.models.rope import Rope
 from specdecode.models.rows import RowPlan
-from specdecode.models.weights import BlockWeight
+from specdecode.models.weights import Blocks
 
 
 class OutputHead(Protocol):
@@ -67,7 +67,7 @@ class Backend(Protocol):
         row_invariant: every projection computes a row the same at any row count, so one forward's rows
             equal what separate forwards give, whatever the split (our kernels). oneDNN and F.linear round a
             one-row matmul (GEMV) differently from a multi-row one (GEMM).
-        block_formats: it computes with llama.cpp's block formats (q8_0, q4_0, q4_1), not only bf16.
+        block_formats: it computes with llama.cpp's block formats (q8_0, q4_0, q4_1, q4_k, q6_k), not only bf16.
         packs: packing swaps the projections for copies laid out for it; False: the model's own ``nn.Linear``
             modules run as they are (the model stays movable between devices).
     """
@@ -88,7 +88,7 @@ class Backend(Protocol):
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         """``y = x W^T + b`` of a float ``[out, in]`` weight, packed for this backend."""
 
-    def block_linear(self, weight: BlockWeight, bias: torch.Tensor | None) -> nn.Module:
+    def block_linear(self, weight: Blocks, bias: torch.Tensor | None) -> nn.Module:
         """``y = x W^T + b`` of a block-format weight (only where ``block_formats``)."""
 
     def prepare(self, blocks: Sequence[Block], rope: Rope, output: OutputHead | None,

@@ -28,7 +28,7 @@ from specdecode.models.block import Block
 from specdecode.models.linear import NativeLinear, QuantLinear
 from specdecode.models.rope import Rope
 from specdecode.models.rows import RowPlan
-from specdecode.models.weights import BlockWeight
+from specdecode.models.weights import Blocks
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class NativeBackend:
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         return NativeLinear(weight, bias, self.name)
 
-    def block_linear(self, weight: BlockWeight, bias: torch.Tensor | None) -> nn.Module:
+    def block_linear(self, weight: Blocks, bias: torch.Tensor | None) -> nn.Module:
         return QuantLinear(weight, bias, self.name)
 
     def prepare(self, blocks: Sequence[Block], rope: Rope, output: OutputHead | None,

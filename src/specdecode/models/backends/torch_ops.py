@@ -20,7 +20,7 @@ from specdecode.models.backends.base import EagerLayers, LayerRunner, OutputHead
 from specdecode.models.block import Block
 from specdecode.models.linear import Int8Linear, PackedLinear, can_pack
 from specdecode.models.rope import Rope
-from specdecode.models.weights import BlockWeight
+from specdecode.models.weights import Blocks
 
 
 def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -44,7 +44,7 @@ class _TorchLayers:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def block_linear(self, weight: BlockWeight, bias: torch.Tensor | None) -> nn.Module:
+    def block_linear(self, weight: Blocks, bias: torch.Tensor | None) -> nn.Module:
         raise block_formats_refused(weight.fmt, self)
 
     def prepare(self, blocks: Sequence[Block], rope: Rope, output: OutputHead | None,

@@ -4,7 +4,7 @@
 #include "attention.h"
 #include "layer.h"
 #include "linear_bf16.h"
-#include "linear_quant.h"
+#include "linear_blocks.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The compute functions let go of the GIL: a server's event loop keeps running while a step computes.

@@ -20,11 +20,11 @@
 
 #include "attention.h"
 #include "linear_bf16.h"
-#include "linear_quant.h"
+#include "linear_blocks.h"
 
 namespace sd {
 
-constexpr int64_t kBF16 = 3;  // a projection's format code beside kQ8_0, kQ4_0, kQ4_1
+constexpr int64_t kBF16 = 3;  // a projection's format code beside the block formats' (linear_quant.h)
 
 // One projection: its packed weight (this build's bf16 layout, or a quantized one), shapes and fp32 bias.
 struct Proj {
@@ -83,12 +83,8 @@ inline void project_tiles(const Proj& p, const Prepared& in, float* y, int64_t t
   const float* bias = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
   if (p.fmt != kBF16) {
     const uint8_t* w = p.packed.data_ptr<uint8_t>();
-    const int64_t stride = in.quant.blocks * q_record_bytes(p.fmt);
-    for (int64_t t = t0; t < t1; ++t) {
-      if (p.fmt == kQ8_0) q_tile<kQ8_0>(in.quant, w + t * stride, stride, bias, y, p.n_out, t * kQTile);
-      else if (p.fmt == kQ4_0) q_tile<kQ4_0>(in.quant, w + t * stride, stride, bias, y, p.n_out, t * kQTile);
-      else q_tile<kQ4_1>(in.quant, w + t * stride, stride, bias, y, p.n_out, t * kQTile);
-    }
+    const int64_t stride = tile_bytes(p.fmt, in.quant.blocks);
+    for (int64_t t = t0; t < t1; ++t) block_tile(p.fmt, in.quant, w, stride, t, bias, y, p.n_out);
     return;
   }
   const int64_t pairs = p.packed.size(1), k2 = 2 * pairs;

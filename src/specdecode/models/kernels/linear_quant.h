@@ -13,10 +13,9 @@
 // of inputs 4q..4q+3. q4 codes are nibbles: vector (p, v) holds inputs 4p..4p+3 in its low nibbles and
 // 16+4p..16+4p+3 in its high ones.
 //
-// It does not quantize weights (Python does, once) or handle K-quants (mapped at load, models/weights.py).
+// It does not quantize weights (Python does, once). The K-quant super-block formats are linear_kquant.h's;
+// linear_blocks.h dispatches on the format and is the torch entry point.
 #pragma once
-
-#include <ATen/Parallel.h>
 
 #include <vector>
 
@@ -28,7 +27,8 @@
 
 namespace sd {
 
-enum : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+// Format codes (models/weights.py FORMAT_CODES); 3 is bf16 (layer.h). q4_k and q6_k: linear_kquant.h.
+enum : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 4, kQ6_K = 5 };
 constexpr int64_t kQBlock = 32;
 constexpr int kQVecs = 2;                    // output vectors per tile
 constexpr int64_t kQTile = kQVecs * kLanes;  // outputs per tile: 32 (AVX512) or 16 (AVX2)
@@ -42,12 +42,13 @@ constexpr int64_t q_code_bytes(int64_t fmt) { return kQTile * (fmt == kQ8_0 ? 32
 constexpr int64_t q_scale_count(int64_t fmt) { return kQTile * (fmt == kQ4_1 ? 2 : 1); }
 constexpr int64_t q_record_bytes(int64_t fmt) { return q_code_bytes(fmt) + 2 * q_scale_count(fmt); }
 
-// Rows of x quantized to int8 blocks: codes [rows, blocks * 32], scale d, code sum sx and s = d * sx per block.
+// Rows of x quantized to int8 blocks: codes [rows, blocks * 32], scale d, code sum sx and s = d * sx per block,
+// and the code sums of each block's two halves of 16 (sx16 [rows, blocks, 2]: Q6_K scales 16 weights apart).
 struct QuantRows {
   int64_t rows = 0, blocks = 0;
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> sx;
+  std::vector<int32_t> sx, sx16;
 };
 
 // Quantizes rows of fp32 x (row stride ldx, k features; zero beyond k up to a whole block) with llama.cpp's
@@ -60,6 +61,7 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, 
   out.d.resize(rows * blocks);
   out.s.resize(rows * blocks);
   out.sx.resize(rows * blocks);
+  out.sx16.resize(rows * blocks * 2);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       alignas(64) float tail[kQBlock] = {};
@@ -77,19 +79,50 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, 
       for (int i = 0; i < kLanes; ++i) m = std::max(m, lanes[i]);  // a max: exact in any order
       const float d = m / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
       int8_t* q = out.q.data() + (r * blocks + b) * kQBlock;
-      vi sum = vzero_i();
+      vi sum[2] = {vzero_i(), vzero_i()};  // per half of 16 codes
       for (int i = 0; i < kQBlock; i += kLanes) {  // codes: rounded to nearest even, then narrowed (|c| <= 127)
         const vi c = vcvt_f(vround(vmul(vload(v + i), vset(id))));
-        sum = vadd_i(sum, c);
+        sum[i / 16] = vadd_i(sum[i / 16], c);
         store_i8(q + i, c);
       }
-      alignas(64) int32_t parts[kLanes];
-      vstore_i(parts, sum);
-      int32_t total = 0;
-      for (int i = 0; i < kLanes; ++i) total += parts[i];  // integers: exact in any order
+      int32_t halves[2] = {0, 0};
+      for (int h = 0; h < 2; ++h) {
+        alignas(64) int32_t parts[kLanes];
+        vstore_i(parts, sum[h]);
+        for (int i = 0; i < kLanes; ++i) halves[h] += parts[i];  // integers: exact in any order
+      }
+      const int32_t total = halves[0] + halves[1];
       out.d[r * blocks + b] = d;
+      out.sx16[2 * (r * blocks + b)] = halves[0];
+      out.sx16[2 * (r * blocks + b) + 1] = halves[1];
       out.sx[r * blocks + b] = total;
       out.s[r * blocks + b] = d * float(total);
+    }
+  }
+}
+
+// y rows r (stride ldy), outputs n0.. of one tile: the fp32 sums facc plus the bias, as fp32 or bf16.
+template <int R, typename Out>
+void store_tile(const vf (&facc)[R][kQVecs], const float* bias, Out* y, int64_t ldy, int64_t n_out, int64_t n0) {
+  for (int v = 0; v < kQVecs; ++v) {
+    const int64_t n = n0 + v * kLanes;
+    if (n >= n_out) break;
+    const int valid = int(std::min<int64_t>(kLanes, n_out - n));
+    vf b = vzero();
+    if (bias) {
+      alignas(64) float lanes[kLanes] = {};
+      std::memcpy(lanes, bias + n, sizeof(float) * valid);
+      b = vload(lanes);
+    }
+    for (int r = 0; r < R; ++r) {
+      const vf out = bias ? vadd(facc[r][v], b) : facc[r][v];
+      if constexpr (std::is_same_v<Out, float>) {
+        alignas(64) float lanes[kLanes];
+        vstore(lanes, out);
+        std::memcpy(y + r * ldy + n, lanes, sizeof(float) * valid);
+      } else {
+        store_bf16(y + r * ldy + n, out, valid);
+      }
     }
   }
 }
@@ -108,7 +141,7 @@ inline vi low_nibbles(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
 inline vi high_nibbles(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 #endif
 
-// acc + per lane sum of 4 products u8 w x s8 x, for w <= 15 (no 16-bit saturation on AVX2).
+// acc + per lane sum of 4 products u8 w x s8 x, for w <= 63 (no 16-bit saturation on AVX2: 2 * 63 * 127 < 2^15).
 inline vi dot_u4(vi acc, vi w, vi x) {
 #ifdef SPECDECODE_VNNI
   return _mm512_dpbusd_epi32(acc, w, x);
@@ -197,27 +230,7 @@ void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
       }
     }
   }
-  for (int v = 0; v < kQVecs; ++v) {
-    const int64_t n = n0 + v * kLanes;
-    if (n >= n_out) break;
-    const int valid = int(std::min<int64_t>(kLanes, n_out - n));
-    vf b = vzero();
-    if (bias) {
-      alignas(64) float lanes[kLanes] = {};
-      std::memcpy(lanes, bias + n, sizeof(float) * valid);
-      b = vload(lanes);
-    }
-    for (int r = 0; r < R; ++r) {
-      const vf out = bias ? vadd(facc[r][v], b) : facc[r][v];
-      if constexpr (std::is_same_v<Out, float>) {
-        alignas(64) float lanes[kLanes];
-        vstore(lanes, out);
-        std::memcpy(y + r * ldy + n, lanes, sizeof(float) * valid);
-      } else {
-        store_bf16(y + r * ldy + n, out, valid);
-      }
-    }
-  }
+  store_tile<R>(facc, bias, y, ldy, n_out, n0);
 }
 
 // Every row against one tile (stride bytes long; the next tile follows it), in passes of up to kQRows rows.
@@ -228,56 +241,4 @@ void q_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* b
   });
 }
 
-// All tiles of a quantized projection, split across threads: y [a.rows, n_out].
-template <typename Out>
-void quant_rows(const QuantRows& a, const uint8_t* w, int64_t fmt, int64_t tiles, const float* bias, Out* y,
-                int64_t n_out) {
-  const int64_t stride = a.blocks * q_record_bytes(fmt);
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* wt = w + t * stride;
-      if (fmt == kQ8_0) q_tile<kQ8_0>(a, wt, stride, bias, y, n_out, t * kQTile);
-      else if (fmt == kQ4_0) q_tile<kQ4_0>(a, wt, stride, bias, y, n_out, t * kQTile);
-      else q_tile<kQ4_1>(a, wt, stride, bias, y, n_out, t * kQTile);
-    }
-  });
-}
-
-inline void check_packed_quant(const torch::Tensor& packed, int64_t fmt, int64_t n_out, int64_t k) {
-  TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1, "unknown weight format code ", fmt);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
-              packed.size(2) == q_record_bytes(fmt),
-              "packed quantized weight has the wrong layout (record ", packed.size(2), " bytes, this build's is ",
-              q_record_bytes(fmt), ")");
-  TORCH_CHECK(packed.size(1) * kQBlock >= k && packed.size(1) * kQBlock - k < kQBlock, "x has ", k,
-              " features, the weight ", packed.size(1) * kQBlock);
-  TORCH_CHECK(packed.size(0) * kQTile >= n_out, "the packed weight has fewer than ", n_out, " outputs");
-}
-
 }  // namespace sd
-
-inline int64_t quant_tile_outputs() { return sd::kQTile; }
-inline int64_t quant_record_bytes(int64_t fmt) { return sd::q_record_bytes(fmt); }
-
-// x: [..., K] bf16 or fp32; packed: [ceil(N/T), ceil(K/32), record] uint8; bias: [N] fp32 or None.
-// Returns [..., N] in x's dtype.
-inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t fmt, int64_t n_out,
-                                  const c10::optional<torch::Tensor>& bias) {
-  using namespace sd;
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "quant_linear needs bf16 or fp32 x");
-  const int64_t k = x.size(-1);
-  check_packed_quant(packed, fmt, n_out, k);
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out),
-              "bias must be a contiguous fp32 vector of ", n_out);
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  auto xf = x.reshape({-1, k}).to(at::kFloat).contiguous();
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = n_out;
-  auto y = torch::empty(out_shape, x.options());
-  if (xf.size(0) == 0) return y;
-  QuantRows a;
-  quantize_rows(xf.data_ptr<float>(), k, xf.size(0), k, a);
-  if (x.scalar_type() == at::kFloat) quant_rows(a, packed.data_ptr<uint8_t>(), fmt, packed.size(0), bp, y.data_ptr<float>(), n_out);
-  else quant_rows(a, packed.data_ptr<uint8_t>(), fmt, packed.size(0), bp, bf16_ptr_mut(y), n_out);
-  return y;
-}

@@ -40,6 +40,7 @@ inline vf vcvt_i(vi a) { return _mm512_cvtepi32_ps(a); }
 inline vi vcvt_f(vf a) { return _mm512_cvtps_epi32(a); }  // integral inputs: exact
 inline vi vadd_i(vi a, vi b) { return _mm512_add_epi32(a, b); }
 inline void vstore_i(int32_t* p, vi a) { _mm512_storeu_si512(p, a); }
+inline void vstore_bytes(uint8_t* p, vi a) { _mm512_storeu_si512(p, a); }
 inline void store_i8(int8_t* p, vi a) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(a)); }  // |a| <= 127
 inline vf even_half(vi v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 inline vf odd_half(vi v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u)))); }
@@ -90,6 +91,7 @@ inline vf vcvt_i(vi a) { return _mm256_cvtepi32_ps(a); }
 inline vi vcvt_f(vf a) { return _mm256_cvtps_epi32(a); }
 inline vi vadd_i(vi a, vi b) { return _mm256_add_epi32(a, b); }
 inline void vstore_i(int32_t* p, vi a) { _mm256_storeu_si256((__m256i*)p, a); }
+inline void vstore_bytes(uint8_t* p, vi a) { _mm256_storeu_si256((__m256i*)p, a); }
 inline void store_i8(int8_t* p, vi a) {  // 8 lanes with |a| <= 127 -> 8 bytes
   const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
   _mm_storel_epi64((__m128i*)p, _mm_packs_epi16(w, w));

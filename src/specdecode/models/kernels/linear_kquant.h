@@ -1,0 +1,239 @@
+// y = x W^T with W in llama.cpp's K-quant formats as stored, super-blocks of 256 weights along the input:
+//   q4_k: w = (d * sc_j) * q - (dmin * m_j), q in 0..15, 6-bit sc_j and m_j per 32 weights, fp16 d and dmin;
+//   q6_k: w = (d * sc_h) * (q - 32), q in 0..63, int8 sc_h per 16 weights, fp16 d.
+// x is quantized per 32 as for the other block formats (linear_quant.h). Per block of 32, a row's dot product
+// with an output is an exact integer: q4_k's isum (the scales d * sc_j and dmin * m_j are exact in fp32:
+// 11 bits times 6), q6_k's sc_0 * sum(q - 32) x + sc_1 * sum(q - 32) x over its two halves (|.| < 2^24, so
+// exact in fp32 too). Then, as for q4_1, y += float(isum) * (d_w * d_x) (q4_k: - (dmin m_j) * s_x). Blocks are
+// summed in order and no row depends on another: rows are bitwise what they are alone, on every build.
+//
+// Packed layout (models/super_blocks.py): [ceil(N/T), K/256, record] bytes, T = kQTile outputs; each block's
+// bytes together, so that a block streams in as one run (scales apart from the codes were ~15% slower). A
+// q4_k record: T fp16 d, T fp16 dmin, then per block j of 8: its codes as q4's (16 T bytes), T sc, T m (uint8).
+// A q6_k record: T fp16 d, then per block j: its low nibbles as q4's codes (16 T), its high bit pairs (8 T:
+// vector (half h, v) holds per output lane 4 bytes, byte i = the pairs of inputs 16h + 4p + i at bits 2p), and
+// 2 x T int8 sc (half 0, half 1).
+//
+// It does not read GGUF blocks (Python repacks them once) or quantize weights into these formats.
+#pragma once
+
+#include "linear_quant.h"
+
+namespace sd {
+
+constexpr int64_t kSuper = 256;  // weights per super-block
+constexpr int64_t kSuperBlocks = kSuper / kQBlock;
+constexpr int64_t k_record_bytes(int64_t fmt) { return kQTile * (fmt == kQ4_K ? 148 : 210); }
+
+#ifdef SPECDECODE_AVX512
+inline vi load_u8_lanes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline vi load_i8_lanes(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline vi vor_i(vi a, vi b) { return _mm512_or_si512(a, b); }
+// Bit pairs 2p, 2p + 1 of every byte moved to bits 4, 5 (the high part of a 6-bit code); the 16-bit shifts'
+// spill between bytes is masked off.
+inline vi pair_to_high(vi h, int p) {  // p: a constant where inlined (the quad loops unroll)
+  const vi mask = _mm512_set1_epi8(0x30);
+  if (p == 0) return _mm512_and_si512(_mm512_slli_epi16(h, 4), mask);
+  if (p == 1) return _mm512_and_si512(_mm512_slli_epi16(h, 2), mask);
+  if (p == 2) return _mm512_and_si512(h, mask);
+  return _mm512_and_si512(_mm512_srli_epi16(h, 2), mask);
+}
+#else
+inline vi load_u8_lanes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline vi load_i8_lanes(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline vi vor_i(vi a, vi b) { return _mm256_or_si256(a, b); }
+inline vi pair_to_high(vi h, int p) {
+  const vi mask = _mm256_set1_epi8(0x30);
+  if (p == 0) return _mm256_and_si256(_mm256_slli_epi16(h, 4), mask);
+  if (p == 1) return _mm256_and_si256(_mm256_slli_epi16(h, 2), mask);
+  if (p == 2) return _mm256_and_si256(h, mask);
+  return _mm256_and_si256(_mm256_srli_epi16(h, 2), mask);
+}
+#endif
+
+// A q6_k tile's 6-bit codes as whole bytes, q8_0's arrangement per block (quads 0-3: the low half's inputs,
+// 4-7: the high half's): unpacked once for all the passes of a call with several rows.
+inline void q6_unpack(const uint8_t* w, int64_t supers, uint8_t* out, const uint8_t* ahead) {
+  constexpr int64_t T = kQTile, kRecord = k_record_bytes(kQ6_K);
+  constexpr int kVecBytes = kLanes * 4;
+  for (int64_t s = 0; s < supers; ++s) {
+    for (int64_t line = 0; line < kRecord; line += 64)  // the next tile, as q_pass does
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + s * kRecord + line), _MM_HINT_T0);
+    for (int64_t j = 0; j < kSuperBlocks; ++j) {
+      const uint8_t* ql = w + s * kRecord + 2 * T + j * 26 * T;
+      uint8_t* block = out + (s * kSuperBlocks + j) * kQBlock * T;
+      for (int v = 0; v < kQVecs; ++v) {
+        const vi high0 = vload_i(ql + 16 * T + v * kVecBytes), high1 = vload_i(ql + 16 * T + (kQVecs + v) * kVecBytes);
+        for (int p = 0; p < 4; ++p) {
+          const vi raw = vload_i(ql + (p * kQVecs + v) * kVecBytes);
+          vstore_bytes(block + (p * kQVecs + v) * kVecBytes, vor_i(low_nibbles(raw), pair_to_high(high0, p)));
+          vstore_bytes(block + ((4 + p) * kQVecs + v) * kVecBytes, vor_i(high_nibbles(raw), pair_to_high(high1, p)));
+        }
+      }
+    }
+  }
+}
+
+// R rows of the quantized activations (from row r0) against one tile of K-quant format F, its codes unpacked
+// in registers; `ahead` as q_pass.
+template <int R, int64_t F, typename Out>
+void k_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias, Out* y, int64_t ldy, int64_t n_out,
+            int64_t n0, const uint8_t* ahead) {
+  constexpr int64_t kRecord = k_record_bytes(F), T = kQTile;
+  constexpr int kVecBytes = kLanes * 4;
+  const int64_t supers = a.blocks / kSuperBlocks;
+  vf facc[R][kQVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kQVecs; ++v) facc[r][v] = vzero();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* rec = w + s * kRecord;
+    // d and dmin are read again where used (L1): held across the blocks they would spill the accumulators.
+    const uint16_t* halfs = reinterpret_cast<const uint16_t*>(rec);  // the record's header
+    for (int64_t j = 0; j < kSuperBlocks; ++j) {
+      const int64_t b = s * kSuperBlocks + j;
+      // an eighth of the next tile's super-block per block: a whole record at once overruns the fill buffers
+      for (int64_t line = j * kRecord / kSuperBlocks / 64 * 64; line < (j + 1) * kRecord / kSuperBlocks; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + s * kRecord + line), _MM_HINT_T0);
+      const int8_t* xb[R];
+      for (int r = 0; r < R; ++r) xb[r] = a.q.data() + ((r0 + r) * a.blocks + b) * kQBlock;
+      if constexpr (F == kQ4_K) {
+        const uint8_t* codes = rec + 4 * T + j * 18 * T;
+        vi acc[R][kQVecs];
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < kQVecs; ++v) acc[r][v] = vzero_i();
+        for (int p = 0; p < 4; ++p) {
+          vi lo[kQVecs], hi[kQVecs];
+          for (int v = 0; v < kQVecs; ++v) {
+            const vi raw = vload_i(codes + (p * kQVecs + v) * kVecBytes);
+            lo[v] = low_nibbles(raw);
+            hi[v] = high_nibbles(raw);
+          }
+          for (int r = 0; r < R; ++r) {
+            const vi xlo = bcast4(xb[r] + 4 * p), xhi = bcast4(xb[r] + 16 + 4 * p);
+            for (int v = 0; v < kQVecs; ++v) acc[r][v] = dot_u4(dot_u4(acc[r][v], lo[v], xlo), hi[v], xhi);
+          }
+        }
+        const uint8_t* sc = codes + 16 * T;
+        vf step[kQVecs], low[kQVecs];  // d * sc_j and -(dmin * m_j): exact
+        for (int v = 0; v < kQVecs; ++v) {
+          step[v] = vmul(load_half(halfs + v * kLanes), vcvt_i(load_u8_lanes(sc + v * kLanes)));
+          low[v] = vmul(load_half(halfs + T + v * kLanes), vcvt_i(vsub_i(vzero_i(), load_u8_lanes(sc + T + v * kLanes))));
+        }
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r0 + r) * a.blocks + b;
+          const vf dx = vset(a.d[at]), sx = vset(a.s[at]);
+          for (int v = 0; v < kQVecs; ++v)
+            facc[r][v] = vfma(low[v], sx, vfma(vcvt_i(acc[r][v]), vmul(step[v], dx), facc[r][v]));
+        }
+      } else {
+        const uint8_t* ql = rec + 2 * T + j * 26 * T;
+        const uint8_t* qh = ql + 16 * T;
+        vi high[2][kQVecs], acc[2][R][kQVecs];  // per half of 16 inputs, which has its own scale
+        for (int h = 0; h < 2; ++h) {
+          for (int v = 0; v < kQVecs; ++v) high[h][v] = vload_i(qh + (h * kQVecs + v) * kVecBytes);
+          for (int r = 0; r < R; ++r)
+            for (int v = 0; v < kQVecs; ++v) acc[h][r][v] = vzero_i();
+        }
+        for (int p = 0; p < 4; ++p) {
+          vi lo[kQVecs], hi[kQVecs];
+          for (int v = 0; v < kQVecs; ++v) {
+            const vi raw = vload_i(ql + (p * kQVecs + v) * kVecBytes);
+            lo[v] = vor_i(low_nibbles(raw), pair_to_high(high[0][v], p));
+            hi[v] = vor_i(high_nibbles(raw), pair_to_high(high[1][v], p));
+          }
+          for (int r = 0; r < R; ++r) {
+            const vi xlo = bcast4(xb[r] + 4 * p), xhi = bcast4(xb[r] + 16 + 4 * p);
+            for (int v = 0; v < kQVecs; ++v) {
+              acc[0][r][v] = dot_u4(acc[0][r][v], lo[v], xlo);
+              acc[1][r][v] = dot_u4(acc[1][r][v], hi[v], xhi);
+            }
+          }
+        }
+        const uint8_t* sc = ql + 24 * T;
+        for (int v = 0; v < kQVecs; ++v) {
+          const vf sc0 = vcvt_i(load_i8_lanes(sc + v * kLanes)), sc1 = vcvt_i(load_i8_lanes(sc + T + v * kLanes));
+          const vf d = load_half(halfs + v * kLanes);
+          for (int r = 0; r < R; ++r) {
+            const int64_t at = (r0 + r) * a.blocks + b;
+            // integers below 2^24 all through: sc_0 * sum(q - 32) x + sc_1 * ... is exact in fp32
+            const vf s0 = vcvt_i(vsub_i(acc[0][r][v], vset_i(32 * a.sx16[2 * at])));
+            const vf s1 = vcvt_i(vsub_i(acc[1][r][v], vset_i(32 * a.sx16[2 * at + 1])));
+            facc[r][v] = vfma(vfma(s0, sc0, vmul(s1, sc1)), vmul(d, vset(a.d[at])), facc[r][v]);
+          }
+        }
+      }
+    }
+  }
+  store_tile<R>(facc, bias, y, ldy, n_out, n0);
+}
+
+// R rows against one q6_k tile whose codes q6_unpack laid out as whole bytes (`codes`); scales from `w`.
+// The same integers and fp32 steps as k_pass: bitwise its answer.
+template <int R, typename Out>
+void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* codes, const uint8_t* w, const float* bias, Out* y,
+                      int64_t ldy, int64_t n_out, int64_t n0) {
+  constexpr int64_t T = kQTile;
+  constexpr int kVecBytes = kLanes * 4;
+  vf facc[R][kQVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kQVecs; ++v) facc[r][v] = vzero();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* rec = w + b / kSuperBlocks * k_record_bytes(kQ6_K);
+    const int64_t j = b % kSuperBlocks;
+    const int8_t* xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = a.q.data() + ((r0 + r) * a.blocks + b) * kQBlock;
+    vf part[R][kQVecs];  // the block's exact sum over both halves
+    for (int h = 0; h < 2; ++h) {
+      vi acc[R][kQVecs];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kQVecs; ++v) acc[r][v] = vzero_i();
+      for (int p = 0; p < 4; ++p) {
+        vi wv[kQVecs];
+        for (int v = 0; v < kQVecs; ++v) wv[v] = vload_i(codes + ((b * 8 + 4 * h + p) * kQVecs + v) * kVecBytes);
+        for (int r = 0; r < R; ++r) {
+          const vi x = bcast4(xb[r] + 16 * h + 4 * p);
+          for (int v = 0; v < kQVecs; ++v) acc[r][v] = dot_u4(acc[r][v], wv[v], x);
+        }
+      }
+      vf sc[kQVecs];
+      for (int v = 0; v < kQVecs; ++v) sc[v] = vcvt_i(load_i8_lanes(rec + 2 * T + j * 26 * T + (24 + h) * T + v * kLanes));
+      for (int r = 0; r < R; ++r) {
+        const vi offset = vset_i(32 * a.sx16[2 * ((r0 + r) * a.blocks + b) + h]);  // the codes' offset 32
+        for (int v = 0; v < kQVecs; ++v) {
+          const vf sum = vcvt_i(vsub_i(acc[r][v], offset));
+          part[r][v] = h == 0 ? vmul(sum, sc[v]) : vfma(sum, sc[v], part[r][v]);
+        }
+      }
+    }
+    vf d[kQVecs];
+    for (int v = 0; v < kQVecs; ++v) d[v] = load_half(reinterpret_cast<const uint16_t*>(rec) + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vf dx = vset(a.d[(r0 + r) * a.blocks + b]);
+      for (int v = 0; v < kQVecs; ++v) facc[r][v] = vfma(part[r][v], vmul(d[v], dx), facc[r][v]);
+    }
+  }
+  store_tile<R>(facc, bias, y, ldy, n_out, n0);
+}
+
+
+// Every row against one K-quant tile, in passes of up to kQRows rows. With several rows, q6_k's codes are
+// unpacked once per tile rather than in every pass.
+template <int64_t F, typename Out>
+void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t n_out, int64_t n0) {
+  if constexpr (F == kQ6_K) {
+    if (a.rows > 1) {
+      thread_local std::vector<uint8_t> scratch;
+      scratch.resize(a.blocks * kQBlock * kQTile);
+      q6_unpack(w, a.blocks / kSuperBlocks, scratch.data(), w + stride);
+      row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
+        q6_unpacked_pass<decltype(r)::value>(a, m, scratch.data(), w, bias, y + m * n_out, n_out, n_out, n0);
+      });
+      return;
+    }
+  }
+  row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
+    k_pass<decltype(r)::value, F>(a, m, w, bias, y + m * n_out, n_out, n_out, n0, w + stride);
+  });
+}
+
+}  // namespace sd
