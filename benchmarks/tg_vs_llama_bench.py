@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--weights", default="auto", help="our weight format (--weights of generate)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     try:
@@ -60,7 +61,7 @@ def main() -> None:
     except UnknownModelError:
         gguf = args.model
     binary = str(require("llama-bench"))
-    model = load_model(gguf).model
+    model = load_model(gguf, weights=args.weights).model
     ours(model, 8)  # one-time costs out of the rounds
     rows = []
     for _ in range(args.rounds):
