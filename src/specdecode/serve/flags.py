@@ -27,8 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the name clients pass as `model` (default: the --model value)")
     add_drafter_arguments(p)
     add_gamma_arguments(p)
-    p.add_argument("--max-running", type=positive_int, default=4,
-                   help="requests decoded together, each holding one KV slot of --max-len tokens (default 4)")
+    p.add_argument("--max-running", type=positive_int, default=8,
+                   help="requests decoded together, each holding one KV slot of --max-len tokens (default 8: on 2 "
+                        "cores 8 clients then run 1.2x faster than 4, where 4 slots queued half of them)")
     p.add_argument("--max-waiting", type=int, default=64,
                    help="requests queued beyond those; more are refused with 429 (default 64)")
     p.add_argument("--max-rows", type=positive_int, default=None,
