@@ -346,12 +346,15 @@ def dtypes(config: dict[str, Any]) -> str:
             + (f", projections on {config['linear_kernel']}" if config.get("linear_kernel") else ""))
 
 
+QUANTIZED_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")  # weights kept in blocks (models/weights.py)
+
+
 def runs_on(entry: dict[str, Any]) -> str:
     """A method's kernel and dtype, and its draft model's: "onednn bfloat16; draft int8 bfloat16" ("-": unknown)."""
     if not entry.get("kernel"):  # failed to build, or a document older than the per-method record
         return "-"
     def formats(weights: str | None) -> str:  # shown where blocks are quantized (older documents lack it)
-        return f" ({weights} weights)" if weights and any(f in weights for f in ("q8_0", "q4_0", "q4_1")) else ""
+        return f" ({weights} weights)" if weights and any(f in weights for f in QUANTIZED_FORMATS) else ""
 
     out = f"{entry['kernel']} {entry['dtype']}{formats(entry.get('weights'))}"
     if entry.get("draft_kernel"):

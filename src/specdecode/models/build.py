@@ -131,8 +131,8 @@ def load_model(source: str, dtype: str = "auto", device: str = "cpu",
         progress: called with one-line status messages (fetching, loading).
         linear: kernel for the projections, see ``Transformer.pack_weights`` ("auto" picks the fastest).
         quantize: "int8" for int8 weight-only projections (draft models; different numbers), or "none".
-        weights: the projections' format (``Transformer.pack_weights``): "auto" (a GGUF's own block formats
-            on our kernels, else bf16), "bf16", "q8_0", "q4_0" or "q4_1".
+        weights: the projections' format (``Transformer.pack_weights``): "auto" (a GGUF's own formats on our
+            kernels, else bf16), "blocks" (as auto, K-quants in 32-weight blocks), "bf16", "q8_0", "q4_0" or "q4_1".
     """
     device = resolve_device(device)  # a missing GPU is refused before any weights are read
     torch_dtype = resolve_dtype(dtype, device)

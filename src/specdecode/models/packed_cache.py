@@ -103,10 +103,10 @@ def conversion_digest() -> str:
     choosing formats, packing, naming) and of the gguf and torch versions: an edit to any rebuilds the entries."""
     from importlib.metadata import version
 
-    from specdecode.models import block_codecs, hf_import, linear, loader, packing, weights
+    from specdecode.models import block_codecs, hf_import, linear, loader, packing, super_blocks, weights
 
     h = hashlib.sha256(f"gguf {version('gguf')}, torch {torch.__version__}".encode())
-    for module in (block_codecs, hf_import, linear, loader, packing, weights):
+    for module in (block_codecs, hf_import, linear, loader, packing, super_blocks, weights):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:12]
 

@@ -1,5 +1,5 @@
 """Packing a model's projections for a backend: every fused projection and the output head swapped for the
-backend's packed copy, in bf16 or a block format (q8_0, q4_0, q4_1) chosen per projection
+backend's packed copy, in bf16, a block format (q8_0, q4_0, q4_1) or a K-quant as stored (q4_k, q6_k) chosen per projection
 (``weights.choose_format``), read from a GGUF's stored blocks where they already are in that format, else
 quantized from the float weights. Also int8 weight-only quantization (draft models) and the description of
 a model's weight formats.
@@ -55,7 +55,8 @@ def pack_projections(model, backend: Backend, weights: str, source: WeightSource
         model: an unpacked ``Transformer``.
         backend: where the projections will run.
         weights: "bf16" or a block format for every projection (the output head at least q8_0), or "auto":
-            as ``source`` stores them (block formats only where ``backend.block_formats``).
+            as ``source`` stores them, K-quants included (block formats only where ``backend.block_formats``),
+            or "blocks": as "auto" with the K-quants in 32-weight block formats (``weights.choose_format``).
         source: the checkpoint's weights and stored formats, read one projection at a time (the model's own
             projection weights are then not read and may be unfilled, on the meta device); without it, the
             model's own weights are packed.

@@ -159,7 +159,7 @@ def _pack_tiles(fmt: str, codes: torch.Tensor, scales: torch.Tensor, mins: torch
     high = (c >> 4).reshape(tiles, supers, 8, tile, 2, 4, 4)  # [.., tile, h, p, i]
     pairs = sum(high[..., p, :] << (2 * p) for p in range(4))  # [.., tile, h, i]
     pairs = pairs.permute(0, 1, 2, 4, 3, 5).reshape(tiles, supers, 8, 8 * tile)  # [.., h, tile, i]
-    blocks = torch.cat([low, pairs.to(torch.uint8), per_block(scales)], dim=-1)  # [tiles, S, 8, 26 tile]
+    blocks = torch.cat([low, pairs, per_block(scales)], dim=-1)  # [tiles, S, 8, 26 tile]
     return torch.cat([halves(d), blocks.reshape(tiles, supers, -1)], dim=-1)
 
 
@@ -174,6 +174,25 @@ def from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> SuperBlockW
         d, scales, codes = q6_k_parts(torch.from_numpy(np.ascontiguousarray(raw).reshape(-1, Q6_K_BYTES)))
         return SuperBlockWeight("q6_k", codes.reshape(n, k), scales.reshape(n, -1), None, d.reshape(n, -1).half(), None)
     raise ValueError(f"{qtype.name} is not a K-quant kept as stored ({', '.join(q.name for q in SUPER_QTYPES.values())})")
+
+
+def read_chunked(rows: np.ndarray, qtype: QT, shape: tuple[int, int], step: int) -> SuperBlockWeight:
+    """``from_gguf`` of a tensor's rows (``rows`` uint8 ``[N, row bytes]``) ``step`` rows at a time, into tensors
+    allocated once: a large head needs no second full-size copy."""
+    n, k = shape
+    first = from_gguf(rows[:step], qtype, (min(step, n), k))
+
+    def whole(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.empty(n, t.shape[1], dtype=t.dtype)
+
+    out = SuperBlockWeight(first.fmt, whole(first.codes), whole(first.scales), whole(first.mins), whole(first.d),
+                           whole(first.dmin))
+    for i in range(0, n, step):
+        part = first if i == 0 else from_gguf(rows[i:i + step], qtype, (min(step, n - i), k))
+        for name in ("codes", "scales", "mins", "d", "dmin"):
+            if getattr(out, name) is not None:
+                getattr(out, name)[i:i + step] = getattr(part, name)
+    return out
 
 
 def concat(parts: list[SuperBlockWeight]) -> SuperBlockWeight:

@@ -95,6 +95,9 @@ class BlockWeight:
         return BlockWeight(self.fmt, self.codes[index], self.d[index], None if self.m is None else self.m[index], self.k)
 
 
+Blocks = BlockWeight | SuperBlockWeight  # a weight in any format the kernels compute with
+
+
 @dataclass
 class WeightSource:
     """A checkpoint's weights as ``packing.pack_projections`` reads them, one tensor at a time.
@@ -110,22 +113,19 @@ class WeightSource:
 
     tensors: Mapping[str, torch.Tensor]
     formats: Mapping[str, str] = field(default_factory=dict)
-    read_blocks: Callable[[str, str], BlockWeight] | None = None
+    read_blocks: Callable[[str, str], Blocks] | None = None
     read_float: Callable[[str, torch.dtype], torch.Tensor] | None = None
 
     def format(self, name: str) -> str:
         return self.formats.get(name, "bf16")
 
-    def blocks(self, name: str, fmt: str) -> BlockWeight:
+    def blocks(self, name: str, fmt: str) -> Blocks:
         """Tensor ``name`` in block format ``fmt`` (its stored blocks where they already are, no round trip)."""
         return self.read_blocks(name, fmt) if self.read_blocks else quantize(self.tensors[name], fmt)
 
     def float(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Tensor ``name`` in ``dtype``."""
         return self.read_float(name, dtype) if self.read_float else self.tensors[name].to(dtype)
-
-
-Blocks = BlockWeight | SuperBlockWeight  # a weight in any format the kernels compute with
 
 
 def concat(parts: Sequence[Blocks]) -> Blocks:
@@ -220,8 +220,7 @@ def convert(raw: np.ndarray, qtype: QT, shape: tuple[int, int], fmt: str, chunk:
     if fmt in SUPER_FORMATS:
         if SUPER_QTYPES[fmt] != qtype:
             raise ValueError(f"{fmt} weights come only from {SUPER_QTYPES[fmt].name} tensors, not {qtype.name}")
-        return super_blocks.concat([super_blocks.from_gguf(rows[i:i + step], qtype, (min(step, n - i), k))
-                                    for i in range(0, n, step)])
+        return super_blocks.read_chunked(rows, qtype, (n, k), step)
     width = -(-k // BLOCK)
     out = BlockWeight(fmt, torch.empty(n, width * BLOCK, dtype=torch.uint8), torch.empty(n, width, dtype=torch.float16),
                       torch.empty(n, width, dtype=torch.float16) if fmt == "q4_1" else None, k)
@@ -275,7 +274,7 @@ def choose_format(requested: str, stored: Sequence[str], head: bool = False) -> 
 
 
 def pack(weight: Blocks, tile: int, chunk: int = 1 << 22) -> torch.Tensor:
-    """The kernels' layout of ``weight`` (a K-quant: ``SuperBlockWeight.pack``); a block format's: uint8 ``[ceil(N / tile), B, record]``, record = a block of ``tile`` outputs: codes
+    """The kernels' layout of ``weight`` (a K-quant's: ``SuperBlockWeight.pack``). A block format's: uint8 ``[ceil(N / tile), B, record]``, record = a block of ``tile`` outputs: codes
     (q8_0: per group of 4 inputs, ``tile`` lanes of 4 bytes; q4: inputs 4p..4p+3 in the low nibbles and
     16+4p.. in the high ones), then ``tile`` fp16 scales, then ``tile`` fp16 minimums for q4_1. Written
     ``chunk`` codes at a time, so a large head needs no full-size temporaries."""

@@ -51,15 +51,21 @@ inline vi pair_to_high(vi h, int p) {
 }
 #endif
 
+// Block j's share (an eighth) of the next tile's super-block record: prefetching a whole record at once
+// overruns the fill buffers (the fused layers ran 1.6x slower).
+inline void prefetch_share(const uint8_t* record, int64_t bytes, int64_t j) {
+  for (int64_t line = j * bytes / kSuperBlocks / 64 * 64; line < (j + 1) * bytes / kSuperBlocks; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(record + line), _MM_HINT_T0);
+}
+
 // A q6_k tile's 6-bit codes as whole bytes, q8_0's arrangement per block (quads 0-3: the low half's inputs,
 // 4-7: the high half's): unpacked once for all the passes of a call with several rows.
 inline void q6_unpack(const uint8_t* w, int64_t supers, uint8_t* out, const uint8_t* ahead) {
   constexpr int64_t T = kQTile, kRecord = k_record_bytes(kQ6_K);
   constexpr int kVecBytes = kLanes * 4;
   for (int64_t s = 0; s < supers; ++s) {
-    for (int64_t line = 0; line < kRecord; line += 64)  // the next tile, as q_pass does
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + s * kRecord + line), _MM_HINT_T0);
     for (int64_t j = 0; j < kSuperBlocks; ++j) {
+      prefetch_share(ahead + s * kRecord, kRecord, j);
       const uint8_t* ql = w + s * kRecord + 2 * T + j * 26 * T;
       uint8_t* block = out + (s * kSuperBlocks + j) * kQBlock * T;
       for (int v = 0; v < kQVecs; ++v) {
@@ -91,9 +97,7 @@ void k_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
     const uint16_t* halfs = reinterpret_cast<const uint16_t*>(rec);  // the record's header
     for (int64_t j = 0; j < kSuperBlocks; ++j) {
       const int64_t b = s * kSuperBlocks + j;
-      // an eighth of the next tile's super-block per block: a whole record at once overruns the fill buffers
-      for (int64_t line = j * kRecord / kSuperBlocks / 64 * 64; line < (j + 1) * kRecord / kSuperBlocks; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + s * kRecord + line), _MM_HINT_T0);
+      prefetch_share(ahead + s * kRecord, kRecord, j);
       const int8_t* xb[R];
       for (int r = 0; r < R; ++r) xb[r] = a.q.data() + ((r0 + r) * a.blocks + b) * kQBlock;
       if constexpr (F == kQ4_K) {
@@ -221,19 +225,18 @@ void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* codes, cons
 template <int64_t F, typename Out>
 void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t n_out, int64_t n0) {
   if constexpr (F == kQ6_K) {
-    if (a.rows > 1) {
-      thread_local std::vector<uint8_t> scratch;
-      scratch.resize(a.blocks * kQBlock * kQTile);
-      q6_unpack(w, a.blocks / kSuperBlocks, scratch.data(), w + stride);
-      row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
-        q6_unpacked_pass<decltype(r)::value>(a, m, scratch.data(), w, bias, y + m * n_out, n_out, n_out, n0);
-      });
-      return;
-    }
+    if (a.rows == 1) return k_pass<1, F>(a, 0, w, bias, y, n_out, n_out, n0, w + stride);
+    thread_local std::vector<uint8_t> scratch;
+    scratch.resize(a.blocks * kQBlock * kQTile);
+    q6_unpack(w, a.blocks / kSuperBlocks, scratch.data(), w + stride);
+    row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
+      q6_unpacked_pass<decltype(r)::value>(a, m, scratch.data(), w, bias, y + m * n_out, n_out, n_out, n0);
+    });
+  } else {
+    row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
+      k_pass<decltype(r)::value, F>(a, m, w, bias, y + m * n_out, n_out, n_out, n0, w + stride);
+    });
   }
-  row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
-    k_pass<decltype(r)::value, F>(a, m, w, bias, y + m * n_out, n_out, n_out, n0, w + stride);
-  });
 }
 
 }  // namespace sd
