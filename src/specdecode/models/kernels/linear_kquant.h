@@ -105,18 +105,7 @@ void k_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
         vi acc[R][kQVecs];
         for (int r = 0; r < R; ++r)
           for (int v = 0; v < kQVecs; ++v) acc[r][v] = vzero_i();
-        for (int p = 0; p < 4; ++p) {
-          vi lo[kQVecs], hi[kQVecs];
-          for (int v = 0; v < kQVecs; ++v) {
-            const vi raw = vload_i(codes + (p * kQVecs + v) * kVecBytes);
-            lo[v] = low_nibbles(raw);
-            hi[v] = high_nibbles(raw);
-          }
-          for (int r = 0; r < R; ++r) {
-            const vi xlo = bcast4(xb[r] + 4 * p), xhi = bcast4(xb[r] + 16 + 4 * p);
-            for (int v = 0; v < kQVecs; ++v) acc[r][v] = dot_u4(dot_u4(acc[r][v], lo[v], xlo), hi[v], xhi);
-          }
-        }
+        nibble_sums<R>(codes, xb, acc);
         const uint8_t* sc = codes + 16 * T;
         vf step[kQVecs], low[kQVecs];  // d * sc_j and -(dmin * m_j): exact
         for (int v = 0; v < kQVecs; ++v) {

@@ -150,6 +150,25 @@ inline vi dot_u4(vi acc, vi w, vi x) {
 #endif
 }
 
+// acc[r][v] += one block's integer sums of R activation rows (codes xb[r]) with 4-bit codes laid out as q4's
+// (vector (p, v): inputs 4p..4p+3 in the low nibbles, 16+4p.. in the high ones).
+template <int R>
+inline void nibble_sums(const uint8_t* codes, const int8_t* const (&xb)[R], vi (&acc)[R][kQVecs]) {
+  constexpr int kVecBytes = kLanes * 4;
+  for (int p = 0; p < 4; ++p) {
+    vi lo[kQVecs], hi[kQVecs];
+    for (int v = 0; v < kQVecs; ++v) {
+      const vi raw = vload_i(codes + (p * kQVecs + v) * kVecBytes);
+      lo[v] = low_nibbles(raw);
+      hi[v] = high_nibbles(raw);
+    }
+    for (int r = 0; r < R; ++r) {
+      const vi xlo = bcast4(xb[r] + 4 * p), xhi = bcast4(xb[r] + 16 + 4 * p);
+      for (int v = 0; v < kQVecs; ++v) acc[r][v] = dot_u4(dot_u4(acc[r][v], lo[v], xlo), hi[v], xhi);
+    }
+  }
+}
+
 #ifdef SPECDECODE_VNNI
 constexpr bool kQ8Offset = true;  // VNNI sums (w + 128) x; the block's 128 * sum(x) is taken off once
 #else
@@ -198,18 +217,7 @@ void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
         }
       }
     } else {
-      for (int p = 0; p < 4; ++p) {
-        vi lo[kQVecs], hi[kQVecs];
-        for (int v = 0; v < kQVecs; ++v) {
-          const vi raw = vload_i(rec + (p * kQVecs + v) * kVecBytes);
-          lo[v] = low_nibbles(raw);
-          hi[v] = high_nibbles(raw);
-        }
-        for (int r = 0; r < R; ++r) {
-          const vi xlo = bcast4(xb[r] + 4 * p), xhi = bcast4(xb[r] + 16 + 4 * p);
-          for (int v = 0; v < kQVecs; ++v) acc[r][v] = dot_u4(dot_u4(acc[r][v], lo[v], xlo), hi[v], xhi);
-        }
-      }
+      nibble_sums<R>(rec, xb, acc);
     }
     const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec + kCodes);
     vf dw[kQVecs], mw[kQVecs];
