@@ -80,14 +80,14 @@ def test_k_quants_are_read_as_stored_and_blocks_maps_them_like_the_reference(tmp
 
 
 def k_quant_only_model(tmp_path, arch: str):
-    """A GGUF whose every projection is one K-quant (attention and gate/up Q4_K, o and down Q6_K, head Q6_K)."""
+    """A GGUF whose every projection is one K-quant (attention and gate/up Q4_K, o Q5_K, down and head Q6_K)."""
     config = tiny_config(arch, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,
                          tie_word_embeddings=False, vocab_size=VOCAB_SIZE)
     qtypes = {"lm_head.weight": QT.Q6_K}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         qtypes.update({f"{p}self_attn.{n}_proj.weight": QT.Q4_K for n in "qkv"})
-        qtypes.update({f"{p}self_attn.o_proj.weight": QT.Q6_K, f"{p}mlp.gate_proj.weight": QT.Q4_K,
+        qtypes.update({f"{p}self_attn.o_proj.weight": QT.Q5_K, f"{p}mlp.gate_proj.weight": QT.Q4_K,
                        f"{p}mlp.up_proj.weight": QT.Q4_K, f"{p}mlp.down_proj.weight": QT.Q6_K})
     return load_checkpoint(str(write_gguf(tmp_path / f"{arch}.gguf", config, random_tensors(config), qtypes=qtypes)))
 
@@ -98,7 +98,7 @@ def test_k_quants_as_stored_speculate_exactly_and_rows_are_invariant(tmp_path, p
     ckpt = k_quant_only_model(tmp_path, arch)
     target = Transformer.packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
                                      resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
-    assert target.weight_format == "q4_k+q6_k, head q6_k"
+    assert target.weight_format == "q4_k+q5_k+q6_k, head q6_k"
     prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9], [90, 3, 17, 44, 2, 60]]
     plain = [Engine(target).generate(p, max_new_tokens=24).token_ids for p in prompts]
     drafted = accepted = 0

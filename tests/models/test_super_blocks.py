@@ -23,7 +23,7 @@ def _stored(fmt: str, n: int = 5, k: int = 512, seed: int = 0) -> tuple[np.ndarr
 def test_stored_blocks_dequantize_bitwise_as_the_gguf_package(fmt):
     raw, w = _stored(fmt, 7, 768)
     assert w.fmt == fmt and w.shape == (7, 768) and w.codes.dtype == torch.uint8
-    assert int(w.codes.max()) == (15 if fmt == "q4_k" else 63)
+    assert int(w.codes.max()) == {"q4_k": 15, "q5_k": 31, "q6_k": 63}[fmt]
     reference = torch.from_numpy(gguf_dequantize(raw, SUPER_QTYPES[fmt]).reshape(7, 768))
     assert torch.equal(w.dequantize(), reference)
     if fmt == "q6_k":  # every int8 scale, -128 included, is read as stored
@@ -35,7 +35,7 @@ def test_stored_blocks_dequantize_bitwise_as_the_gguf_package(fmt):
 def test_pack_and_unpack_round_trip_with_padded_outputs(fmt, tile, n):
     _, w = _stored(fmt, n, 512, seed=n)
     packed = pack(w, tile, chunk=3 * tile * 512)  # several chunks
-    assert packed.shape == (-(-n // tile), 2, {"q4_k": 148, "q6_k": 210}[fmt] * tile)
+    assert packed.shape == (-(-n // tile), 2, {"q4_k": 148, "q5_k": 180, "q6_k": 210}[fmt] * tile)
     back = unpack(packed, fmt, n, 512, tile)
     for name in ("codes", "scales", "mins", "d", "dmin"):
         a, b = getattr(back, name), getattr(w, name)
@@ -73,4 +73,5 @@ def test_auto_keeps_a_shared_k_quant_and_widens_mixed_parts():
     assert choose_format("auto", ["q4_k", "q4_k", "q6_k"]) == "q8_0"  # q6_k's stand-in: nothing converts into a K-quant
     assert choose_format("auto", ["q4_k", "q4_1"]) == "q4_1"
     assert choose_format("auto", ["q4_k", "q4_0"]) == "q4_1"
+    assert choose_format("auto", ["q5_k", "q5_k"]) == "q5_k" and choose_format("auto", ["q4_k", "q5_k"]) == "q8_0"
     assert choose_format("q4_1", ["q6_k"]) == "q4_1"

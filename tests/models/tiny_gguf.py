@@ -83,7 +83,8 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_LAYER[module]}.{kind}"
 
 
-K_QUANT_BYTES = {gguf.GGMLQuantizationType.Q4_K: (144, [0, 2]), gguf.GGMLQuantizationType.Q6_K: (210, [208])}
+K_QUANT_BYTES = {gguf.GGMLQuantizationType.Q4_K: (144, [0, 2]), gguf.GGMLQuantizationType.Q5_K: (176, [0, 2]),
+                 gguf.GGMLQuantizationType.Q6_K: (210, [208])}
 
 
 def k_quant_blocks(qtype: gguf.GGMLQuantizationType, shape: tuple[int, int], seed: int = 0) -> np.ndarray:

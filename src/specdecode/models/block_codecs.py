@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 QK_K = 256  # weights per K-quant super-block
-Q4_K_BYTES, Q6_K_BYTES = 144, 210
+Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = 144, 176, 210
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -32,6 +32,15 @@ def q4_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     qs = raw[:, 16:].reshape(s, 4, 1, 32)  # 4 chunks of 64 weights: low nibbles, then high nibbles
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(s, QK_K)
     return d, dmin, scales, mins, codes
+
+
+def q5_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_K super-blocks ``raw [S, 176]`` (Q4_K's fields with 32 bytes of high bits before the nibbles) -> as
+    ``q4_k_parts``, the codes 0..31: weight 32b + i takes bit b of high byte i."""
+    s = raw.shape[0]
+    d, dmin, scales, mins, low = q4_k_parts(torch.cat([raw[:, :16], raw[:, 48:]], dim=1))
+    high = torch.stack([(raw[:, 16:48] >> b) & 1 for b in range(8)], dim=1).reshape(s, QK_K)  # [S, 8 x 32]
+    return d, dmin, scales, mins, low | (high << 4)
 
 
 def q4_k_dequantize(raw: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""llama.cpp's K-quant formats kept as stored: q4_k (GGUF Q4_K) and q6_k (Q6_K), super-blocks of 256 weights.
+"""llama.cpp's K-quant formats kept as stored: q4_k (GGUF Q4_K), q5_k (Q5_K) and q6_k (Q6_K), super-blocks of
+256 weights.
 
 q4_k: ``w = (d * sc_j) * q - (dmin * m_j)``, q in 0..15, 6-bit sc_j and m_j per 32 weights, fp16 d and dmin
-per super-block; q6_k: ``w = (d * sc_h) * (q - 32)``, q in 0..63, an int8 sc_h per 16 weights, fp16 d.
+per super-block; q5_k: the same with q in 0..31; q6_k: ``w = (d * sc_h) * (q - 32)``, q in 0..63, an int8 sc_h per 16 weights, fp16 d.
 :class:`SuperBlockWeight` is that form unpacked: codes and scales as tensors, read from a GGUF tensor's bytes
 (``from_gguf``), packed for the kernels (``kernels/linear_kquant.h``) by ``pack`` and read back by ``unpack``.
 Its ``dequantize`` is bitwise the ``gguf`` package's dequantization of the same blocks.
@@ -18,13 +19,15 @@ import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as QT
 
-from specdecode.models.block_codecs import Q4_K_BYTES, Q6_K_BYTES, QK_K, q4_k_parts, q6_k_parts
+from specdecode.models.block_codecs import (Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, q4_k_parts, q5_k_parts,
+                                            q6_k_parts)
 
-SUPER_FORMATS = ("q4_k", "q6_k")
-SUPER_QTYPES = {"q4_k": QT.Q4_K, "q6_k": QT.Q6_K}
+SUPER_FORMATS = ("q4_k", "q5_k", "q6_k")
+SUPER_QTYPES = {"q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K}
 BLOCK = 32
-_SUB = {"q4_k": 32, "q6_k": 16}  # weights per sub-block scale
-_RECORD = {"q4_k": 148, "q6_k": 210}  # packed bytes per output and super-block
+_SUB = {"q4_k": 32, "q5_k": 32, "q6_k": 16}  # weights per sub-block scale
+_RECORD = {"q4_k": 148, "q5_k": 180, "q6_k": 210}  # packed bytes per output and super-block
+_MINS = ("q4_k", "q5_k")  # the formats with minimums (dmin, m_j)
 
 
 @dataclass(frozen=True)
@@ -32,12 +35,12 @@ class SuperBlockWeight:
     """A ``[N, K]`` weight in a K-quant format, unpacked (K a multiple of 256).
 
     Args:
-        fmt: "q4_k" or "q6_k".
-        codes: uint8 ``[N, K]``: q4_k 0..15, q6_k 0..63 (the weight's code plus 32).
-        scales: the sub-block scales: q4_k uint8 ``[N, K / 32]`` (6-bit), q6_k int8 ``[N, K / 16]``.
-        mins: q4_k's 6-bit minimums uint8 ``[N, K / 32]``; None for q6_k.
+        fmt: "q4_k", "q5_k" or "q6_k".
+        codes: uint8 ``[N, K]``: q4_k 0..15, q5_k 0..31, q6_k 0..63 (the weight's code plus 32).
+        scales: the sub-block scales: q4_k / q5_k uint8 ``[N, K / 32]`` (6-bit), q6_k int8 ``[N, K / 16]``.
+        mins: q4_k's / q5_k's 6-bit minimums uint8 ``[N, K / 32]``; None for q6_k.
         d: float16 ``[N, K / 256]`` super-block scales.
-        dmin: float16 ``[N, K / 256]`` super-block scales of the minimums (q4_k), else None.
+        dmin: float16 ``[N, K / 256]`` super-block scales of the minimums (q4_k, q5_k), else None.
     """
 
     fmt: str
@@ -61,7 +64,7 @@ class SuperBlockWeight:
         sub = _SUB[self.fmt]
         d = self.d.float().repeat_interleave(QK_K // sub, dim=1)  # [N, K / sub]
         step = (d * self.scales.float())[..., None]
-        if self.fmt == "q4_k":
+        if self.fmt in _MINS:
             dmin = self.dmin.float().repeat_interleave(QK_K // sub, dim=1)
             low = (dmin * self.mins.float())[..., None]
             return (step * self.codes.view(n, -1, sub).float() - low).reshape(n, k)
@@ -106,12 +109,16 @@ class SuperBlockWeight:
         def halfs(at: int) -> torch.Tensor:
             return per_output(rec[..., at:at + 2 * tile].contiguous().view(torch.float16)[:, :, None])
 
-        if fmt == "q4_k":
-            blocks = rec[..., 4 * tile:].reshape(tiles, supers, 8, 18 * tile)
+        if fmt in _MINS:
+            width = 18 if fmt == "q4_k" else 22  # q5_k: 4 T bytes of high bits after the nibbles
+            blocks = rec[..., 4 * tile:].reshape(tiles, supers, 8, width * tile)
             codes = _nibble_codes(blocks[..., :16 * tile], tile)  # [tiles, S, 8, tile, 32]
+            if fmt == "q5_k":
+                codes = codes | (_high_bits(blocks[..., 16 * tile:20 * tile], tile) << 4)
             codes = per_output(codes.permute(0, 1, 2, 4, 3).reshape(tiles, supers, 8 * BLOCK, tile))
-            scales = per_output(blocks[..., 16 * tile:17 * tile].contiguous())
-            mins = per_output(blocks[..., 17 * tile:].contiguous())
+            at = (width - 2) * tile
+            scales = per_output(blocks[..., at:at + tile].contiguous())
+            mins = per_output(blocks[..., at + tile:].contiguous())
             return cls(fmt, codes, scales, mins, halfs(0), halfs(2 * tile))
         blocks = rec[..., 2 * tile:].reshape(tiles, supers, 8, 26 * tile)
         low = _nibble_codes(blocks[..., :16 * tile], tile)  # [tiles, S, 8, tile, 32]
@@ -128,6 +135,21 @@ def _nibble_codes(body: torch.Tensor, tile: int) -> torch.Tensor:
     ``[..., tile, 32]``."""
     b = body.reshape(*body.shape[:-1], 4, tile, 4).transpose(-3, -2).reshape(*body.shape[:-1], tile, 16)
     return torch.cat([b & 0x0F, b >> 4], dim=-1)
+
+
+def _high_bits(body: torch.Tensor, tile: int) -> torch.Tensor:
+    """q5_k's high-bit bytes ``[..., 4 * tile]`` (per output 4 bytes, byte i: bit p = input 4p + i, bit 4 + p =
+    input 16 + 4p + i) -> bits ``[..., tile, 32]``."""
+    b = body.reshape(*body.shape[:-1], tile, 4)  # [..., tile, i]
+    bits = torch.stack([(b >> shift) & 1 for shift in range(8)], dim=-2)  # [..., tile, 8 (h p), i]
+    return bits.reshape(*body.shape[:-1], tile, BLOCK)  # input 16h + 4p + i
+
+
+def _high_body(codes: torch.Tensor) -> torch.Tensor:
+    """q5_k codes ``[..., tile, 32]`` -> their high bits' bytes ``[..., 4 * tile]`` (see ``_high_bits``)."""
+    bits = (codes >> 4).reshape(*codes.shape[:-1], 8, 4)  # [..., tile, (h p), i]
+    packed = sum(bits[..., shift, :] << shift for shift in range(8))  # [..., tile, i]
+    return packed.reshape(*codes.shape[:-2], 4 * codes.shape[-2])
 
 
 def _nibble_body(codes: torch.Tensor) -> torch.Tensor:
@@ -152,8 +174,9 @@ def _pack_tiles(fmt: str, codes: torch.Tensor, scales: torch.Tensor, mins: torch
     def halves(t: torch.Tensor) -> torch.Tensor:  # fp16 [tiles, tile, S] -> [tiles, S, 2 * tile] bytes
         return t.transpose(1, 2).contiguous().view(torch.uint8).reshape(tiles, supers, 2 * tile)
 
-    if fmt == "q4_k":
-        blocks = torch.cat([_nibble_body(c), per_block(scales), per_block(mins)], dim=-1)  # [tiles, S, 8, 18 tile]
+    if fmt in _MINS:
+        high = [_high_body(c)] if fmt == "q5_k" else []  # [tiles, S, 8, 4 tile]
+        blocks = torch.cat([_nibble_body(c & 0x0F), *high, per_block(scales), per_block(mins)], dim=-1)
         return torch.cat([halves(d), halves(dmin), blocks.reshape(tiles, supers, -1)], dim=-1)
     low = _nibble_body(c & 0x0F)  # [tiles, S, 8, 16 * tile]
     high = (c >> 4).reshape(tiles, supers, 8, tile, 2, 4, 4)  # [.., tile, h, p, i]
@@ -164,12 +187,13 @@ def _pack_tiles(fmt: str, codes: torch.Tensor, scales: torch.Tensor, mins: torch
 
 
 def from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> SuperBlockWeight:
-    """A Q4_K or Q6_K tensor's own blocks (``raw`` uint8, ``N * row_bytes`` bytes; ``shape`` ``(N, K)``)."""
+    """A Q4_K, Q5_K or Q6_K tensor's own blocks (``raw`` uint8, ``N * row_bytes`` bytes; ``shape`` ``(N, K)``)."""
     n, k = shape
-    if qtype == QT.Q4_K:
-        d, dmin, scales, mins, codes = q4_k_parts(torch.from_numpy(np.ascontiguousarray(raw).reshape(-1, Q4_K_BYTES)))
-        return SuperBlockWeight("q4_k", codes.reshape(n, k), scales.reshape(n, -1), mins.reshape(n, -1),
-                                d.reshape(n, -1).half(), dmin.reshape(n, -1).half())
+    if qtype in (QT.Q4_K, QT.Q5_K):
+        size, parts = (Q4_K_BYTES, q4_k_parts) if qtype == QT.Q4_K else (Q5_K_BYTES, q5_k_parts)
+        d, dmin, scales, mins, codes = parts(torch.from_numpy(np.ascontiguousarray(raw).reshape(-1, size)))
+        return SuperBlockWeight("q4_k" if qtype == QT.Q4_K else "q5_k", codes.reshape(n, k), scales.reshape(n, -1),
+                                mins.reshape(n, -1), d.reshape(n, -1).half(), dmin.reshape(n, -1).half())
     if qtype == QT.Q6_K:
         d, scales, codes = q6_k_parts(torch.from_numpy(np.ascontiguousarray(raw).reshape(-1, Q6_K_BYTES)))
         return SuperBlockWeight("q6_k", codes.reshape(n, k), scales.reshape(n, -1), None, d.reshape(n, -1).half(), None)

@@ -6,12 +6,12 @@ for q4_1 an fp16 minimum ``m``): q8_0 ``w = d * q`` (q in -127..127), q4_0 ``w =
 ``w = d * q + m`` (q in 0..15). :class:`BlockWeight` is that form, unpacked: codes, scales and minimums as
 tensors. It comes from a GGUF file's own blocks without a round trip (``from_gguf``), or from float weights
 through the ``gguf`` package's quantizers, which are llama.cpp's reference ones (``quantize``). ``pack`` lays it
-out for the kernels (``kernels/linear_quant.h``), ``unpack`` reads it back. The K-quants (Q4_K, Q6_K: super-
-blocks of 256) are ``super_blocks.SuperBlockWeight``, read as stored and never quantized to; ``pack``,
+out for the kernels (``kernels/linear_quant.h``), ``unpack`` reads it back. The K-quants (Q4_K, Q5_K,
+Q6_K: super-blocks of 256) are ``super_blocks.SuperBlockWeight``, read as stored and never quantized to; ``pack``,
 ``unpack`` and ``concat`` here take either form.
 
-Each GGUF type has our format (``FORMAT_OF``): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K are kept as stored; Q5_0,
-Q5_1, Q5_K and Q8_K become q8_0, requantized from their dequantized values, and so do the types not listed
+Each GGUF type has our format (``FORMAT_OF``): Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K are kept as stored;
+Q5_0, Q5_1 and Q8_K become q8_0, requantized from their dequantized values, and so do the types not listed
 (Q2_K, Q3_K, IQ*: more bytes than the file's); F32, F16 and BF16 tensors stay bf16. A Q8_0 tensor holding the
 code -128 (llama.cpp's quantizer never writes it) is requantized too. Asked for q4_1 (``--weights q4_1``, a
 draft's cheapest format), a Q4_K tensor keeps its 4-bit codes, one q4_1 block per 32-weight sub-block, with
@@ -39,19 +39,19 @@ from specdecode.models.super_blocks import SUPER_FORMATS, SUPER_QTYPES, SuperBlo
 
 WEIGHT_FORMATS = ("auto", "blocks", "bf16", "q8_0", "q4_0", "q4_1")  # what --weights offers
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")
-FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "bf16": 3, "q4_k": 4, "q6_k": 5}  # the kernels' (linear_quant.h)
+FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "bf16": 3, "q4_k": 4, "q6_k": 5, "q5_k": 6}  # the kernels' (linear_quant.h)
 BLOCK = 32
 _QTYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1}
 
 # Our format for each GGUF tensor type (those read as stored, and those mapped; see the module docstring).
 FORMAT_OF = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_k", QT.Q5_0: "q8_0",
-             QT.Q5_1: "q8_0", QT.Q5_K: "q8_0", QT.Q6_K: "q6_k", QT.Q8_K: "q8_0", QT.F32: "bf16", QT.F16: "bf16",
+             QT.Q5_1: "q8_0", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_K: "q8_0", QT.F32: "bf16", QT.F16: "bf16",
              QT.BF16: "bf16"}
 # The 32-weight block format a GGUF type's blocks become code for code (``from_gguf``), no requantizing.
 _CODE_FOR_CODE = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_1"}
 # Where a projection's parts differ (q, k, v), a K-quant part takes the block format that holds it: one
 # projection has one format, and nothing converts into a K-quant.
-_STAND_IN = {"q4_k": "q4_1", "q6_k": "q8_0"}
+_STAND_IN = {"q4_k": "q4_1", "q5_k": "q8_0", "q6_k": "q8_0"}
 _WIDTH = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "bf16": 3}  # bits per weight, in order: auto's pick where parts differ
 
 

@@ -10,7 +10,7 @@
 
 namespace sd {
 
-constexpr bool is_super(int64_t fmt) { return fmt == kQ4_K || fmt == kQ6_K; }
+constexpr bool is_super(int64_t fmt) { return fmt == kQ4_K || fmt == kQ5_K || fmt == kQ6_K; }
 constexpr int64_t record_weights(int64_t fmt) { return is_super(fmt) ? kSuper : kQBlock; }  // inputs per record
 constexpr int64_t record_bytes(int64_t fmt) { return is_super(fmt) ? k_record_bytes(fmt) : q_record_bytes(fmt); }
 
@@ -28,6 +28,7 @@ void block_tile(int64_t fmt, const QuantRows& a, const uint8_t* w, int64_t strid
     case kQ4_0: return q_tile<kQ4_0>(a, wt, stride, bias, y, n_out, n0);
     case kQ4_1: return q_tile<kQ4_1>(a, wt, stride, bias, y, n_out, n0);
     case kQ4_K: return k_tile<kQ4_K>(a, wt, stride, bias, y, n_out, n0);
+    case kQ5_K: return k_tile<kQ5_K>(a, wt, stride, bias, y, n_out, n0);
     default: return k_tile<kQ6_K>(a, wt, stride, bias, y, n_out, n0);
   }
 }

@@ -1,5 +1,6 @@
 // y = x W^T with W in llama.cpp's K-quant formats as stored, super-blocks of 256 weights along the input:
 //   q4_k: w = (d * sc_j) * q - (dmin * m_j), q in 0..15, 6-bit sc_j and m_j per 32 weights, fp16 d and dmin;
+//   q5_k: the same with q in 0..31 (its fifth bits apart, see nibble_sums);
 //   q6_k: w = (d * sc_h) * (q - 32), q in 0..63, int8 sc_h per 16 weights, fp16 d.
 // x is quantized per 32 as for the other block formats (linear_quant.h). Per block of 32, a row's dot product
 // with an output is an exact integer: q4_k's isum (the scales d * sc_j and dmin * m_j are exact in fp32:
@@ -9,7 +10,8 @@
 //
 // Packed layout (models/super_blocks.py): [ceil(N/T), K/256, record] bytes, T = kQTile outputs; each block's
 // bytes together, so that a block streams in as one run (scales apart from the codes were ~15% slower). A
-// q4_k record: T fp16 d, T fp16 dmin, then per block j of 8: its codes as q4's (16 T bytes), T sc, T m (uint8).
+// q4_k record: T fp16 d, T fp16 dmin, then per block j of 8: its codes as q4's (16 T bytes), T sc, T m (uint8);
+// a q5_k record the same with each block's fifth bits (4 T) after its nibbles.
 // A q6_k record: T fp16 d, then per block j: its low nibbles as q4's codes (16 T), its high bit pairs (8 T:
 // vector (half h, v) holds per output lane 4 bytes, byte i = the pairs of inputs 16h + 4p + i at bits 2p), and
 // 2 x T int8 sc (half 0, half 1).
@@ -23,7 +25,7 @@ namespace sd {
 
 constexpr int64_t kSuper = 256;  // weights per super-block
 constexpr int64_t kSuperBlocks = kSuper / kQBlock;
-constexpr int64_t k_record_bytes(int64_t fmt) { return kQTile * (fmt == kQ4_K ? 148 : 210); }
+constexpr int64_t k_record_bytes(int64_t fmt) { return kQTile * (fmt == kQ4_K ? 148 : fmt == kQ5_K ? 180 : 210); }
 
 #ifdef SPECDECODE_AVX512
 inline vi load_u8_lanes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
@@ -100,13 +102,14 @@ void k_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
       prefetch_share(ahead + s * kRecord, kRecord, j);
       const int8_t* xb[R];
       for (int r = 0; r < R; ++r) xb[r] = a.q.data() + ((r0 + r) * a.blocks + b) * kQBlock;
-      if constexpr (F == kQ4_K) {
-        const uint8_t* codes = rec + 4 * T + j * 18 * T;
+      if constexpr (F == kQ4_K || F == kQ5_K) {
+        constexpr int64_t kWidth = F == kQ4_K ? 18 : 22;  // q5_k: 4 T bytes of fifth bits after the nibbles
+        const uint8_t* codes = rec + 4 * T + j * kWidth * T;
         vi acc[R][kQVecs];
         for (int r = 0; r < R; ++r)
           for (int v = 0; v < kQVecs; ++v) acc[r][v] = vzero_i();
-        nibble_sums<R>(codes, xb, acc);
-        const uint8_t* sc = codes + 16 * T;
+        nibble_sums<R>(codes, xb, acc, F == kQ5_K ? codes + 16 * T : nullptr);
+        const uint8_t* sc = codes + (kWidth - 2) * T;
         vf step[kQVecs], low[kQVecs];  // d * sc_j and -(dmin * m_j): exact
         for (int v = 0; v < kQVecs; ++v) {
           step[v] = vmul(load_half(halfs + v * kLanes), vcvt_i(load_u8_lanes(sc + v * kLanes)));

@@ -28,7 +28,7 @@
 namespace sd {
 
 // Format codes (models/weights.py FORMAT_CODES); 3 is bf16 (layer.h). q4_k and q6_k: linear_kquant.h.
-enum : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 4, kQ6_K = 5 };
+enum : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 4, kQ6_K = 5, kQ5_K = 6 };
 constexpr int64_t kQBlock = 32;
 constexpr int kQVecs = 2;                    // output vectors per tile
 constexpr int64_t kQTile = kQVecs * kLanes;  // outputs per tile: 32 (AVX512) or 16 (AVX2)
@@ -150,17 +150,51 @@ inline vi dot_u4(vi acc, vi w, vi x) {
 #endif
 }
 
+// Bit p (low) or bit 4 + p (high) of every byte moved to bit 4, the rest cleared; p is a constant where
+// inlined (the quad loops unroll), so every shift is an immediate.
+#ifdef SPECDECODE_AVX512
+inline vi bit4(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x10)); }
+inline vi or_bits(vi a, vi b) { return _mm512_or_si512(a, b); }
+inline vi fifth_low(vi h, int p) {
+  return bit4(p == 0 ? _mm512_slli_epi16(h, 4) : p == 1 ? _mm512_slli_epi16(h, 3) : p == 2 ? _mm512_slli_epi16(h, 2)
+                                                                                            : _mm512_slli_epi16(h, 1));
+}
+inline vi fifth_high(vi h, int p) {
+  return bit4(p == 0 ? h : p == 1 ? _mm512_srli_epi16(h, 1) : p == 2 ? _mm512_srli_epi16(h, 2) : _mm512_srli_epi16(h, 3));
+}
+#else
+inline vi bit4(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x10)); }
+inline vi or_bits(vi a, vi b) { return _mm256_or_si256(a, b); }
+inline vi fifth_low(vi h, int p) {
+  return bit4(p == 0 ? _mm256_slli_epi16(h, 4) : p == 1 ? _mm256_slli_epi16(h, 3) : p == 2 ? _mm256_slli_epi16(h, 2)
+                                                                                            : _mm256_slli_epi16(h, 1));
+}
+inline vi fifth_high(vi h, int p) {
+  return bit4(p == 0 ? h : p == 1 ? _mm256_srli_epi16(h, 1) : p == 2 ? _mm256_srli_epi16(h, 2) : _mm256_srli_epi16(h, 3));
+}
+#endif
+
 // acc[r][v] += one block's integer sums of R activation rows (codes xb[r]) with 4-bit codes laid out as q4's
-// (vector (p, v): inputs 4p..4p+3 in the low nibbles, 16+4p.. in the high ones).
+// (vector (p, v): inputs 4p..4p+3 in the low nibbles, 16+4p.. in the high ones), or 5-bit ones where `high`
+// holds their fifth bits (q5_k: vector v, per output lane 4 bytes, byte i: bit p = input 4p + i, bit 4 + p =
+// input 16 + 4p + i; the 16-bit shifts' spill between bytes never reaches bit 4).
 template <int R>
-inline void nibble_sums(const uint8_t* codes, const int8_t* const (&xb)[R], vi (&acc)[R][kQVecs]) {
+inline void nibble_sums(const uint8_t* codes, const int8_t* const (&xb)[R], vi (&acc)[R][kQVecs],
+                        const uint8_t* high = nullptr) {
   constexpr int kVecBytes = kLanes * 4;
+  vi fifth[kQVecs];
+  if (high)
+    for (int v = 0; v < kQVecs; ++v) fifth[v] = vload_i(high + v * kVecBytes);
   for (int p = 0; p < 4; ++p) {
     vi lo[kQVecs], hi[kQVecs];
     for (int v = 0; v < kQVecs; ++v) {
       const vi raw = vload_i(codes + (p * kQVecs + v) * kVecBytes);
       lo[v] = low_nibbles(raw);
       hi[v] = high_nibbles(raw);
+      if (high) {
+        lo[v] = or_bits(lo[v], fifth_low(fifth[v], p));
+        hi[v] = or_bits(hi[v], fifth_high(fifth[v], p));
+      }
     }
     for (int r = 0; r < R; ++r) {
       const vi xlo = bcast4(xb[r] + 4 * p), xhi = bcast4(xb[r] + 16 + 4 * p);
