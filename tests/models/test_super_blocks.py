@@ -75,3 +75,6 @@ def test_auto_keeps_a_shared_k_quant_and_widens_mixed_parts():
     assert choose_format("auto", ["q4_k", "q4_0"]) == "q4_1"
     assert choose_format("auto", ["q5_k", "q5_k"]) == "q5_k" and choose_format("auto", ["q4_k", "q5_k"]) == "q8_0"
     assert choose_format("q4_1", ["q6_k"]) == "q4_1"
+    # "blocks": every K-quant in the 32-weight format that holds it, shared or not
+    assert choose_format("blocks", ["q4_k", "q4_k"]) == "q4_1" and choose_format("blocks", ["q6_k"], head=True) == "q8_0"
+    assert choose_format("blocks", ["q5_k"]) == "q8_0"

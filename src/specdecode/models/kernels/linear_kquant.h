@@ -9,7 +9,7 @@
 // summed in order and no row depends on another: rows are bitwise what they are alone, on every build.
 //
 // Packed layout (models/super_blocks.py): [ceil(N/T), K/256, record] bytes, T = kQTile outputs; each block's
-// bytes together, so that a block streams in as one run (scales apart from the codes were ~15% slower). A
+// bytes together, so that a block streams in as one run. A
 // q4_k record: T fp16 d, T fp16 dmin, then per block j of 8: its codes as q4's (16 T bytes), T sc, T m (uint8);
 // a q5_k record the same with each block's fifth bits (4 T) after its nibbles.
 // A q6_k record: T fp16 d, then per block j: its low nibbles as q4's codes (16 T), its high bit pairs (8 T:
@@ -27,31 +27,22 @@ constexpr int64_t kSuper = 256;  // weights per super-block
 constexpr int64_t kSuperBlocks = kSuper / kQBlock;
 constexpr int64_t k_record_bytes(int64_t fmt) { return kQTile * (fmt == kQ4_K ? 148 : fmt == kQ5_K ? 180 : 210); }
 
-#ifdef SPECDECODE_AVX512
-inline vi load_u8_lanes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-inline vi load_i8_lanes(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-inline vi vor_i(vi a, vi b) { return _mm512_or_si512(a, b); }
 // Bit pairs 2p, 2p + 1 of every byte moved to bits 4, 5 (the high part of a 6-bit code); the 16-bit shifts'
-// spill between bytes is masked off.
-inline vi pair_to_high(vi h, int p) {  // p: a constant where inlined (the quad loops unroll)
-  const vi mask = _mm512_set1_epi8(0x30);
-  if (p == 0) return _mm512_and_si512(_mm512_slli_epi16(h, 4), mask);
-  if (p == 1) return _mm512_and_si512(_mm512_slli_epi16(h, 2), mask);
-  if (p == 2) return _mm512_and_si512(h, mask);
-  return _mm512_and_si512(_mm512_srli_epi16(h, 2), mask);
-}
-#else
-inline vi load_u8_lanes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-inline vi load_i8_lanes(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-inline vi vor_i(vi a, vi b) { return _mm256_or_si256(a, b); }
+// spill between bytes is masked off. p is a constant where inlined (the quad loops unroll).
 inline vi pair_to_high(vi h, int p) {
-  const vi mask = _mm256_set1_epi8(0x30);
-  if (p == 0) return _mm256_and_si256(_mm256_slli_epi16(h, 4), mask);
-  if (p == 1) return _mm256_and_si256(_mm256_slli_epi16(h, 2), mask);
-  if (p == 2) return _mm256_and_si256(h, mask);
-  return _mm256_and_si256(_mm256_srli_epi16(h, 2), mask);
+  const vi moved = p == 0 ? vshl16<4>(h) : p == 1 ? vshl16<2>(h) : p == 2 ? h : vshr16<2>(h);
+  return vand_i(moved, vset_i8(0x30));
 }
-#endif
+
+// Where block j of a q6_k record starts: its low nibbles (16 T), high bit pairs (8 T), two scales (2 T).
+inline const uint8_t* q6_block(const uint8_t* record, int64_t j) { return record + 2 * kQTile + j * 26 * kQTile; }
+
+// Quad p of output vector v of a q6_k block: the 6-bit codes of inputs 4p.. (lo) and 16 + 4p.. (hi).
+inline void q6_codes(const uint8_t* block, vi high0, vi high1, int p, int v, vi& lo, vi& hi) {
+  const vi raw = vload_i(block + (p * kQVecs + v) * kLanes * 4);
+  lo = vor_i(low_nibbles(raw), pair_to_high(high0, p));
+  hi = vor_i(high_nibbles(raw), pair_to_high(high1, p));
+}
 
 // Block j's share (an eighth) of the next tile's super-block record: prefetching a whole record at once
 // overruns the fill buffers (the fused layers ran 1.6x slower).
@@ -68,14 +59,15 @@ inline void q6_unpack(const uint8_t* w, int64_t supers, uint8_t* out, const uint
   for (int64_t s = 0; s < supers; ++s) {
     for (int64_t j = 0; j < kSuperBlocks; ++j) {
       prefetch_share(ahead + s * kRecord, kRecord, j);
-      const uint8_t* ql = w + s * kRecord + 2 * T + j * 26 * T;
+      const uint8_t* ql = q6_block(w + s * kRecord, j);
       uint8_t* block = out + (s * kSuperBlocks + j) * kQBlock * T;
       for (int v = 0; v < kQVecs; ++v) {
         const vi high0 = vload_i(ql + 16 * T + v * kVecBytes), high1 = vload_i(ql + 16 * T + (kQVecs + v) * kVecBytes);
         for (int p = 0; p < 4; ++p) {
-          const vi raw = vload_i(ql + (p * kQVecs + v) * kVecBytes);
-          vstore_bytes(block + (p * kQVecs + v) * kVecBytes, vor_i(low_nibbles(raw), pair_to_high(high0, p)));
-          vstore_bytes(block + ((4 + p) * kQVecs + v) * kVecBytes, vor_i(high_nibbles(raw), pair_to_high(high1, p)));
+          vi lo, hi;
+          q6_codes(ql, high0, high1, p, v, lo, hi);
+          vstore_bytes(block + (p * kQVecs + v) * kVecBytes, lo);
+          vstore_bytes(block + ((4 + p) * kQVecs + v) * kVecBytes, hi);
         }
       }
     }
@@ -122,7 +114,7 @@ void k_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
             facc[r][v] = vfma(low[v], sx, vfma(vcvt_i(acc[r][v]), vmul(step[v], dx), facc[r][v]));
         }
       } else {
-        const uint8_t* ql = rec + 2 * T + j * 26 * T;
+        const uint8_t* ql = q6_block(rec, j);
         const uint8_t* qh = ql + 16 * T;
         vi high[2][kQVecs], acc[2][R][kQVecs];  // per half of 16 inputs, which has its own scale
         for (int h = 0; h < 2; ++h) {
@@ -132,11 +124,7 @@ void k_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
         }
         for (int p = 0; p < 4; ++p) {
           vi lo[kQVecs], hi[kQVecs];
-          for (int v = 0; v < kQVecs; ++v) {
-            const vi raw = vload_i(ql + (p * kQVecs + v) * kVecBytes);
-            lo[v] = vor_i(low_nibbles(raw), pair_to_high(high[0][v], p));
-            hi[v] = vor_i(high_nibbles(raw), pair_to_high(high[1][v], p));
-          }
+          for (int v = 0; v < kQVecs; ++v) q6_codes(ql, high[0][v], high[1][v], p, v, lo[v], hi[v]);
           for (int r = 0; r < R; ++r) {
             const vi xlo = bcast4(xb[r] + 4 * p), xhi = bcast4(xb[r] + 16 + 4 * p);
             for (int v = 0; v < kQVecs; ++v) {
@@ -192,7 +180,7 @@ void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* codes, cons
         }
       }
       vf sc[kQVecs];
-      for (int v = 0; v < kQVecs; ++v) sc[v] = vcvt_i(load_i8_lanes(rec + 2 * T + j * 26 * T + (24 + h) * T + v * kLanes));
+      for (int v = 0; v < kQVecs; ++v) sc[v] = vcvt_i(load_i8_lanes(q6_block(rec, j) + (24 + h) * T + v * kLanes));
       for (int r = 0; r < R; ++r) {
         const vi offset = vset_i(32 * a.sx16[2 * ((r0 + r) * a.blocks + b) + h]);  // the codes' offset 32
         for (int v = 0; v < kQVecs; ++v) {
@@ -210,7 +198,6 @@ void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* codes, cons
   }
   store_tile<R>(facc, bias, y, ldy, n_out, n0);
 }
-
 
 // Every row against one K-quant tile, in passes of up to kQRows rows (q6_k up to 8 rows: 2, its two sums per
 // row). Past 8 rows, q6_k's codes are unpacked once per tile rather than in every pass.

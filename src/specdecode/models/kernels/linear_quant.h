@@ -133,13 +133,8 @@ inline vi bcast4(const int8_t* p) {  // 4 consecutive codes in every 32-bit lane
   return vset_i(v);
 }
 
-#ifdef SPECDECODE_AVX512
-inline vi low_nibbles(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
-inline vi high_nibbles(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
-#else
-inline vi low_nibbles(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
-inline vi high_nibbles(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-#endif
+inline vi low_nibbles(vi v) { return vand_i(v, vset_i8(0x0F)); }
+inline vi high_nibbles(vi v) { return vand_i(vshr16<4>(v), vset_i8(0x0F)); }
 
 // acc + per lane sum of 4 products u8 w x s8 x, for w <= 63 (no 16-bit saturation on AVX2: 2 * 63 * 127 < 2^15).
 inline vi dot_u4(vi acc, vi w, vi x) {
@@ -151,28 +146,15 @@ inline vi dot_u4(vi acc, vi w, vi x) {
 }
 
 // Bit p (low) or bit 4 + p (high) of every byte moved to bit 4, the rest cleared; p is a constant where
-// inlined (the quad loops unroll), so every shift is an immediate.
-#ifdef SPECDECODE_AVX512
-inline vi bit4(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x10)); }
-inline vi or_bits(vi a, vi b) { return _mm512_or_si512(a, b); }
+// inlined (the quad loops unroll).
 inline vi fifth_low(vi h, int p) {
-  return bit4(p == 0 ? _mm512_slli_epi16(h, 4) : p == 1 ? _mm512_slli_epi16(h, 3) : p == 2 ? _mm512_slli_epi16(h, 2)
-                                                                                            : _mm512_slli_epi16(h, 1));
+  const vi moved = p == 0 ? vshl16<4>(h) : p == 1 ? vshl16<3>(h) : p == 2 ? vshl16<2>(h) : vshl16<1>(h);
+  return vand_i(moved, vset_i8(0x10));
 }
 inline vi fifth_high(vi h, int p) {
-  return bit4(p == 0 ? h : p == 1 ? _mm512_srli_epi16(h, 1) : p == 2 ? _mm512_srli_epi16(h, 2) : _mm512_srli_epi16(h, 3));
+  const vi moved = p == 0 ? h : p == 1 ? vshr16<1>(h) : p == 2 ? vshr16<2>(h) : vshr16<3>(h);
+  return vand_i(moved, vset_i8(0x10));
 }
-#else
-inline vi bit4(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x10)); }
-inline vi or_bits(vi a, vi b) { return _mm256_or_si256(a, b); }
-inline vi fifth_low(vi h, int p) {
-  return bit4(p == 0 ? _mm256_slli_epi16(h, 4) : p == 1 ? _mm256_slli_epi16(h, 3) : p == 2 ? _mm256_slli_epi16(h, 2)
-                                                                                            : _mm256_slli_epi16(h, 1));
-}
-inline vi fifth_high(vi h, int p) {
-  return bit4(p == 0 ? h : p == 1 ? _mm256_srli_epi16(h, 1) : p == 2 ? _mm256_srli_epi16(h, 2) : _mm256_srli_epi16(h, 3));
-}
-#endif
 
 // acc[r][v] += one block's integer sums of R activation rows (codes xb[r]) with 4-bit codes laid out as q4's
 // (vector (p, v): inputs 4p..4p+3 in the low nibbles, 16+4p.. in the high ones), or 5-bit ones where `high`
@@ -192,8 +174,8 @@ inline void nibble_sums(const uint8_t* codes, const int8_t* const (&xb)[R], vi (
       lo[v] = low_nibbles(raw);
       hi[v] = high_nibbles(raw);
       if (high) {
-        lo[v] = or_bits(lo[v], fifth_low(fifth[v], p));
-        hi[v] = or_bits(hi[v], fifth_high(fifth[v], p));
+        lo[v] = vor_i(lo[v], fifth_low(fifth[v], p));
+        hi[v] = vor_i(hi[v], fifth_high(fifth[v], p));
       }
     }
     for (int r = 0; r < R; ++r) {

@@ -41,6 +41,13 @@ inline vi vcvt_f(vf a) { return _mm512_cvtps_epi32(a); }  // integral inputs: ex
 inline vi vadd_i(vi a, vi b) { return _mm512_add_epi32(a, b); }
 inline void vstore_i(int32_t* p, vi a) { _mm512_storeu_si512(p, a); }
 inline void vstore_bytes(uint8_t* p, vi a) { _mm512_storeu_si512(p, a); }
+inline vi vand_i(vi a, vi b) { return _mm512_and_si512(a, b); }
+inline vi vor_i(vi a, vi b) { return _mm512_or_si512(a, b); }
+inline vi vset_i8(char a) { return _mm512_set1_epi8(a); }
+template <int N> inline vi vshl16(vi a) { return _mm512_slli_epi16(a, N); }  // per 16-bit lane
+template <int N> inline vi vshr16(vi a) { return _mm512_srli_epi16(a, N); }
+inline vi load_u8_lanes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline vi load_i8_lanes(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline void store_i8(int8_t* p, vi a) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(a)); }  // |a| <= 127
 inline vf even_half(vi v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 inline vf odd_half(vi v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u)))); }
@@ -92,6 +99,13 @@ inline vi vcvt_f(vf a) { return _mm256_cvtps_epi32(a); }
 inline vi vadd_i(vi a, vi b) { return _mm256_add_epi32(a, b); }
 inline void vstore_i(int32_t* p, vi a) { _mm256_storeu_si256((__m256i*)p, a); }
 inline void vstore_bytes(uint8_t* p, vi a) { _mm256_storeu_si256((__m256i*)p, a); }
+inline vi vand_i(vi a, vi b) { return _mm256_and_si256(a, b); }
+inline vi vor_i(vi a, vi b) { return _mm256_or_si256(a, b); }
+inline vi vset_i8(char a) { return _mm256_set1_epi8(a); }
+template <int N> inline vi vshl16(vi a) { return _mm256_slli_epi16(a, N); }  // per 16-bit lane
+template <int N> inline vi vshr16(vi a) { return _mm256_srli_epi16(a, N); }
+inline vi load_u8_lanes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline vi load_i8_lanes(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 inline void store_i8(int8_t* p, vi a) {  // 8 lanes with |a| <= 127 -> 8 bytes
   const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
   _mm_storel_epi64((__m128i*)p, _mm_packs_epi16(w, w));
