@@ -259,6 +259,8 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) - self.BASE for c in text]
 
+    encode_prompt = encode  # no BOS
+
     def decode(self, ids) -> str:
         return "".join(chr(self.BASE + int(i)) for i in ids)
 

@@ -107,10 +107,10 @@ def test_not_utf8_is_an_error(tmp_path):
 class _FakeTokenizer:
     def __init__(self, template: str | None) -> None:
         self.chat_template = template
-        self.calls: list[tuple[str, bool]] = []
+        self.calls: list[str] = []
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        self.calls.append((text, add_special_tokens))
+    def encode_prompt(self, text: str) -> list[int]:
+        self.calls.append(text)
         return [len(text)]
 
     def apply_chat_template(self, messages):
@@ -122,11 +122,11 @@ def test_render_wraps_plain_prompts_in_the_chat_template_by_default():
     render(Prompt("a", "qa", prompt="Hi"), tok)
     render(Prompt("b", "qa", prompt="Hi"), tok, chat=False)
     render(Prompt("c", "qa", messages=({"role": "user", "content": "Q"},)), tok, chat=False)
-    assert tok.calls == [("<user>Hi<assistant>", False), ("Hi", True), ("<user>Q<assistant>", False)]
+    assert tok.calls == ["<user>Hi<assistant>", "Hi", "<user>Q<assistant>"]
 
 
 def test_render_without_a_template():
     tok = _FakeTokenizer(None)
     render(Prompt("a", "qa", prompt="Hi"), tok)
     render(Prompt("b", "qa", messages=({"role": "system", "content": "S"}, {"role": "user", "content": "Q"})), tok)
-    assert tok.calls == [("Hi", True), ("system: S\nuser: Q\nassistant:", True)]
+    assert tok.calls == ["Hi", "system: S\nuser: Q\nassistant:"]

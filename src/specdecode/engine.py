@@ -96,7 +96,7 @@ class Engine:
         input is refused here.
 
         Args:
-            prompt: text (tokenized without special tokens) or token ids.
+            prompt: text (``Tokenizer.encode_prompt``: BOS first where the model wants one) or token ids.
             sampling: temperature / top-k / top-p / seed.
             max_new_tokens: generation budget (>= 1).
             stop: a string or strings that end generation: generation stops at the token that completes

@@ -149,9 +149,9 @@ def render(prompt: Prompt, tokenizer, chat: bool = True) -> list[int]:
     template = getattr(tokenizer, "chat_template", None)
     if prompt.messages is not None:
         if template:
-            return tokenizer.encode(tokenizer.apply_chat_template(list(prompt.messages)))
+            return tokenizer.encode_prompt(tokenizer.apply_chat_template(list(prompt.messages)))
         text = "".join(f"{m['role']}: {m['content']}\n" for m in prompt.messages) + "assistant:"
-        return tokenizer.encode(text, add_special_tokens=True)
+        return tokenizer.encode_prompt(text)
     if chat and template:
-        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt.prompt}]))
-    return tokenizer.encode(prompt.prompt, add_special_tokens=True)
+        return tokenizer.encode_prompt(tokenizer.apply_chat_template([{"role": "user", "content": prompt.prompt}]))
+    return tokenizer.encode_prompt(prompt.prompt)

@@ -22,7 +22,7 @@ def _attention_on(path: str):
     assert (block.attention_ops is not None) == (path in NATIVE_PATHS)  # our compiled attention on our backends
 
     def attend(q, keys, values, window=None):
-        block.window, block.head_dim = window, q.shape[-1]
+        block.window, block.head_dim, block.scale = window, q.shape[-1], q.shape[-1] ** -0.5
         return block.attend(q, keys, values)
     return attend
 

@@ -26,7 +26,7 @@ def _setup(path: str):
 @pytest.mark.parametrize("path", path_params(("torch", *NATIVE_PATHS)))
 def test_the_batched_form_without_a_mask_is_the_rows_form(path):
     model, block, x = _setup(path)
-    cos_table, sin_table = model.rope.tables(16, model.dtype)
+    cos_table, sin_table = (t[0] for t in model.rope.tables(16, model.dtype))  # [P, D]: one kind of layer
     with torch.inference_mode():
         batched_cache, rows_cache = (model.new_cache(CacheConfig(max_len=16)) for _ in range(2))
         batched = block(x, 0, batched_cache, (0,), (0,), cos_table[:6][None, :, None], sin_table[:6][None, :, None],

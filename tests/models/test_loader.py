@@ -233,6 +233,31 @@ def test_hf_folder_round_trip(tmp_path: Path, arch: str, shards: int) -> None:
     assert ckpt.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]).startswith("<|im_start|>user")
 
 
+def test_gemma3_gguf_config_and_norm_names(tmp_path: Path) -> None:
+    """A Gemma 3 GGUF: the window from its metadata on all but every sixth layer, their RoPE base 10000, the
+    embedding scale and four norms per layer under their HF names (llama.cpp's ffn_norm is the pre-MLP one)."""
+    config = tiny_config("gemma3")
+    tensors = random_tensors(config)
+    ckpt = load_checkpoint(str(write_gguf(tmp_path / "g.gguf", config, tensors)))
+    assert ckpt.config == config
+    for name in ("model.layers.2.pre_feedforward_layernorm.weight", "model.layers.2.post_attention_layernorm.weight",
+                 "model.layers.2.post_feedforward_layernorm.weight"):
+        assert torch.equal(ckpt.tensors[name], tensors[name]), name
+
+
+def test_gemma3_hf_folder_gets_its_norm_offset(tmp_path: Path) -> None:
+    """transformers' Gemma 3 config round-trips, and the norms (stored as w of x * (1 + w)) load as 1 + w, as a
+    GGUF file holds them; the projections load as stored."""
+    config = tiny_config("gemma3")
+    tensors = random_tensors(config)
+    ckpt = load_checkpoint(str(write_hf_folder(tmp_path / "g", config, tensors)))
+    assert ckpt.config == config and ckpt.config.window_layers == (True,) * 5 + (False,)
+    for name in ("model.norm.weight", "model.layers.5.post_feedforward_layernorm.weight",
+                 "model.layers.0.self_attn.q_norm.weight"):
+        assert torch.equal(ckpt.tensors[name], tensors[name] + 1.0), name
+    assert torch.equal(ckpt.tensors["model.layers.0.mlp.up_proj.weight"], tensors["model.layers.0.mlp.up_proj.weight"])
+
+
 def test_hf_folder_bf16_tied_head_and_rotary_buffers_dropped(tmp_path: Path) -> None:
     config = tiny_config("llama")
     tensors = random_tensors(config)

@@ -45,27 +45,44 @@ def test_rope_roll_equals_rotate_half_bitwise():
 
 def test_tables_grow_by_doubling_and_follow_the_dtype():
     rope = Rope(tiny_config(rope_theta=500.0))
-    cos, sin = rope.tables(10, torch.float32)
-    assert cos.shape[0] == FIRST_TABLE and rope.tables(FIRST_TABLE, torch.float32)[0] is cos  # kept while it fits
-    grown, _ = rope.tables(FIRST_TABLE + 1, torch.float32)
+    assert rope.kind == (0, 0, 0, 0) and rope.inv_freq.shape == (1, 8)  # one kind of layer
+    tables = rope.tables(10, torch.float32)
+    cos = tables[0][0]
+    assert cos.shape[0] == FIRST_TABLE and rope.tables(FIRST_TABLE, torch.float32) is tables  # kept while it fits
+    grown = rope.tables(FIRST_TABLE + 1, torch.float32)[0][0]
     assert grown.shape[0] == 2 * FIRST_TABLE and torch.equal(grown[:FIRST_TABLE], cos)  # positions keep their angles
-    assert torch.equal(rope.tables(700, torch.float32)[0][:2 * FIRST_TABLE], grown)
-    want_cos, want_sin = rope_tables(rope.inv_freq, 700, torch.bfloat16)
+    assert torch.equal(rope.tables(700, torch.float32)[0][0, :2 * FIRST_TABLE], grown)
+    want_cos, want_sin = rope_tables(rope.inv_freq[0], 700, torch.bfloat16)
     got_cos, got_sin = rope.tables(700, torch.bfloat16)  # another dtype: rebuilt
-    assert got_cos.dtype == torch.bfloat16 and torch.equal(got_cos[:700], want_cos) and torch.equal(got_sin[:700], want_sin)
-    assert rope.rows(10)[0].shape == (FIRST_TABLE, 8)
+    assert got_cos.dtype == torch.bfloat16 and torch.equal(got_cos[0, :700], want_cos)
+    assert torch.equal(got_sin[0, :700], want_sin)
+    assert rope.rows(10)[0].shape == (1, FIRST_TABLE, 8)
     rows_cos, rows_sin = rope.rows(300)
-    want_cos, want_sin = rope_rows(rope.inv_freq, 300)
-    assert rows_cos.shape == (2 * FIRST_TABLE, 8) and rows_cos.dtype == torch.float32
-    assert torch.equal(rows_cos[:300], want_cos) and torch.equal(rows_sin[:300], want_sin)
+    want_cos, want_sin = rope_rows(rope.inv_freq[0], 300)
+    assert rows_cos.shape == (1, 2 * FIRST_TABLE, 8) and rows_cos.dtype == torch.float32
+    assert torch.equal(rows_cos[0, :300], want_cos) and torch.equal(rows_sin[0, :300], want_sin)
 
 
 def test_both_table_forms_hold_the_same_angles():
     """The fused layers' fp32 half tables and the torch layers' tables rotate by the same angles (to fp32 rounding)."""
     rope = Rope(tiny_config(rope_theta=500.0))
-    cos, sin = rope.tables(64, torch.float32)
-    half_cos, half_sin = rope.rows(64)
+    cos, sin = (t[0] for t in rope.tables(64, torch.float32))
+    half_cos, half_sin = (t[0] for t in rope.rows(64))
     torch.testing.assert_close(cos[:64, :8], half_cos[:64], atol=1e-5, rtol=0)
     torch.testing.assert_close(cos[:64, 8:], half_cos[:64], atol=1e-5, rtol=0)
     torch.testing.assert_close(sin[:64, 8:], half_sin[:64], atol=1e-5, rtol=0)
     torch.testing.assert_close(sin[:64, :8], -half_sin[:64], atol=1e-5, rtol=0)  # the first half negated
+
+
+def test_gemma3_windowed_layers_have_their_own_unscaled_base():
+    """Gemma 3: the full-attention layers use rope_theta (and its scaling), the windowed ones local_rope_theta
+    unscaled, each layer reading its kind's table."""
+    config = tiny_config("gemma3", rope_scaling={"rope_type": "linear", "factor": 8.0})
+    rope = Rope(config)
+    assert rope.kind == (1, 1, 0, 1)  # layer 2 attends to everything: kind 0, the model's own base
+    d = config.head_dim
+    base = torch.arange(0, d, 2, dtype=torch.float64) / d
+    torch.testing.assert_close(rope.inv_freq[0], (1 / (1e6 ** base) / 8).float())
+    torch.testing.assert_close(rope.inv_freq[1], (1 / (1e4 ** base)).float())
+    cos, _ = rope.tables(16, torch.float32)
+    assert cos.shape[0] == 2 and not torch.equal(cos[0], cos[1])

@@ -27,8 +27,9 @@ PARITY_ATOL = 1e-4
 STEP_ATOL = 1e-4  # our own paths (full vs incremental) differ only by summation order (and thread count)
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "mistral": "MistralForCausalLM"}
-HF_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
+              "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+HF_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
+              "gemma3": "Gemma3TextConfig"}
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
@@ -83,11 +84,17 @@ def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
     ("qwen3", {}),  # per-head query/key RMSNorm
     ("qwen3", {"tie_word_embeddings": True}),
     ("mistral", {}),
+    ("mistral", {"sliding_window": 8}),  # 40 tokens pass the window
+    # windows of 8 on layers 0, 1, 3 with their own RoPE base, tanh-GELU, four norms, a query scale, scaled embeddings
+    ("gemma3", {}),
+    ("gemma3", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}),  # on the full-attention layer only
 ])
 def test_logits_match_transformers(arch, overrides):
     config = tiny_config(arch, **overrides)
     tensors = random_hf_tensors(config, seed=3)
-    ours = Transformer.from_hf_tensors(config, tensors)
+    # HF stores Gemma's norms as w in x * (1 + w); ours take the factor (as GGUF files and load_hf_dir give it)
+    ours = Transformer.from_hf_tensors(config, {n: t + config.norm_offset if n.endswith("norm.weight") else t
+                                                for n, t in tensors.items()})
     hf = _hf_model(config, tensors)
     ids = _ids(40)
     got, want = _ours_full(ours, ids), _hf_logits(hf, ids)

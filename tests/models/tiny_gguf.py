@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from gguf.quants import quantize
 
-from specdecode.models.config import ModelConfig
+from specdecode.models.config import Activation, ModelConfig
 from specdecode.models.loader import expected_tensor_shapes
 
 # Merges of the tiny vocabulary, best first; each also adds its result as a token.
@@ -23,6 +23,9 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# Gemma's four norms per layer (llama.cpp's ffn_norm is the pre-MLP one)
+_SANDWICH_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
+                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 
@@ -55,7 +58,14 @@ VOCAB_SIZE = len(tokenizer_metadata()["tokenizer.ggml.tokens"])
 
 
 def tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
-    """A 2-layer model over the tiny vocabulary; ``overrides`` replace ModelConfig fields."""
+    """A 2-layer model over the tiny vocabulary; ``overrides`` replace ModelConfig fields. Gemma 3: 6 layers as a
+    Gemma 3 GGUF implies them (window 8 on all but the last, their RoPE base 10000)."""
+    if arch == "gemma3":
+        hidden, head_dim = overrides.get("hidden_size", 64), overrides.get("head_dim", 16)
+        overrides = {"num_layers": 6, "sliding_window": 8, "window_layers": (True,) * 5 + (False,),
+                     "rope_theta": 1e6, "local_rope_theta": 10000.0, "activation": Activation.GELU_TANH,
+                     "sandwich_norms": True, "embed_scale": hidden ** 0.5, "query_scale": head_dim ** -0.5,
+                     "norm_offset": 1.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, **overrides}
     fields = dict(arch=arch, vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
                   tie_word_embeddings=arch == "llama", attention_bias=arch == "qwen2", max_position_embeddings=256)
@@ -74,13 +84,13 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf: str) -> str:
-    """llama.cpp's name for a HF tensor name."""
+def gguf_name(hf: str, sandwich_norms: bool = False) -> str:
+    """llama.cpp's name for a HF tensor name (``sandwich_norms``: Gemma's four norms per layer)."""
     if hf in _GLOBAL:
         return _GLOBAL[hf]
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+    return f"blk.{layer}.{(_SANDWICH_LAYER if sandwich_norms else _LAYER)[module]}.{kind}"
 
 
 K_QUANT_BYTES = {gguf.GGMLQuantizationType.Q4_K: (144, [0, 2]), gguf.GGMLQuantizationType.Q5_K: (176, [0, 2]),
@@ -117,6 +127,8 @@ def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor]
     w.add_rope_dimension_count(config.head_dim)
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if config.sliding_window is not None:
+        w.add_sliding_window(config.sliding_window)
     meta = {**tokenizer_metadata(), **(metadata or {})}
     w.add_tokenizer_model(meta["tokenizer.ggml.model"])
     w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
@@ -135,11 +147,11 @@ def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor]
             data = llama_cpp_permute(data, config.num_kv_heads)
         qtype = (qtypes or {}).get(name)
         if qtype is None:
-            w.add_tensor(gguf_name(name), np.ascontiguousarray(data, dtype=np.float32))
+            w.add_tensor(gguf_name(name, config.sandwich_norms), np.ascontiguousarray(data, dtype=np.float32))
         elif qtype in K_QUANT_BYTES:  # the gguf package cannot encode these: random well-formed blocks instead
-            w.add_tensor(gguf_name(name), k_quant_blocks(qtype, data.shape, seed=len(name)), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name, config.sandwich_norms), k_quant_blocks(qtype, data.shape, seed=len(name)), raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name, config.sandwich_norms), quantize(data, qtype), raw_dtype=qtype)
     for name, data in (extra or {}).items():
         w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     w.write_header_to_file()

@@ -230,7 +230,7 @@ def prompt_ids(prompt: str | Seq[int], tokenizer, vocab_size: int, context: int,
     """The prompt's token ids, checked: non-empty, in the vocabulary, and with room for ``max_new_tokens``.
 
     Args:
-        prompt: text (tokenized without special tokens) or token ids.
+        prompt: text (``Tokenizer.encode_prompt``: BOS first where the model wants one) or token ids.
         tokenizer: needed for a text prompt.
         vocab_size: ids must be below it.
         context: the model's context length (prompt + new tokens must fit).
@@ -247,7 +247,7 @@ def prompt_ids(prompt: str | Seq[int], tokenizer, vocab_size: int, context: int,
             raise ValueError("the prompt is empty")
         if tokenizer is None:
             raise ValueError("a text prompt needs an engine with a tokenizer")
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode_prompt(prompt)
     else:
         ids = [int(t) for t in prompt]
     if not ids:

@@ -199,8 +199,8 @@ class EagleHead(nn.Module):
             meaningless and must be left out of the loss).
         """
         t = embedded.shape[1]
-        cos_table, sin_table = self.rope.tables(t, self.dtype)
-        cos, sin = cos_table[:t][None, :, None], sin_table[:t][None, :, None]  # [1, T, 1, D]
+        cos_table, sin_table = self.rope.tables(t, self.dtype)  # [1, P, D]: one kind of layer
+        cos, sin = cos_table[0, :t][None, :, None], sin_table[0, :t][None, :, None]  # [1, T, 1, D]
         features = self.project(features)
         outs, keys, values = [], [], []
         for step in range(steps):

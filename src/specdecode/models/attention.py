@@ -12,7 +12,8 @@ from typing import Sequence
 import torch
 
 
-def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      scale: float | None = None) -> torch.Tensor:
     """Attention of the T newest tokens over all the given keys, as two batched matmuls per call.
 
     The query heads sharing a key head are stacked as rows of one matmul, so no key is repeated. Scores
@@ -24,6 +25,7 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
         q: ``[B, H, T, D]``, the queries of the last T positions of ``keys``.
         keys: ``[B, Hkv, L, D]`` (H a multiple of Hkv: query heads h*G..h*G+G-1 share key head h).
         values: ``[B, Hkv, L, D]``.
+        scale: what scores are multiplied by; None: ``D ** -0.5``.
 
     Returns:
         ``[B, H, T, D]``.
@@ -31,13 +33,13 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     b, h, t, d = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(b, kv_heads, (h // kv_heads) * t, d)  # [B, Hkv, G*T, D]
-    scores = (torch.matmul(grouped, keys.transpose(-1, -2)) * d ** -0.5).float()  # [B, Hkv, G*T, L]
+    scores = (torch.matmul(grouped, keys.transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)).float()  # [B, Hkv, G*T, L]
     probs = scores.softmax(-1).to(values.dtype)
     return torch.matmul(probs, values).view(b, h, t, d)
 
 
 def rowwise_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of the T newest tokens, each over exactly its own keys by one ``grouped_attention`` call.
 
     Each call is the one a one-token decode step at that position makes, so every row is bitwise what
@@ -47,7 +49,8 @@ def rowwise_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         q: ``[B, H, T, D]``, the queries of the last T positions of ``keys``.
         keys: ``[B, Hkv, L, D]``.
         values: ``[B, Hkv, L, D]``.
-        window: each token sees at most its last ``window`` keys (Mistral's sliding window), or None.
+        window: each token sees at most its last ``window`` keys (a sliding window), or None.
+        scale: as for ``grouped_attention``.
 
     Returns:
         ``[B, H, T, D]``.
@@ -57,12 +60,12 @@ def rowwise_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     for i in range(t):
         end = length - t + i + 1
         start = 0 if window is None else max(0, end - window)
-        rows.append(grouped_attention(q[:, :, i:i + 1], keys[:, :, start:end], values[:, :, start:end]))
+        rows.append(grouped_attention(q[:, :, i:i + 1], keys[:, :, start:end], values[:, :, start:end], scale))
     return rows[0] if t == 1 else torch.cat(rows, dim=2)
 
 
 def indexed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
-                      counts: torch.Tensor) -> torch.Tensor:
+                      counts: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Attention of each new token over its own list of keys (a token tree), one ``grouped_attention`` call
     per token: a token whose keys form one range gets the call ``rowwise_attention`` makes for it.
 
@@ -71,6 +74,7 @@ def indexed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         keys: ``[1, Hkv, L, D]``.
         values: ``[1, Hkv, L, D]``.
         index: ``[T, M]`` key indices per token (see ``tree.key_index``); ``counts [T]`` how many are used.
+        scale: as for ``grouped_attention``.
 
     Returns:
         ``[1, H, T, D]``.
@@ -83,7 +87,7 @@ def indexed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         else:
             pick = torch.tensor(idx, device=keys.device)
             k, v = keys.index_select(2, pick), values.index_select(2, pick)
-        rows.append(grouped_attention(q[:, :, i:i + 1], k, v))
+        rows.append(grouped_attention(q[:, :, i:i + 1], k, v, scale))
     return torch.cat(rows, dim=2)
 
 

@@ -1,7 +1,7 @@
-"""One pre-norm decoder layer of the Llama/Qwen2/Qwen3/Mistral family as torch modules: attention with GQA (Qwen3's
-per-head query/key RMSNorm before RoPE), then a
-SwiGLU MLP, with q/k/v fused into one projection and gate/up into another (on a CPU the per-call overhead
-of small matmuls dominates small models).
+"""One pre-norm decoder layer of the Llama/Qwen2/Qwen3/Mistral/Gemma 3 family as torch modules: attention with
+GQA (Qwen3's and Gemma's per-head query/key RMSNorm before RoPE), then a SwiGLU (Gemma: GeGLU) MLP, with q/k/v
+fused into one projection and gate/up into another (on a CPU the per-call overhead of small matmuls dominates
+small models). Gemma's extra norms after attention and after the MLP sit before their residual adds.
 
 Its projections are whatever a backend packed in (``backends/``); its row-invariant attention is our
 compiled kernel where a backend set ``attention_ops``, else ``attention.rowwise_attention``. A backend that
@@ -20,7 +20,7 @@ from torch import nn
 
 from specdecode.kv.cache import Cache
 from specdecode.models.attention import indexed_attention, rowwise_attention
-from specdecode.models.config import ModelConfig
+from specdecode.models.config import Activation, ModelConfig
 from specdecode.models.rope import apply_rope
 from specdecode.models.rows import RowPlan
 
@@ -30,14 +30,17 @@ class Block(nn.Module):
 
     Args:
         config: the architecture.
+        layer: its index (its attention window and RoPE base may depend on it).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         c = config
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.eps = c.rms_norm_eps
-        self.window = c.sliding_window
+        self.window = c.window_of(layer)
+        self.scale = c.attention_scale
+        self.activation = c.activation
         self.attn_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.wqkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.attention_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
@@ -45,6 +48,9 @@ class Block(nn.Module):
         # Qwen3: an RMSNorm over each query and key head before RoPE
         self.q_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
+        # Gemma: RMSNorms of attention's and the MLP's outputs, before each residual add
+        self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
+        self.post_mlp_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.attention_ops: ModuleType | None = None  # our compiled attention, set by a backend (``native``)
@@ -53,16 +59,16 @@ class Block(nn.Module):
         """Row-invariant attention of the T newest tokens (``[B, H, T, D]``) over the keys (``[B, Hkv, L, D]``):
         our kernel where a backend set it, else ``rowwise_attention``."""
         if self.attention_ops is not None:
-            return self.attention_ops.attention(q, keys, values, self.window or 0, self.head_dim ** -0.5)
-        return rowwise_attention(q, keys, values, self.window)
+            return self.attention_ops.attention(q, keys, values, self.window or 0, self.scale)
+        return rowwise_attention(q, keys, values, self.window, self.scale)
 
     def attend_indexed(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
                        counts: torch.Tensor) -> torch.Tensor:
         """Row-invariant attention of one sequence's T new tokens (``[1, H, T, D]``), token t over the keys
         ``index[t, :counts[t]]`` (a token tree, ``tree.key_index``): our kernel, else ``indexed_attention``."""
         if self.attention_ops is not None:
-            return self.attention_ops.attention_indexed(q, keys, values, index, counts, self.head_dim ** -0.5)
-        return indexed_attention(q, keys, values, index, counts)
+            return self.attention_ops.attention_indexed(q, keys, values, index, counts, self.scale)
+        return indexed_attention(q, keys, values, index, counts, self.scale)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,10 +89,14 @@ class Block(nn.Module):
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual stream after the output projection of ``attn [B, H, T, D]`` and the MLP."""
         b, t, _ = x.shape
-        x = x + self.wo(attn.transpose(1, 2).reshape(b, t, -1))
+        x = x + self._post_norm(self.wo(attn.transpose(1, 2).reshape(b, t, -1)), self.post_attn_norm)
         h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
         gate, up = self.w_gate_up(h).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        act = F.silu(gate) if self.activation == Activation.SILU else F.gelu(gate, approximate="tanh")
+        return x + self._post_norm(self.w_down(act * up), self.post_mlp_norm)
+
+    def _post_norm(self, y: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return y if weight is None else F.rms_norm(y, (y.shape[-1],), weight, self.eps)
 
     def forward(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -97,7 +107,7 @@ class Block(nn.Module):
         if mask is None:
             attn = self.attend(q, keys, values)  # [B, H, T, D]
         else:
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
                                                   enable_gqa=self.heads != self.kv_heads)
         return self.finish(x, attn)
 

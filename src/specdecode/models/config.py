@@ -1,4 +1,4 @@
-"""Architecture description of a Llama/Qwen2/Qwen3/Mistral-family decoder.
+"""Architecture description of a Llama/Qwen2/Qwen3/Mistral/Gemma 3-family decoder.
 
 One dataclass that every loader (GGUF, HF folder, hub id) fills in and the decoder in
 `transformer.py` reads. It does not hold weights or tokenizer data.
@@ -6,10 +6,21 @@ One dataclass that every loader (GGUF, HF folder, hub id) fills in and the decod
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+_HF_MODEL_TYPES = {"gemma3_text": "gemma3"}  # HF's name of a text-only Gemma 3 -> ours
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's windowed layers (llama.cpp hard-codes it too; GGUF has no key)
+
+
+class Activation(enum.IntEnum):
+    """The MLP's gate activation; the value is what the fused kernel (``kernels/layer.h``) is told."""
+
+    SILU = 0  # SwiGLU: Llama, Qwen, Mistral
+    GELU_TANH = 1  # GeGLU with tanh-approximated GELU: Gemma
 
 
 @dataclass(frozen=True)
@@ -32,7 +43,16 @@ class ModelConfig:
         tie_word_embeddings: output head shares the embedding matrix.
         attention_bias: q/k/v projections carry a bias (Qwen2).
         max_position_embeddings: longest context the model was trained for.
-        sliding_window: Mistral's attention window, or None for full attention.
+        sliding_window: the attention window (Mistral's, Gemma 3's local layers'), or None for full attention.
+        window_layers: which layers the window applies to (Gemma 3 interleaves windowed and full layers); None:
+            all of them.
+        local_rope_theta: RoPE base of the windowed layers where it differs from ``rope_theta`` (Gemma 3), or None.
+        activation: the MLP's gate activation.
+        sandwich_norms: an RMSNorm also after attention and after the MLP, before each residual add (Gemma 3).
+        embed_scale: the embedding rows are multiplied by it (Gemma: sqrt(hidden_size)).
+        query_scale: attention's score scale (Gemma 3: ``query_pre_attn_scalar ** -0.5``); None: head_dim ** -0.5.
+        norm_offset: HF checkpoints store RMSNorm weights minus this (Gemma's ``x * (1 + w)``); it is added on
+            import, so a loaded model's norm weights are always the factors themselves (as GGUF files store them).
     """
 
     arch: str
@@ -50,11 +70,35 @@ class ModelConfig:
     attention_bias: bool = False
     max_position_embeddings: int = 4096
     sliding_window: int | None = None
+    window_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None
+    activation: Activation = Activation.SILU
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    query_scale: float | None = None
+    norm_offset: float = 0.0
 
     @property
     def qk_norm(self) -> bool:
-        """Queries and keys get a per-head RMSNorm before RoPE (Qwen3's ``q_norm`` / ``k_norm``)."""
-        return self.arch == "qwen3"
+        """Queries and keys get a per-head RMSNorm before RoPE (Qwen3's and Gemma 3's ``q_norm`` / ``k_norm``)."""
+        return self.arch in ("qwen3", "gemma3")
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of layer ``layer``, or None where it attends to every earlier token."""
+        if self.window_layers is not None and not self.window_layers[layer]:
+            return None
+        return self.sliding_window
+
+    def rope_theta_of(self, layer: int) -> float:
+        """The RoPE base of layer ``layer``."""
+        if self.local_rope_theta is not None and self.window_of(layer) is not None:
+            return self.local_rope_theta
+        return self.rope_theta
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores are multiplied by."""
+        return self.head_dim ** -0.5 if self.query_scale is None else self.query_scale
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -69,21 +113,30 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.window_layers is not None and len(self.window_layers) != self.num_layers:
+            raise ValueError(f"ModelConfig.window_layers has {len(self.window_layers)} entries for "
+                             f"{self.num_layers} layers")
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Builds a config from a HF ``config.json`` dictionary."""
         model_type = cfg.get("model_type", "llama")
+        model_type = _HF_MODEL_TYPES.get(model_type, model_type)
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"config.json model_type={model_type!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}"
             )
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
+        local_rope = None
+        if model_type == "gemma3":  # transformers >= 5: one rope_parameters entry per kind of layer
+            local_rope = rope.get("sliding_attention", {}).get("rope_theta", cfg.get("rope_local_base_freq"))
+            rope = rope.get("full_attention", rope)
         scaling = cfg.get("rope_scaling")
         if scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
             # transformers >= 5 writes the scaling into rope_parameters (next to rope_theta), not rope_scaling.
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        gemma = _gemma3_fields(cfg, local_rope) if model_type == "gemma3" else {}
         return cls(
             arch=model_type,
             vocab_size=cfg["vocab_size"],
@@ -96,14 +149,18 @@ class ModelConfig:
             rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma3")),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None,
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type in ("mistral", "gemma3"))
+            else None,
+            **gemma,
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The inverse of :meth:`from_hf`, for writing a ``config.json`` (used by tests and parity checks)."""
+        if self.arch == "gemma3":
+            return self._gemma3_hf()
         return {
             "model_type": self.arch,
             "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -125,6 +182,56 @@ class ModelConfig:
             "use_sliding_window": self.sliding_window is not None,
             "hidden_act": "silu",
         }
+
+    def _gemma3_hf(self) -> dict[str, Any]:
+        """A Gemma 3 text model's ``config.json`` (transformers' ``Gemma3TextConfig``)."""
+        return {
+            "model_type": "gemma3_text",
+            "architectures": ["Gemma3ForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rope_local_base_freq": self.local_rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "sliding_window": self.sliding_window,
+            "layer_types": ["sliding_attention" if w else "full_attention" for w in (self.window_layers or ())],
+            "query_pre_attn_scalar": round(self.attention_scale ** -2),
+            "hidden_activation": "gelu_pytorch_tanh",
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+        }
+
+
+def _gemma3_fields(cfg: dict[str, Any], local_rope_theta: float | None) -> dict[str, Any]:
+    """What a Gemma 3 ``config.json`` sets beyond the Llama fields."""
+    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+        raise ValueError("Gemma logit soft-capping (final_logit_softcapping / attn_logit_softcapping) is not supported")
+    act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma 3 hidden_activation={act!r} is not supported (only gelu_pytorch_tanh)")
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:  # older configs: every sliding_window_pattern-th layer is a full one
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    return {
+        "window_layers": tuple(t == "sliding_attention" for t in types),
+        "local_rope_theta": float(local_rope_theta if local_rope_theta is not None else GEMMA3_LOCAL_ROPE_THETA),
+        "activation": Activation.GELU_TANH,
+        "sandwich_norms": True,
+        "embed_scale": math.sqrt(cfg["hidden_size"]),
+        "query_scale": float(cfg.get("query_pre_attn_scalar", cfg.get("head_dim", 256))) ** -0.5,
+        "norm_offset": 1.0,
+    }
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -156,4 +263,7 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                            p + "self_attn.v_proj.bias": (kv,)})
         if c.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})
+        if c.sandwich_norms:
+            shapes.update({p + "pre_feedforward_layernorm.weight": (c.hidden_size,),
+                           p + "post_feedforward_layernorm.weight": (c.hidden_size,)})
     return shapes

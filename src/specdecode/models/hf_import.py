@@ -1,4 +1,4 @@
-"""From checkpoint tensors named as Hugging Face's Llama/Qwen2/Qwen3/Mistral models name them to our decoder's
+"""From checkpoint tensors named as Hugging Face's Llama/Qwen2/Qwen3/Mistral/Gemma 3 models name them to our decoder's
 parameters: q/k/v stacked into one projection, gate/up into another, a tied output head read from the
 embedding table.
 
@@ -51,13 +51,18 @@ def hf_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
 
 def unpacked_state(config: ModelConfig, read: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """The parameters that packing leaves as they are (the embedding table and the RMSNorm weights, Qwen3's
-    per-head query/key norms included), each
+    per-head query/key norms and Gemma's post-norms included), each
     ``read(checkpoint name)``; the projections and the output head are ``packing.py``'s."""
     state = {"embed.weight": read("model.embed_tokens.weight"), "norm": read("model.norm.weight")}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         state[f"layers.{i}.attn_norm"] = read(f"{p}input_layernorm.weight")
-        state[f"layers.{i}.mlp_norm"] = read(f"{p}post_attention_layernorm.weight")
+        if config.sandwich_norms:  # Gemma: post_attention_layernorm follows attention, a fourth norm the MLP
+            state[f"layers.{i}.post_attn_norm"] = read(f"{p}post_attention_layernorm.weight")
+            state[f"layers.{i}.mlp_norm"] = read(f"{p}pre_feedforward_layernorm.weight")
+            state[f"layers.{i}.post_mlp_norm"] = read(f"{p}post_feedforward_layernorm.weight")
+        else:
+            state[f"layers.{i}.mlp_norm"] = read(f"{p}post_attention_layernorm.weight")
         if config.qk_norm:
             state[f"layers.{i}.q_norm"] = read(f"{p}self_attn.q_norm.weight")
             state[f"layers.{i}.k_norm"] = read(f"{p}self_attn.k_norm.weight")

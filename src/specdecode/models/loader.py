@@ -10,6 +10,7 @@ model (see `transformer.py`) and does not write anything except through `fetch.p
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from specdecode.models import registry
-from specdecode.models.config import ModelConfig, expected_tensor_shapes
+from specdecode.models.config import GEMMA3_LOCAL_ROPE_THETA, Activation, ModelConfig, expected_tensor_shapes
 from specdecode.models.fetch import fetch
 # GGUFError and LoadError are raised through this module too: importers find them here.
 from specdecode.models.gguf import GGUFError, GGUFFile, GGUFTensorInfo, LoadError, read_gguf, read_gguf_raw  # noqa: F401
@@ -30,7 +31,7 @@ from specdecode.models.weights import FORMAT_OF, Blocks, WeightSource, convert, 
 
 Progress = Callable[[str], None]
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 ROPE_FACTORS = "rope_freqs.weight"  # a config value stored as a tensor, not a weight
 
 
@@ -84,16 +85,26 @@ _GGUF_BLOCK = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma's four norms: llama.cpp's ffn_norm is its pre-MLP norm, as elsewhere, but HF names that one differently.
+_GGUF_SANDWICH_BLOCK = {**_GGUF_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
+                        "post_attention_norm": "post_attention_layernorm",
+                        "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a llama.cpp tensor name, or None when it has no HF counterpart here."""
+def hf_name(gguf_name: str, sandwich_norms: bool = False) -> str | None:
+    """The HF name of a llama.cpp tensor name, or None when it has no HF counterpart here.
+
+    Args:
+        gguf_name: the tensor's name in the GGUF file.
+        sandwich_norms: the model has Gemma's four norms per layer (``ModelConfig.sandwich_norms``).
+    """
     if gguf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[gguf_name]
+    block = _GGUF_SANDWICH_BLOCK if sandwich_norms else _GGUF_BLOCK
     m = _GGUF_BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _GGUF_BLOCK:
-        return f"model.layers.{m.group(1)}.{_GGUF_BLOCK[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in block:
+        return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -145,6 +156,8 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
     embd = gguf.tensors.get("token_embd.weight")
     if embd is None:
         raise LoadError(f"{path}: GGUF file has no token_embd.weight tensor")
+    window = meta.get(f"{arch}.attention.sliding_window")
+    gemma = _gemma3_gguf_fields(int(key("block_count")), hidden, heads, head_dim) if arch == "gemma3" else {}
     return ModelConfig(
         arch=arch,
         vocab_size=embd.shape[0],
@@ -160,7 +173,24 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in gguf.tensors,
         max_position_embeddings=int(key("context_length")),
+        sliding_window=None if window is None else int(window),
+        **gemma,
     )
+
+
+def _gemma3_gguf_fields(layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """What a Gemma 3 GGUF implies beyond the Llama fields, as llama.cpp reads it: every sixth layer attends
+    to the whole context, the others within the window at RoPE base 10000; GGUF norms already hold 1 + w."""
+    return {
+        "window_layers": tuple((i + 1) % 6 != 0 for i in range(layers)),
+        "local_rope_theta": GEMMA3_LOCAL_ROPE_THETA,
+        "activation": Activation.GELU_TANH,
+        "sandwich_norms": True,
+        "embed_scale": math.sqrt(hidden),
+        # GGUF has no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B (62 layers), else head_dim
+        "query_scale": (hidden // heads if layers == 62 else head_dim) ** -0.5,
+        "norm_offset": 1.0,  # what HF checkpoints leave out; llama.cpp's converter added it to the file's norms
+    }
 
 
 def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -268,10 +298,10 @@ def load_gguf(path: str | os.PathLike[str], progress: Progress | None = None) ->
     """
     gguf = read_gguf(path)
     config = gguf_config(gguf)
-    mapped = {name: hf_name(name) for name in gguf.tensors if name != ROPE_FACTORS}
+    mapped = {name: hf_name(name, config.sandwich_norms) for name in gguf.tensors if name != ROPE_FACTORS}
     unknown = [name for name, hf in mapped.items() if hf is None]
     if unknown:
-        raise LoadError(f"{gguf.path}: tensors with no Llama/Qwen2/Qwen3 counterpart: {unknown[:8]}")
+        raise LoadError(f"{gguf.path}: tensors with no {config.arch} counterpart here: {unknown[:8]}")
     tensors = GGUFTensors(gguf, config, {name: hf for name, hf in mapped.items() if hf is not None})
     check_tensors(config, tensors.shapes(), str(gguf.path))
     tokenizer = Tokenizer.from_gguf(gguf.path, metadata=gguf.metadata)
@@ -346,6 +376,9 @@ def load_hf_dir(path: str | os.PathLike[str], progress: Progress | None = None) 
             raise LoadError(f"{file}: cannot read safetensors weights ({exc})") from exc
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    if config.norm_offset:  # Gemma's checkpoints store w for x * (1 + w); our norms take the factor itself
+        for name in [n for n in tensors if n.endswith("norm.weight")]:
+            tensors[name] = tensors[name] + config.norm_offset
     check_tensors(config, {n: tuple(t.shape) for n, t in tensors.items()}, str(folder))
     return Checkpoint(config, tensors, Tokenizer.from_hf_dir(folder), str(folder))
 

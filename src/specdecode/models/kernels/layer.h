@@ -1,6 +1,6 @@
 // One decoder layer in one call: RMSNorm, the q/k/v projection, RoPE, attention over the sequence's cached
-// keys, the output projection and residual, RMSNorm, gate/up, SiLU, down and residual, with no torch op in
-// between (a decode step of a small model otherwise spends as long dispatching ~25 small ops per layer as
+// keys, the output projection and residual, RMSNorm, gate/up, SiLU (Gemma: tanh-GELU), down and residual (Gemma:
+// each output RMSNormed before its residual add), with no torch op in between (a decode step of a small model otherwise spends as long dispatching ~25 small ops per layer as
 // it does in its projections). The residual stream and every intermediate stay in fp32; keys and values
 // are rounded to bf16 for the cache, and projections of bf16 weights read bf16-rounded inputs.
 //
@@ -151,30 +151,68 @@ inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
   }
 }
 
+// tanh-GELU(g) * u per element (Gemma's GeGLU): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), the tanh
+// from vexp's e^-2|y| (its domain is x <= 0).
+inline void gelu_mul(const float* g, const float* u, int64_t n, float* out) {
+  const int64_t n_vec = n / kLanes * kLanes;
+  const vf one = vset(1.0f), half = vset(0.5f), c = vset(0.7978845608028654f), cube = vset(0.044715f);
+  for (int64_t i = 0; i < n_vec; i += kLanes) {
+    const vf x = vload(g + i);
+    const vf y = vmul(c, vfma(vmul(cube, vmul(x, x)), x, x));  // c (x + 0.044715 x^3)
+    const vf e = vexp(vsub(vzero(), vadd(vabs(y), vabs(y))));
+    const vf t = vdiv(vsub(one, e), vadd(one, e));  // tanh |y|
+    const vf th = select_ge0(y, t, vsub(vzero(), t));
+    vstore(out + i, vmul(vmul(vmul(half, x), vadd(one, th)), vload(u + i)));
+  }
+  if (n_vec < n) {  // the tail through the same vector code, zero-padded
+    alignas(64) float gl[kLanes] = {}, ul[kLanes] = {}, ol[kLanes];
+    std::memcpy(gl, g + n_vec, sizeof(float) * (n - n_vec));
+    std::memcpy(ul, u + n_vec, sizeof(float) * (n - n_vec));
+    gelu_mul(gl, ul, kLanes, ol);
+    std::memcpy(out + n_vec, ol, sizeof(float) * (n - n_vec));
+  }
+}
+
+constexpr int64_t kSiLU = 0, kGeluTanh = 1;  // the MLP's activation (config.Activation)
+
+inline std::vector<float> float_vector(const torch::Tensor& t, int64_t n, const char* what) {
+  auto f = t.to(at::kFloat).contiguous();
+  TORCH_CHECK(f.numel() == n, what, " must have ", n, " weights");
+  return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + n);
+}
+
 struct Layer {
   Proj qkv, o, gate_up, down;
   std::vector<float> ln1, ln2;
-  std::vector<float> q_norm, k_norm;  // Qwen3's per-head RMSNorm weights [D] before RoPE; empty elsewhere
-  float eps;
+  std::vector<float> q_norm, k_norm;  // per-head RMSNorm weights [D] before RoPE (Qwen3, Gemma); empty elsewhere
+  std::vector<float> post_attn, post_mlp;  // Gemma's norms of attention's and the MLP's outputs; empty elsewhere
+  float eps, scale;  // scale: what attention scores are multiplied by
   int64_t heads, kv_heads, head_dim, hidden, inter;
+  int64_t window, activation;  // window: keys a row sees (0: all of them)
 
   Layer(Proj qkv_, Proj o_, Proj gate_up_, Proj down_, const torch::Tensor& ln1_, const torch::Tensor& ln2_, double eps_,
         int64_t heads_, int64_t kv_heads_, int64_t head_dim_, c10::optional<torch::Tensor> q_norm_,
-        c10::optional<torch::Tensor> k_norm_)
+        c10::optional<torch::Tensor> k_norm_, int64_t window_, double scale_, int64_t activation_,
+        c10::optional<torch::Tensor> post_attn_, c10::optional<torch::Tensor> post_mlp_)
       : qkv(std::move(qkv_)), o(std::move(o_)), gate_up(std::move(gate_up_)), down(std::move(down_)), eps(float(eps_)),
-        heads(heads_), kv_heads(kv_heads_), head_dim(head_dim_) {
+        scale(float(scale_)), heads(heads_), kv_heads(kv_heads_), head_dim(head_dim_), window(window_),
+        activation(activation_) {
     hidden = ln1_.numel();
     inter = down.k_in;
-    auto f1 = ln1_.to(at::kFloat).contiguous(), f2 = ln2_.to(at::kFloat).contiguous();
-    ln1.assign(f1.data_ptr<float>(), f1.data_ptr<float>() + hidden);
-    ln2.assign(f2.data_ptr<float>(), f2.data_ptr<float>() + hidden);
+    ln1 = float_vector(ln1_, hidden, "ln1");
+    ln2 = float_vector(ln2_, hidden, "ln2");
     TORCH_CHECK(q_norm_.has_value() == k_norm_.has_value(), "q_norm and k_norm come together");
     if (q_norm_.has_value()) {
-      auto fq = q_norm_->to(at::kFloat).contiguous(), fk = k_norm_->to(at::kFloat).contiguous();
-      TORCH_CHECK(fq.numel() == head_dim_ && fk.numel() == head_dim_, "q_norm/k_norm must have head_dim weights");
-      q_norm.assign(fq.data_ptr<float>(), fq.data_ptr<float>() + head_dim_);
-      k_norm.assign(fk.data_ptr<float>(), fk.data_ptr<float>() + head_dim_);
+      q_norm = float_vector(*q_norm_, head_dim_, "q_norm");
+      k_norm = float_vector(*k_norm_, head_dim_, "k_norm");
     }
+    TORCH_CHECK(post_attn_.has_value() == post_mlp_.has_value(), "post_attn and post_mlp norms come together");
+    if (post_attn_.has_value()) {
+      post_attn = float_vector(*post_attn_, hidden, "post_attn");
+      post_mlp = float_vector(*post_mlp_, hidden, "post_mlp");
+    }
+    TORCH_CHECK(activation == kSiLU || activation == kGeluTanh, "activation must be 0 (SiLU) or 1 (tanh-GELU)");
+    TORCH_CHECK(window >= 0, "window must be >= 0");
     TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
     TORCH_CHECK(qkv.k_in == hidden && qkv.n_out == (heads + 2 * kv_heads) * head_dim && o.k_in == heads * head_dim &&
                 o.n_out == hidden && gate_up.k_in == hidden && gate_up.n_out == 2 * inter && down.n_out == hidden,
@@ -228,7 +266,7 @@ struct KeyView {
 inline void attend_units(const Layer& L, const float* q, int64_t row0, const KeyView& kv, float* out, int64_t i0,
                          int64_t i1, AttendScratch& s) {
   const int64_t d = L.head_dim, group = L.heads / L.kv_heads;
-  const float scale = 1.0f / std::sqrt(float(d));
+  const float scale = L.scale;
   for (int64_t u = i0; u < i1; ++u) {
     const int64_t i = u / L.heads, hi = u % L.heads, kh = hi / group, row = row0 + i;
     const uint16_t* kp = kv.keys + kh * kv.head_stride_k;
@@ -266,7 +304,8 @@ inline void qkv_part(const Layer& L, const float* x, int64_t n, const float* cos
   rope_units(L, proj, n, cos, sin, pos, q, k, v, a, b);
 }
 
-// The second half: x [N, hidden] -> out = x + o(attn), then + down(silu(gate) * up) of its norm.
+// The second half: x [N, hidden] -> out = x + o(attn), then + down(silu(gate) * up) of its norm (Gemma: o(attn)
+// and down(...) each RMSNormed first).
 inline void finish_part(const Layer& L, const float* x, const float* attn, int64_t n, float* o_out, float* gu_out,
                         float* down_out, float* out, ThreadBuffers& tb, int tid, int nt) {
   const int64_t h = L.hidden, inter = L.inter;
@@ -277,7 +316,12 @@ inline void finish_part(const Layer& L, const float* x, const float* attn, int64
 #pragma omp barrier
   tb.mid.resize(n * h);
   tb.normed.resize(n * h);
-  for (int64_t i = 0; i < n * h; ++i) tb.mid[i] = x[i] + o_out[i];
+  if (!L.post_attn.empty()) {  // every thread norms every row for itself: its own copy of the residual
+    for (int64_t r = 0; r < n; ++r) rms_norm_row(o_out + r * h, L.post_attn.data(), h, L.eps, tb.normed.data() + r * h);
+    for (int64_t i = 0; i < n * h; ++i) tb.mid[i] = x[i] + tb.normed[i];
+  } else {
+    for (int64_t i = 0; i < n * h; ++i) tb.mid[i] = x[i] + o_out[i];
+  }
   for (int64_t r = 0; r < n; ++r) rms_norm_row(tb.mid.data() + r * h, L.ln2.data(), h, L.eps, tb.normed.data() + r * h);
   prepare(L.gate_up, tb.normed.data(), h, n, tb.in);
   share(tiles_of(L.gate_up), tid, nt, a, b);
@@ -285,11 +329,20 @@ inline void finish_part(const Layer& L, const float* x, const float* attn, int64
 #pragma omp barrier
   tb.act.resize(n * inter);
   for (int64_t r = 0; r < n; ++r)
-    silu_mul(gu_out + r * 2 * inter, gu_out + r * 2 * inter + inter, inter, tb.act.data() + r * inter);
+    (L.activation == kGeluTanh ? gelu_mul : silu_mul)(gu_out + r * 2 * inter, gu_out + r * 2 * inter + inter, inter,
+                                                      tb.act.data() + r * inter);
   prepare(L.down, tb.act.data(), inter, n, tb.in);
   share(tiles_of(L.down), tid, nt, a, b);
   project_tiles(L.down, tb.in, down_out, a, b);
 #pragma omp barrier
+  if (!L.post_mlp.empty()) {  // whole rows per thread: a norm needs its row
+    share(n, tid, nt, a, b);
+    for (int64_t r = a; r < b; ++r) {
+      rms_norm_row(down_out + r * h, L.post_mlp.data(), h, L.eps, tb.normed.data() + r * h);
+      for (int64_t i = r * h; i < (r + 1) * h; ++i) out[i] = tb.mid[i] + tb.normed[i];
+    }
+    return;
+  }
   share(n * h, tid, nt, a, b);
   for (int64_t i = a; i < b; ++i) out[i] = tb.mid[i] + down_out[i];
 }
@@ -345,7 +398,7 @@ inline std::vector<torch::Tensor> layer_qkv(const Layer& L, const torch::Tensor&
 // Step 2, per sequence: rows row0..row0+n-1 of q over keys/values [1, Hkv, L, D] as a cache's update returns
 // them (the new rows last), into out fp32 [N, H * D]; with index/counts, a token tree's rows.
 inline void layer_attend(const Layer& L, const torch::Tensor& q, int64_t row0, int64_t n, const torch::Tensor& keys,
-                         const torch::Tensor& values, int64_t window, const c10::optional<torch::Tensor>& index,
+                         const torch::Tensor& values, const c10::optional<torch::Tensor>& index,
                          const c10::optional<torch::Tensor>& counts, torch::Tensor out) {
   TORCH_CHECK(keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16 && keys.dim() == 4 &&
               keys.size(0) == 1 && keys.size(1) == L.kv_heads && keys.size(3) == L.head_dim && keys.stride(3) == 1 &&
@@ -356,7 +409,7 @@ inline void layer_attend(const Layer& L, const torch::Tensor& q, int64_t row0, i
   const int64_t length = keys.size(2);
   TORCH_CHECK(n <= length, "layer_attend: more rows than keys");
   sd::KeyView kv{sd::bf16_ptr(keys), sd::bf16_ptr(values), keys.stride(1), values.stride(1), keys.stride(2),
-                 values.stride(2), length - n, window};
+                 values.stride(2), length - n, L.window};
   if (index.has_value()) {
     TORCH_CHECK(counts.has_value(), "layer_attend: an index needs counts");
     check_key_index(*index, *counts, n, length);
@@ -388,16 +441,18 @@ inline torch::Tensor layer_finish(const Layer& L, const torch::Tensor& x, const 
 
 // Layers over ragged rows of several sequences whose keys/values live in plain buffers [S, Hkv, M, D] (bf16,
 // one pair per layer): sequence j's counts[j] rows continue slot slots[j] at starts[j] (written there);
-// trees[j], if given, is (index [n, W], counts [n]) over that slot's keys. Returns x after the last layer.
+// trees[j], if given, is (index [n, W], counts [n]) over that slot's keys; cos[l]/sin[l] are layer l's RoPE
+// tables. Returns x after the last layer.
 // One parallel region for all of them: the threads meet at a barrier only where one needs another's output.
 inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const torch::Tensor& x,
-                                 const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& pos,
-                                 const std::vector<torch::Tensor>& kbufs, const std::vector<torch::Tensor>& vbufs,
-                                 const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
-                                 const std::vector<int64_t>& counts, int64_t window,
+                                 const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+                                 const torch::Tensor& pos, const std::vector<torch::Tensor>& kbufs,
+                                 const std::vector<torch::Tensor>& vbufs, const std::vector<int64_t>& slots,
+                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
                                  const std::vector<c10::optional<std::vector<torch::Tensor>>>& trees) {
-  TORCH_CHECK(!layers.empty() && kbufs.size() == layers.size() && vbufs.size() == layers.size(),
-              "layers_rows: one key and one value buffer per layer");
+  TORCH_CHECK(!layers.empty() && kbufs.size() == layers.size() && vbufs.size() == layers.size() &&
+              cos.size() == layers.size() && sin.size() == layers.size(),
+              "layers_rows: one key and one value buffer and one pair of RoPE tables per layer");
   TORCH_CHECK(slots.size() == starts.size() && slots.size() == counts.size() && trees.size() == slots.size(),
               "layers_rows: one start, count and tree entry per slot");
   const int64_t n = x.size(0);
@@ -415,7 +470,7 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
     const Layer& L = *layers[l];
     const torch::Tensor &kbuf = kbufs[l], &vbuf = vbufs[l];
     sd::check_rows(L, x);
-    sd::check_rope(L, cos, sin, pos, n);
+    sd::check_rope(L, cos[l], sin[l], pos, n);
     TORCH_CHECK(kbuf.scalar_type() == at::kBFloat16 && vbuf.scalar_type() == at::kBFloat16 && kbuf.is_contiguous() &&
                 vbuf.is_contiguous() && kbuf.dim() == 4 && kbuf.size(1) == L.kv_heads && kbuf.size(3) == L.head_dim &&
                 vbuf.sizes() == kbuf.sizes(), "layers_rows: cache buffers bf16 [S, Hkv, M, D], contiguous");
@@ -425,7 +480,7 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
                   "layers_rows: slot ", slots[j], " rows out of range");
       const int64_t length = starts[j] + counts[j];
       sd::KeyView kv{sd::bf16_ptr(kbuf) + slots[j] * slot_stride, sd::bf16_ptr(vbuf) + slots[j] * slot_stride,
-                     max_len * d, max_len * d, d, d, starts[j], window};
+                     max_len * d, max_len * d, d, d, starts[j], L.window};
       if (trees[j].has_value()) {
         const auto& t = *trees[j];
         TORCH_CHECK(t.size() == 2, "layers_rows: a tree is (index, counts)");
@@ -453,7 +508,7 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
       const int64_t d = L.head_dim;
       const float* xin = (l % 2 ? next : current).data_ptr<float>();
       float* xout = (l % 2 ? current : next).data_ptr<float>();
-      sd::qkv_part(L, xin, n, cos.data_ptr<float>(), sin.data_ptr<float>(), pos.data_ptr<int64_t>(), proj.data(),
+      sd::qkv_part(L, xin, n, cos[l].data_ptr<float>(), sin[l].data_ptr<float>(), pos.data_ptr<int64_t>(), proj.data(),
                    q.data(), k.data(), v.data(), tb, tid, nt);
 #pragma omp barrier
       int64_t a, b;
@@ -483,9 +538,9 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
 inline torch::Tensor layer_rows(const Layer& L, const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                 const torch::Tensor& pos, torch::Tensor kbuf, torch::Tensor vbuf,
                                 const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
-                                const std::vector<int64_t>& counts, int64_t window,
+                                const std::vector<int64_t>& counts,
                                 const std::vector<c10::optional<std::vector<torch::Tensor>>>& trees) {
-  return layers_rows({&L}, x, cos, sin, pos, {kbuf}, {vbuf}, slots, starts, counts, window, trees);
+  return layers_rows({&L}, x, {cos}, {sin}, pos, {kbuf}, {vbuf}, slots, starts, counts, trees);
 }
 
 // fp32 [N, F] -> fp32 [N, N_out]: one projection on its own (the output head).
