@@ -91,3 +91,15 @@ def test_draft_model_auto_is_the_registered_targets_registered_draft(tmp_path):
     with pytest.raises(ValueError, match="--draft-model auto: --model .* is not a registered model"):
         drafter_factory(DrafterConfig(kind="draft", draft_model="auto"), target_config, target_config.load(),
                         CacheConfig(), lambda line: None)
+
+
+def test_tree_drafters_are_refused_on_a_model_with_mixed_windows(tmp_path):
+    """Gemma 3's layers attend over different windows; a token tree's one key index cannot serve them."""
+    target_config = TargetConfig(str(write_tiny_hf_model(tmp_path / "g", arch="gemma3")), dtype="float32",
+                                 device="cpu")
+    target = target_config.load()
+    assert target.model.config.mixed_windows
+    with pytest.raises(ValueError, match="ngram-tree drafts token trees"):
+        drafter_factory(DrafterConfig(kind="ngram-tree"), target_config, target, CacheConfig(), lambda line: None)
+    assert drafter_factory(DrafterConfig(kind="ngram"), target_config, target, CacheConfig(),
+                           lambda line: None)() is not None  # the chain form is fine

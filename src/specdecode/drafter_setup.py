@@ -102,6 +102,9 @@ def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: 
     kind, spec = config.kind, config.spec
     if kind == "none":
         return None
+    if spec.tree and target.model.config.mixed_windows:
+        raise ValueError(f"--drafter {kind} drafts token trees, which {target_config.model} (layers with different "
+                         "attention windows, as Gemma 3's) does not verify; use its chain form")
     draft_model = head = skip_layers = None
     if spec.needs & Needs.SKIP_SET:  # a bad --skip-layers is a ValueError naming it
         skip_layers = resolve_skip_set(target, target_config.dtype, config.skip_layers, progress=log)

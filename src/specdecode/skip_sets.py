@@ -52,7 +52,7 @@ def calibrate_and_store(model: LoadedModel, dtype: str, gamma: int = 4, new_toke
              for p in CALIBRATION_PROMPTS]
     if progress:
         progress(f"calibrating layer skipping on {len(texts)} prompts (a minute or two) ...")
-    result = calibrate_skip_set(model.model, [tok.encode(t) for t in texts], new_tokens=new_tokens, gamma=gamma,
+    result = calibrate_skip_set(model.model, [tok.encode_prompt(t) for t in texts], new_tokens=new_tokens, gamma=gamma,
                                 progress=progress)
     path = _store(model, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -37,3 +37,16 @@ def test_a_block_format_head_off_our_kernels_is_refused_naming_the_kernel():
     net, _ = random_head("eagle", varied_model(0))
     with pytest.raises(ValueError, match="q8_0 weights need one of our kernels .* run on onednn$"):
         net.pack(OneDnnBackend(), "q8_0")
+
+
+def test_a_head_for_a_gemma3_target_is_one_full_attention_layer_at_its_scale():
+    from specdecode.heads.eagle import EagleConfig
+    from specdecode.models.config import ModelConfig
+    from tiny_models import tiny_config
+
+    target = tiny_config("gemma3")
+    head = EagleConfig.for_target(target).layer
+    assert head.num_layers == 1 and head.window_of(0) is None and not head.mixed_windows
+    assert head.attention_scale == target.attention_scale and head.sandwich_norms
+    back = ModelConfig.from_hf(head.to_hf())  # a head file's config reads back as the same layer
+    assert back.window_of(0) is None and back.rope_theta_of(0) == head.rope_theta_of(0) == target.rope_theta

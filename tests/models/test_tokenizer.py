@@ -389,3 +389,11 @@ def test_unsupported_template_syntax_and_unreadable_tokenizer_json_are_clear_err
     (tmp_path / "tokenizer.json").write_text('{"version": "9", "model": 42}')
     with pytest.raises(ValueError, match="cannot be read as a tokenizer"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_encode_prompt_puts_one_bos_first_where_the_model_asks_for_it() -> None:
+    tok = tiny(add_bos=True)
+    bos = tok.bos_token_id
+    assert tok.encode_prompt("hi") == [bos, *tok.encode("hi")]
+    assert tok.encode_prompt("<|im_start|>hi") == [bos, *tok.encode("hi")]  # a template that writes it: not twice
+    assert tiny().encode_prompt("hi") == tiny().encode("hi")  # add_bos_token false: none

@@ -53,7 +53,7 @@ class EagleConfig:
     @classmethod
     def for_target(cls, target: ModelConfig, fuse_layers: Sequence[int] = ()) -> "EagleConfig":
         check_fuse_layers(fuse_layers, target.num_layers)
-        return cls(replace(target, num_layers=1, sliding_window=None), tuple(fuse_layers))
+        return cls(replace(target, num_layers=1, sliding_window=None, window_layers=None, local_rope_theta=None), tuple(fuse_layers))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layer": self.layer.to_hf()}
@@ -209,15 +209,17 @@ class EagleHead(nn.Module):
             keys.append(k)
             values.append(v)
             if step == 0:
-                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.block.scale,
+                                                      enable_gqa=q.shape[1] != k.shape[1])
             else:
-                attn = _draft_attention(q, keys, values)
+                attn = _draft_attention(q, keys, values, self.block.scale)
             outs.append(self.block.finish(x, attn))
             features = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # row p gets the prediction made at row p - 1
         return outs
 
 
-def _draft_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def _draft_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     scale: float) -> torch.Tensor:
     """Attention of draft step s = len(keys) - 1 (s >= 1): row p sees real rows 0..p - s (``keys[0]``) and,
     for t = 1..s, the row of step t at position p - (s - t) (its own draft's earlier tokens, itself last).
 
@@ -225,10 +227,10 @@ def _draft_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
         q: ``[B, H, T, D]`` this step's queries.
         keys: per step so far, ``[B, Hkv, T, D]`` (the last is this step's).
         values: same shapes as ``keys``.
+        scale: what scores are multiplied by (the layer's).
     """
-    s, (_, h, t, d) = len(keys) - 1, q.shape
+    s, (_, h, t, _) = len(keys) - 1, q.shape
     group = h // keys[0].shape[1]
-    scale = d ** -0.5
     expand = lambda x: x.repeat_interleave(group, dim=1)  # noqa: E731 - [B, Hkv, T, D] -> [B, H, T, D]
     real = (q @ expand(keys[0]).transpose(-1, -2)) * scale  # [B, H, T, T]
     pos = torch.arange(t, device=q.device)

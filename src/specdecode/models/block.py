@@ -45,7 +45,7 @@ class Block(nn.Module):
         self.wqkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.attention_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.mlp_norm = nn.Parameter(torch.ones(c.hidden_size))
-        # Qwen3: an RMSNorm over each query and key head before RoPE
+        # Qwen3, Gemma: an RMSNorm over each query and key head before RoPE
         self.q_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
         # Gemma: RMSNorms of attention's and the MLP's outputs, before each residual add

@@ -51,8 +51,9 @@ class ModelConfig:
         sandwich_norms: an RMSNorm also after attention and after the MLP, before each residual add (Gemma 3).
         embed_scale: the embedding rows are multiplied by it (Gemma: sqrt(hidden_size)).
         query_scale: attention's score scale (Gemma 3: ``query_pre_attn_scalar ** -0.5``); None: head_dim ** -0.5.
-        norm_offset: HF checkpoints store RMSNorm weights minus this (Gemma's ``x * (1 + w)``); it is added on
-            import, so a loaded model's norm weights are always the factors themselves (as GGUF files store them).
+        norm_offset: HF checkpoints store RMSNorm weights minus this (Gemma's ``x * (1 + w)``); ``load_hf_dir``
+            adds it, so a checkpoint's norm weights are the factors themselves (as GGUF files store them) by the
+            time ``Transformer.from_hf_tensors`` or ``packed_from`` reads them.
     """
 
     arch: str
@@ -89,6 +90,11 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def mixed_windows(self) -> bool:
+        """Its layers attend over different windows (Gemma 3), so one key index cannot serve them all."""
+        return len({self.window_of(i) for i in range(self.num_layers)}) > 1
+
     def rope_theta_of(self, layer: int) -> float:
         """The RoPE base of layer ``layer``."""
         if self.local_rope_theta is not None and self.window_of(layer) is not None:
@@ -113,6 +119,8 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelConfig.sliding_window must be >= 1 (or None), got {self.sliding_window}")
         if self.window_layers is not None and len(self.window_layers) != self.num_layers:
             raise ValueError(f"ModelConfig.window_layers has {len(self.window_layers)} entries for "
                              f"{self.num_layers} layers")
@@ -121,6 +129,9 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Builds a config from a HF ``config.json`` dictionary."""
         model_type = cfg.get("model_type", "llama")
+        if model_type == "gemma3":  # transformers' multimodal Gemma 3 (text_config + vision_config)
+            raise ValueError("config.json model_type='gemma3' is the multimodal Gemma 3; only its text-only form "
+                             "(model_type 'gemma3_text', Gemma3ForCausalLM) is supported")
         model_type = _HF_MODEL_TYPES.get(model_type, model_type)
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -203,7 +214,7 @@ class ModelConfig:
             "attention_bias": self.attention_bias,
             "max_position_embeddings": self.max_position_embeddings,
             "sliding_window": self.sliding_window,
-            "layer_types": ["sliding_attention" if w else "full_attention" for w in (self.window_layers or ())],
+            "layer_types": ["sliding_attention" if self.window_of(i) else "full_attention" for i in range(self.num_layers)],
             "query_pre_attn_scalar": round(self.attention_scale ** -2),
             "hidden_activation": "gelu_pytorch_tanh",
             "final_logit_softcapping": None,

@@ -156,7 +156,7 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
     embd = gguf.tensors.get("token_embd.weight")
     if embd is None:
         raise LoadError(f"{path}: GGUF file has no token_embd.weight tensor")
-    window = meta.get(f"{arch}.attention.sliding_window")
+    window = meta.get(f"{arch}.attention.sliding_window") if arch == "gemma3" else None  # as llama.cpp reads it
     gemma = _gemma3_gguf_fields(int(key("block_count")), hidden, heads, head_dim) if arch == "gemma3" else {}
     return ModelConfig(
         arch=arch,
@@ -173,7 +173,7 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in gguf.tensors,
         max_position_embeddings=int(key("context_length")),
-        sliding_window=None if window is None else int(window),
+        sliding_window=int(window) if window else None,  # 0: no window
         **gemma,
     )
 

@@ -156,7 +156,7 @@ class Transformer(nn.Module):
             Float32 logits (None for ``NONE``) and, with ``features``, ``[N, len(features) * hidden]`` (else None).
         """
         device = self.device
-        if self.config.window_layers is not None and parents is not None and any(p is not None for p in parents):
+        if self.config.mixed_windows and parents is not None and any(p is not None for p in parents):
             # a tree's key index is one per forward; these layers would each need their own
             raise ValueError("token trees are not supported on a model whose layers have different attention "
                              "windows (Gemma 3); draft chains instead")

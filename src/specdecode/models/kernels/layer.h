@@ -230,7 +230,7 @@ inline void rope_units(const Layer& L, float* proj, int64_t n, const float* cos,
     const float* c = cos + pos[r] * half;
     const float* s = sin + pos[r] * half;
     float* src = proj + r * width + head * d;
-    if (!L.q_norm.empty() && head < L.heads + L.kv_heads)  // Qwen3: RMSNorm of the head, in place, before RoPE
+    if (!L.q_norm.empty() && head < L.heads + L.kv_heads)  // Qwen3, Gemma: the head's RMSNorm, in place, before RoPE
       rms_norm_row(src, (head < L.heads ? L.q_norm : L.k_norm).data(), d, L.eps, src);
     if (head < L.heads + L.kv_heads) {  // rotate-half RoPE on queries and keys
       for (int64_t i = 0; i < half; ++i) {
