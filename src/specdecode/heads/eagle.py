@@ -53,7 +53,8 @@ class EagleConfig:
     @classmethod
     def for_target(cls, target: ModelConfig, fuse_layers: Sequence[int] = ()) -> "EagleConfig":
         check_fuse_layers(fuse_layers, target.num_layers)
-        return cls(replace(target, num_layers=1, sliding_window=None, window_layers=None, local_rope_theta=None), tuple(fuse_layers))
+        layer = replace(target, num_layers=1, sliding_window=None, window_layers=None, local_rope_theta=None)
+        return cls(layer, tuple(fuse_layers))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layer": self.layer.to_hf()}
