@@ -120,6 +120,30 @@ def test_k_quants_as_stored_speculate_exactly_and_rows_are_invariant(tmp_path, p
         assert torch.equal(torch.stack(steps), whole)
 
 
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
+def test_q5_0_and_q5_1_as_stored_speculate_exactly(tmp_path, path):
+    """A GGUF with Q5_0 attention and gate/up, Q5_1 o and down (Gemma 3's files are mostly Q5_0): read as
+    stored, and greedy speculation over them is plain decoding."""
+    config = tiny_config("gemma3", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
+    qtypes = {}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        qtypes.update({f"{p}self_attn.{n}_proj.weight": QT.Q5_0 for n in "qkv"})
+        qtypes.update({f"{p}self_attn.o_proj.weight": QT.Q5_1, f"{p}mlp.gate_proj.weight": QT.Q5_0,
+                       f"{p}mlp.up_proj.weight": QT.Q5_0, f"{p}mlp.down_proj.weight": QT.Q5_1})
+    tensors = {n: t * 0.05 if "norm" not in n else t for n, t in random_tensors(config).items()}
+    ckpt = load_checkpoint(str(write_gguf(tmp_path / "q5.gguf", config, tensors, qtypes=qtypes)))
+    target = Transformer.packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
+                                     resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
+    assert target.weight_format.startswith("q5_0+q5_1")
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9], [90, 3, 17, 44, 2, 60]]
+    engine = Engine(target, drafter=NgramDrafter(max_ngram=3, min_ngram=1), spec=SpeculativeConfig(gamma=5))
+    for prompt in prompts:
+        want = Engine(target).generate(prompt, max_new_tokens=24).token_ids
+        result = engine.generate(prompt, max_new_tokens=24)
+        assert result.token_ids == want and result.stats.drafted_tokens > 0
+
+
 @pytest.mark.parametrize("qtype, fmt", [(QT.Q6_K, "q8_0"), (QT.Q4_K, "q4_1"), (QT.Q4_K, "q8_0"), (QT.Q6_K, "q4_0")])
 def test_conversion_in_chunks_equals_one_pass(qtype, fmt):
     raw = k_quant_blocks(qtype, (40, 512), seed=3)

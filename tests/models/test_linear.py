@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf.constants import GGMLQuantizationType as QT
+from gguf.quants import quantize as gguf_quantize
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,7 +16,7 @@ from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafte
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.models.linear import Int8Linear, NativeLinear, PackedLinear, QuantLinear, can_pack
 from specdecode.models.super_blocks import SUPER_FORMATS, SUPER_QTYPES, from_gguf
-from specdecode.models.weights import BLOCK_FORMATS, quantize
+from specdecode.models.weights import BLOCK_FORMATS, BlockWeight, convert, quantize
 from kernel_paths import NATIVE_PATHS, block_activations, path_params, path_problem
 from tiny_gguf import k_quant_blocks
 from tiny_models import varied_model
@@ -65,13 +67,27 @@ def test_the_widened_builds_agree_bitwise_and_with_a_sequential_fp32_sum():
         assert torch.equal(out, want)
 
 
+STORED_ONLY = ("q5_0", "q5_1")  # read from GGUF blocks, never quantized to
+
+
+def _blocks(weight: torch.Tensor, fmt: str) -> BlockWeight:
+    """``weight`` in ``fmt``: our quantizer, or for q5_0/q5_1 llama.cpp's blocks (the gguf package's) read as stored."""
+    if fmt not in STORED_ONLY:
+        return quantize(weight, fmt)
+    n, k = weight.shape
+    padded = F.pad(weight, (0, -k % 32)).numpy()  # zero weights past k; x is zero there too
+    qtype = {"q5_0": QT.Q5_0, "q5_1": QT.Q5_1}[fmt]
+    stored = convert(gguf_quantize(padded, qtype), qtype, padded.shape, fmt)
+    return BlockWeight(fmt, stored.codes, stored.d, stored.m, k)
+
+
 @pytest.mark.parametrize("path", OURS)
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("fmt", [*BLOCK_FORMATS, *STORED_ONLY])
 @pytest.mark.parametrize("out_features,in_features,bias", [(5, 32, False), (160, 96, True), (70, 100, True),
                                                            (576, 1536, False)])
 def test_block_formats_are_close_to_float64_and_row_invariant(path, fmt, out_features, in_features, bias):
     g = torch.Generator().manual_seed(out_features)
-    blocks = quantize(torch.randn(out_features, in_features, generator=g) * 0.1, fmt)
+    blocks = _blocks(torch.randn(out_features, in_features, generator=g) * 0.1, fmt)
     b = torch.randn(out_features, generator=g) if bias else None
     layer = QuantLinear(blocks, b, path)
     x = torch.randn(32, in_features, generator=g)
@@ -114,14 +130,14 @@ def test_k_quants_as_stored_are_close_to_float64_and_row_invariant(path, fmt, ou
             layer(x[:, :in_features - 32])
 
 
-@pytest.mark.parametrize("fmt", [*BLOCK_FORMATS, *SUPER_FORMATS])
+@pytest.mark.parametrize("fmt", [*BLOCK_FORMATS, *STORED_ONLY, *SUPER_FORMATS])
 def test_the_block_kernels_of_every_build_agree_bitwise(fmt):
     """Integer block sums (VNNI or AVX2's vpmaddubsw) and the same fp32 steps: one answer on every build."""
     runnable = [p for p in NATIVE_PATHS if path_problem(p) is None]
     if len(runnable) < 2:
         pytest.skip(f"fewer than two builds run here: {runnable}")
     g = torch.Generator().manual_seed(3)
-    blocks = _stored_k_quant(fmt, 100, 512) if fmt in SUPER_FORMATS else quantize(torch.randn(100, 320, generator=g), fmt)
+    blocks = _stored_k_quant(fmt, 100, 512) if fmt in SUPER_FORMATS else _blocks(torch.randn(100, 320, generator=g), fmt)
     x = torch.randn(9, blocks.shape[1], generator=g) * 5
     outs = [QuantLinear(blocks, None, p)(x) for p in runnable]
     assert all(torch.equal(o, outs[0]) for o in outs[1:])

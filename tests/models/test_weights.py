@@ -9,10 +9,11 @@ import torch
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from specdecode.models.weights import (BLOCK_FORMATS, BlockWeight, choose_format, concat, from_gguf, pack, quantize,
-                                       unpack)
+from specdecode.models.weights import (BLOCK_FORMATS, BlockWeight, choose_format, concat, convert, from_gguf, pack,
+                                       quantize, unpack)
 
-QTYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1}
+QTYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1}
+STORED = [*BLOCK_FORMATS, "q5_0", "q5_1"]  # the 32-weight formats read as stored
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -20,7 +21,7 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.2  # rows of different scales
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("fmt", STORED)
 def test_a_gguf_files_blocks_are_read_as_stored(fmt):
     """Codes and scales of raw GGUF blocks, dequantized, equal the gguf package's own dequantization bitwise."""
     w = _weight(40, 96).numpy()
@@ -76,12 +77,17 @@ def test_formats_that_are_not_read_as_stored_return_none():
     assert from_gguf(np.zeros(210, dtype=np.uint8), QT.Q6_K, (1, 256)) is None
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("fmt", STORED)
 @pytest.mark.parametrize("tile", [16, 32])
 def test_pack_and_unpack_round_trip(fmt, tile):
-    blocks = quantize(_weight(45, 100), fmt)  # 45 outputs: the last tile is padding
+    if fmt in BLOCK_FORMATS:
+        blocks = quantize(_weight(45, 100), fmt)  # 45 outputs: the last tile is padding
+    else:  # stored only: llama.cpp's blocks of a 128-wide weight, read as 100 inputs
+        blocks = from_gguf(gguf_quantize(_weight(45, 128).numpy(), QTYPES[fmt]), QTYPES[fmt], (45, 128))
+        blocks = BlockWeight(fmt, blocks.codes, blocks.d, blocks.m, 100)
     packed = pack(blocks, tile)
-    record = tile * (32 if fmt == "q8_0" else 16) + 2 * tile * (2 if fmt == "q4_1" else 1)
+    code = {"q8_0": 32, "q5_0": 20, "q5_1": 20}.get(fmt, 16)  # q5: nibbles, then 4 bytes of fifth bits per output
+    record = tile * code + 2 * tile * (2 if fmt in ("q4_1", "q5_1") else 1)
     assert packed.shape == (-(-45 // tile), 4, record) and packed.dtype == torch.uint8
     back = unpack(packed, fmt, 45, 100, tile)
     assert torch.equal(back.codes, blocks.codes) and torch.equal(back.d, blocks.d)
@@ -106,7 +112,18 @@ def test_concat_stacks_outputs_of_one_format_only():
         concat([a, quantize(_weight(2, 64), "q4_0")])
 
 
+def test_q5_formats_come_only_from_their_own_tensors():
+    raw = gguf_quantize(_weight(4, 64).numpy(), QT.Q4_0)
+    with pytest.raises(ValueError, match="q5_0 weights come only from Q5_0 tensors, not Q4_0"):
+        convert(raw, QT.Q4_0, (4, 64), "q5_0")
+    q5 = gguf_quantize(_weight(4, 64).numpy(), QT.Q5_1)
+    assert convert(q5, QT.Q5_1, (4, 64), "q5_1").fmt == "q5_1"
+    assert convert(q5, QT.Q5_1, (4, 64), "q8_0").fmt == "q8_0"  # "blocks" and mixed projections: requantized
+
+
 def test_choose_format():
+    assert choose_format("auto", ["q5_0"]) == "q5_0" and choose_format("blocks", ["q5_1"]) == "q8_0"
+    assert choose_format("auto", ["q5_0", "q5_0", "q8_0"]) == "q8_0"  # Gemma's q, k and v: one format
     assert choose_format("auto", ["q4_1", "q4_1", "q8_0"]) == "q8_0"  # one format per projection: the widest
     assert choose_format("auto", ["q4_1"]) == "q4_1" and choose_format("auto", ["bf16", "q4_1"]) == "bf16"
     assert choose_format("q4_0", ["bf16"]) == "q4_0" and choose_format("q4_1", ["q8_0"], head=True) == "q8_0"

@@ -346,7 +346,8 @@ def dtypes(config: dict[str, Any]) -> str:
             + (f", projections on {config['linear_kernel']}" if config.get("linear_kernel") else ""))
 
 
-QUANTIZED_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")  # weights kept in blocks (models/weights.py)
+# weights kept in blocks (models/weights.py)
+QUANTIZED_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
 def runs_on(entry: dict[str, Any]) -> str:

@@ -114,7 +114,7 @@ class SuperBlockWeight:
             blocks = rec[..., 4 * tile:].reshape(tiles, supers, 8, width * tile)
             codes = _nibble_codes(blocks[..., :16 * tile], tile)  # [tiles, S, 8, tile, 32]
             if fmt == "q5_k":
-                codes = codes | (_high_bits(blocks[..., 16 * tile:20 * tile], tile) << 4)
+                codes = codes | (fifth_bits(blocks[..., 16 * tile:20 * tile], tile) << 4)
             codes = per_output(codes.permute(0, 1, 2, 4, 3).reshape(tiles, supers, 8 * BLOCK, tile))
             at = (width - 2) * tile
             scales = per_output(blocks[..., at:at + tile].contiguous())
@@ -137,16 +137,16 @@ def _nibble_codes(body: torch.Tensor, tile: int) -> torch.Tensor:
     return torch.cat([b & 0x0F, b >> 4], dim=-1)
 
 
-def _high_bits(body: torch.Tensor, tile: int) -> torch.Tensor:
-    """q5_k's high-bit bytes ``[..., 4 * tile]`` (per output 4 bytes, byte i: bit p = input 4p + i, bit 4 + p =
-    input 16 + 4p + i) -> bits ``[..., tile, 32]``."""
+def fifth_bits(body: torch.Tensor, tile: int) -> torch.Tensor:
+    """The fifth bits' bytes ``[..., 4 * tile]`` of q5_k, q5_0 and q5_1 (per output 4 bytes, byte i: bit p =
+    input 4p + i, bit 4 + p = input 16 + 4p + i) -> bits ``[..., tile, 32]``."""
     b = body.reshape(*body.shape[:-1], tile, 4)  # [..., tile, i]
     bits = torch.stack([(b >> shift) & 1 for shift in range(8)], dim=-2)  # [..., tile, 8 (h p), i]
     return bits.reshape(*body.shape[:-1], tile, BLOCK)  # input 16h + 4p + i
 
 
-def _high_body(codes: torch.Tensor) -> torch.Tensor:
-    """q5_k codes ``[..., tile, 32]`` -> their high bits' bytes ``[..., 4 * tile]`` (see ``_high_bits``)."""
+def fifth_bit_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """5-bit codes ``[..., tile, 32]`` -> their fifth bits' bytes ``[..., 4 * tile]`` (see ``fifth_bits``)."""
     bits = (codes >> 4).reshape(*codes.shape[:-1], 8, 4)  # [..., tile, (h p), i]
     packed = sum(bits[..., shift, :] << shift for shift in range(8))  # [..., tile, i]
     return packed.reshape(*codes.shape[:-2], 4 * codes.shape[-2])
@@ -175,7 +175,7 @@ def _pack_tiles(fmt: str, codes: torch.Tensor, scales: torch.Tensor, mins: torch
         return t.transpose(1, 2).contiguous().view(torch.uint8).reshape(tiles, supers, 2 * tile)
 
     if fmt in _MINS:
-        high = [_high_body(c)] if fmt == "q5_k" else []  # [tiles, S, 8, 4 tile]
+        high = [fifth_bit_bytes(c)] if fmt == "q5_k" else []  # [tiles, S, 8, 4 tile]
         blocks = torch.cat([_nibble_body(c & 0x0F), *high, per_block(scales), per_block(mins)], dim=-1)
         return torch.cat([halves(d), halves(dmin), blocks.reshape(tiles, supers, -1)], dim=-1)
     low = _nibble_body(c & 0x0F)  # [tiles, S, 8, 16 * tile]

@@ -1,17 +1,18 @@
-"""Weight formats: bf16, llama.cpp's block formats q8_0, q4_0 and q4_1, and its K-quants q4_k and q6_k, kept
-quantized in memory.
+"""Weight formats: bf16, llama.cpp's block formats q8_0, q4_0, q4_1, q5_0 and q5_1, and its K-quants q4_k, q5_k
+and q6_k, kept quantized in memory.
 
 A block format holds, per output row and per block of 32 inputs, integer codes and an fp16 scale ``d`` (and
-for q4_1 an fp16 minimum ``m``): q8_0 ``w = d * q`` (q in -127..127), q4_0 ``w = d * (q - 8)`` and q4_1
-``w = d * q + m`` (q in 0..15). :class:`BlockWeight` is that form, unpacked: codes, scales and minimums as
+for q4_1 and q5_1 an fp16 minimum ``m``): q8_0 ``w = d * q`` (q in -127..127), q4_0 ``w = d * (q - 8)`` and
+q4_1 ``w = d * q + m`` (q in 0..15), q5_0 ``w = d * (q - 16)`` and q5_1 ``w = d * q + m`` (q in 0..31); q5_0
+and q5_1 are read from a GGUF file only, never quantized to. :class:`BlockWeight` is that form, unpacked: codes, scales and minimums as
 tensors. It comes from a GGUF file's own blocks without a round trip (``from_gguf``), or from float weights
 through the ``gguf`` package's quantizers, which are llama.cpp's reference ones (``quantize``). ``pack`` lays it
 out for the kernels (``kernels/linear_quant.h``), ``unpack`` reads it back. The K-quants (Q4_K, Q5_K,
 Q6_K: super-blocks of 256) are ``super_blocks.SuperBlockWeight``, read as stored and never quantized to; ``pack``,
 ``unpack`` and ``concat`` here take either form.
 
-Each GGUF type has our format (``FORMAT_OF``): Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K are kept as stored;
-Q5_0, Q5_1 and Q8_K become q8_0, requantized from their dequantized values, and so do the types not listed
+Each GGUF type has our format (``FORMAT_OF``): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are kept as
+stored; Q8_K becomes q8_0, requantized from their dequantized values, and so do the types not listed
 (Q2_K, Q3_K, IQ*: more bytes than the file's); F32, F16 and BF16 tensors stay bf16. A Q8_0 tensor holding the
 code -128 (llama.cpp's quantizer never writes it) is requantized too. Asked for q4_1 (``--weights q4_1``, a
 draft's cheapest format), a Q4_K tensor keeps its 4-bit codes, one q4_1 block per 32-weight sub-block, with
@@ -39,19 +40,23 @@ from specdecode.models.super_blocks import SUPER_FORMATS, SUPER_QTYPES, SuperBlo
 
 WEIGHT_FORMATS = ("auto", "blocks", "bf16", "q8_0", "q4_0", "q4_1")  # what --weights offers
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")
-FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "bf16": 3, "q4_k": 4, "q6_k": 5, "q5_k": 6}  # the kernels' (linear_quant.h)
+FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "bf16": 3, "q4_k": 4, "q6_k": 5, "q5_k": 6,  # the kernels'
+                "q5_0": 7, "q5_1": 8}  # (linear_quant.h)
 BLOCK = 32
 _QTYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1}
 
 # Our format for each GGUF tensor type (those read as stored, and those mapped; see the module docstring).
-FORMAT_OF = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_k", QT.Q5_0: "q8_0",
-             QT.Q5_1: "q8_0", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_K: "q8_0", QT.F32: "bf16", QT.F16: "bf16",
+FORMAT_OF = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_k", QT.Q5_0: "q5_0",
+             QT.Q5_1: "q5_1", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_K: "q8_0", QT.F32: "bf16", QT.F16: "bf16",
              QT.BF16: "bf16"}
 # The 32-weight block format a GGUF type's blocks become code for code (``from_gguf``), no requantizing.
-_CODE_FOR_CODE = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_1"}
-# Where a projection's parts differ (q, k, v), a K-quant part takes the block format that holds it: one
-# projection has one format, and nothing converts into a K-quant.
-_STAND_IN = {"q4_k": "q4_1", "q5_k": "q8_0", "q6_k": "q8_0"}
+_CODE_FOR_CODE = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_1", QT.Q5_0: "q5_0",
+                  QT.Q5_1: "q5_1"}
+# Where a projection's parts differ (q, k, v), a part stored in a format nothing is quantized to takes the
+# quantizable format that holds it: one projection has one format.
+_STAND_IN = {"q4_k": "q4_1", "q5_k": "q8_0", "q6_k": "q8_0", "q5_0": "q8_0", "q5_1": "q8_0"}
+_MINIMUM = ("q4_1", "q5_1")  # the formats with an fp16 minimum per block
+_FIFTH_BIT = ("q5_0", "q5_1")  # codes of 5 bits: a q4 nibble plus a fifth bit
 _WIDTH = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "bf16": 3}  # bits per weight, in order: auto's pick where parts differ
 
 
@@ -60,11 +65,11 @@ class BlockWeight:
     """A ``[N, K]`` weight in a block format, unpacked.
 
     Args:
-        fmt: "q8_0", "q4_0" or "q4_1".
-        codes: uint8 ``[N, B * 32]``, B = ceil(K / 32): q8_0 as ``q + 128``, q4 as the nibble value 0..15
-            (inputs past K are zero-weighted padding).
+        fmt: "q8_0", "q4_0", "q4_1", "q5_0" or "q5_1".
+        codes: uint8 ``[N, B * 32]``, B = ceil(K / 32): q8_0 as ``q + 128``, q4 as the nibble value 0..15, q5
+            0..31 (inputs past K are zero-weighted padding).
         d: float16 ``[N, B]`` scales.
-        m: float16 ``[N, B]`` minimums (q4_1), else None.
+        m: float16 ``[N, B]`` minimums (q4_1, q5_1), else None.
         k: input features.
     """
 
@@ -84,8 +89,8 @@ class BlockWeight:
         d = self.d.float()[..., None]
         if self.fmt == "q8_0":
             w = (q - 128) * d
-        elif self.fmt == "q4_0":
-            w = (q - 8) * d
+        elif self.fmt in ("q4_0", "q5_0"):
+            w = (q - (8 if self.fmt == "q4_0" else 16)) * d
         else:
             w = q * d + self.m.float()[..., None]
         return w.reshape(self.codes.shape[0], -1)[:, :self.k]
@@ -149,9 +154,16 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
+def _five_bit(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1 codes ``[..., 32]`` from their fifth bits ``qh [..., 4]`` (a little-endian uint32: bit j is input
+    j's) and nibbles ``qs [..., 16]``."""
+    bits = (np.ascontiguousarray(qh).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1  # [..., 32]
+    return _nibbles(qs) | (bits.astype(np.uint8) << 4)
+
+
 def from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> BlockWeight | None:
     """A GGUF tensor's own blocks as a BlockWeight, for the types read as stored or mapped code for code
-    (Q8_0, Q4_0, Q4_1, Q4_K); None for the others (requantize them from their float values).
+    (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K); None for the others (requantize them from their float values).
 
     Args:
         raw: the tensor's bytes, uint8 (any shape holding ``N * row_bytes`` bytes).
@@ -174,6 +186,14 @@ def from_gguf(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> BlockWeight
         b = blocks.reshape(n, k // BLOCK, 20)
         codes = _nibbles(b[..., 4:]).reshape(n, k)
         return BlockWeight("q4_1", torch.from_numpy(codes), _halves(b[..., :2]), _halves(b[..., 2:4]), k)
+    if qtype == QT.Q5_0:  # fp16 d, 4 bytes of fifth bits, 16 of nibbles
+        b = blocks.reshape(n, k // BLOCK, 22)
+        codes = _five_bit(b[..., 2:6], b[..., 6:]).reshape(n, k)
+        return BlockWeight("q5_0", torch.from_numpy(codes), _halves(b[..., :2]), None, k)
+    if qtype == QT.Q5_1:  # fp16 d and m, 4 bytes of fifth bits, 16 of nibbles
+        b = blocks.reshape(n, k // BLOCK, 24)
+        codes = _five_bit(b[..., 4:8], b[..., 8:]).reshape(n, k)
+        return BlockWeight("q5_1", torch.from_numpy(codes), _halves(b[..., :2]), _halves(b[..., 2:4]), k)
     if qtype == QT.Q4_K:  # 256-weight super-blocks: fp16 d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
         d, dmin, scales, mins, codes = q4_k_parts(torch.from_numpy(blocks.reshape(-1, Q4_K_BYTES)))
         scale = (d * scales.float()).reshape(n, -1).to(torch.float16)
@@ -209,11 +229,12 @@ def convert(raw: np.ndarray, qtype: QT, shape: tuple[int, int], fmt: str, chunk:
         raw: the tensor's bytes, uint8 (any shape holding ``N * row_bytes`` bytes).
         qtype: its GGUF type.
         shape: ``(N, K)``.
-        fmt: one of BLOCK_FORMATS, or the K-quant the tensor is stored in (SUPER_FORMATS).
+        fmt: one of BLOCK_FORMATS, or the format the tensor is stored in where nothing is quantized to it (a
+            K-quant, q5_0, q5_1).
         keep: keep the stored blocks where they are in ``fmt`` (False requantizes them).
 
     Raises:
-        ValueError: a K-quant format that is not the tensor's own (nothing converts into one).
+        ValueError: a K-quant, q5_0 or q5_1 format that is not the tensor's own (nothing converts into one).
     """
     n, k = shape
     rows, step = raw.reshape(n, -1), max(1, chunk // k)
@@ -221,10 +242,12 @@ def convert(raw: np.ndarray, qtype: QT, shape: tuple[int, int], fmt: str, chunk:
         if SUPER_QTYPES[fmt] != qtype:
             raise ValueError(f"{fmt} weights come only from {SUPER_QTYPES[fmt].name} tensors, not {qtype.name}")
         return super_blocks.read_chunked(rows, qtype, (n, k), step)
+    if fmt in _FIFTH_BIT and _CODE_FOR_CODE.get(qtype) != fmt:
+        raise ValueError(f"{fmt} weights come only from {fmt.upper()} tensors, not {qtype.name}")
     width = -(-k // BLOCK)
     out = BlockWeight(fmt, torch.empty(n, width * BLOCK, dtype=torch.uint8), torch.empty(n, width, dtype=torch.float16),
-                      torch.empty(n, width, dtype=torch.float16) if fmt == "q4_1" else None, k)
-    own = keep and _CODE_FOR_CODE.get(qtype) == fmt
+                      torch.empty(n, width, dtype=torch.float16) if fmt in _MINIMUM else None, k)
+    own = (keep or fmt in _FIFTH_BIT) and _CODE_FOR_CODE.get(qtype) == fmt
     for i in range(0, n, step):
         part_shape = (min(step, n - i), k)
         part = from_gguf(rows[i:i + step], qtype, part_shape) if own else None
@@ -257,12 +280,12 @@ _TORCH_DECODERS = {QT.Q4_K: (Q4_K_BYTES, q4_k_dequantize), QT.Q6_K: (Q6_K_BYTES,
 def choose_format(requested: str, stored: Sequence[str], head: bool = False) -> str:
     """The format of one projection (its parts stored as ``stored``, e.g. q, k and v) under ``--weights``.
 
-    "auto" takes the parts' own formats, K-quants included where all parts share one; where they differ,
-    the widest, a K-quant counting as the block format that holds it (``_STAND_IN``: one projection has one
-    format). "blocks" takes every K-quant as the block format that holds it (Q4_K's codes as q4_1, Q6_K
-    requantized to q8_0: cheaper verification rows, see ``kernels/linear_kquant.h``). An explicit block format
-    applies as asked, except that the output head (``head``) is kept at least q8_0 under q4 formats, as
-    llama.cpp's quantizer keeps it wider.
+    "auto" takes the parts' own formats, K-quants, q5_0 and q5_1 included where all parts share one; where they
+    differ, the widest, such a part counting as the quantizable format that holds it (``_STAND_IN``: one
+    projection has one format). "blocks" takes every K-quant as the block format that holds it (Q4_K's codes as
+    q4_1, Q6_K requantized to q8_0: cheaper verification rows, see ``kernels/linear_kquant.h``), and Q5_0/Q5_1 as
+    q8_0. An explicit block format applies as asked, except that the output head (``head``) is kept at least q8_0
+    under q4 formats, as llama.cpp's quantizer keeps it wider.
     """
     if requested == "auto" and len(set(stored)) == 1:
         return stored[0]
@@ -274,16 +297,19 @@ def choose_format(requested: str, stored: Sequence[str], head: bool = False) -> 
 
 
 def pack(weight: Blocks, tile: int, chunk: int = 1 << 22) -> torch.Tensor:
-    """The kernels' layout of ``weight`` (a K-quant's: ``SuperBlockWeight.pack``). A block format's: uint8 ``[ceil(N / tile), B, record]``, record = a block of ``tile`` outputs: codes
-    (q8_0: per group of 4 inputs, ``tile`` lanes of 4 bytes; q4: inputs 4p..4p+3 in the low nibbles and
-    16+4p.. in the high ones), then ``tile`` fp16 scales, then ``tile`` fp16 minimums for q4_1. Written
-    ``chunk`` codes at a time, so a large head needs no full-size temporaries."""
+    """The kernels' layout of ``weight`` (a K-quant's: ``SuperBlockWeight.pack``). A block format's: uint8
+    ``[ceil(N / tile), B, record]``, record = a block of ``tile`` outputs: codes (q8_0: per group of 4 inputs,
+    ``tile`` lanes of 4 bytes; q4 and q5: inputs 4p..4p+3 in the low nibbles and 16+4p.. in the high ones, then
+    for q5 the fifth bits, 4 bytes per output: ``super_blocks.fifth_bits``), then ``tile`` fp16 scales, then
+    ``tile`` fp16 minimums for q4_1 and q5_1. Written ``chunk`` codes at a time, so a large head needs no
+    full-size temporaries."""
     if isinstance(weight, SuperBlockWeight):
         return weight.pack(tile, chunk)
     n, width = weight.codes.shape
     blocks = width // BLOCK
     tiles = -(-n // tile)
-    code_bytes = tile * (BLOCK if weight.fmt == "q8_0" else BLOCK // 2)
+    nibble_bytes = tile * BLOCK // 2
+    code_bytes = tile * BLOCK if weight.fmt == "q8_0" else nibble_bytes + (4 * tile if weight.fmt in _FIFTH_BIT else 0)
     scale_sets = [s for s in (weight.d, weight.m) if s is not None]
     out = torch.empty(tiles, blocks, code_bytes + 2 * tile * len(scale_sets), dtype=torch.uint8)
     step = max(1, chunk // (tile * width))  # tiles per chunk
@@ -296,9 +322,12 @@ def pack(weight: Blocks, tile: int, chunk: int = 1 << 22) -> torch.Tensor:
         if weight.fmt == "q8_0":
             body = c.reshape(t1 - t0, blocks, tile, 8, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, quad, tile, 4]
         else:
-            packed = c[..., :16] | (c[..., 16:] << 4)  # [tiles, B, tile, 16]: byte 4p + j: inputs 4p + j, 16 + 4p + j
+            low = c & 0x0F
+            packed = low[..., :16] | (low[..., 16:] << 4)  # [tiles, B, tile, 16]: byte 4p + j: inputs 4p + j, 16 + 4p + j
             body = packed.reshape(t1 - t0, blocks, tile, 4, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, p, tile, 4]
-        out[t0:t1, :, :code_bytes] = body.reshape(t1 - t0, blocks, -1)
+            if weight.fmt in _FIFTH_BIT:
+                out[t0:t1, :, nibble_bytes:code_bytes] = super_blocks.fifth_bit_bytes(c)
+        out[t0:t1, :, :nibble_bytes if weight.fmt != "q8_0" else code_bytes] = body.reshape(t1 - t0, blocks, -1)
         for j, scales in enumerate(scale_sets):
             s = torch.nn.functional.pad(scales[rows], (0, 0, 0, pad)).view(t1 - t0, tile, blocks).transpose(1, 2)
             at = code_bytes + 2 * tile * j
@@ -311,13 +340,17 @@ def unpack(packed: torch.Tensor, fmt: str, n: int, k: int, tile: int) -> Blocks:
     if fmt in SUPER_FORMATS:
         return SuperBlockWeight.unpack(packed, fmt, n, k, tile)
     tiles, blocks, _ = packed.shape
-    code_bytes = tile * (32 if fmt == "q8_0" else 16)
-    body = packed[..., :code_bytes]
+    nibble_bytes = tile * 16
+    code_bytes = tile * 32 if fmt == "q8_0" else nibble_bytes + (4 * tile if fmt in _FIFTH_BIT else 0)
     if fmt == "q8_0":
+        body = packed[..., :code_bytes]
         c = body.reshape(tiles, blocks, 8, tile, 4).permute(0, 1, 3, 2, 4).reshape(tiles, blocks, tile, BLOCK)
     else:
+        body = packed[..., :nibble_bytes]
         b = body.reshape(tiles, blocks, 4, tile, 4).permute(0, 1, 3, 2, 4).reshape(tiles, blocks, tile, 16)
         c = torch.cat([b & 0x0F, b >> 4], dim=-1)
+        if fmt in _FIFTH_BIT:
+            c = c | (super_blocks.fifth_bits(packed[..., nibble_bytes:code_bytes], tile) << 4)
     codes = c.permute(0, 2, 1, 3).reshape(tiles * tile, blocks * BLOCK)[:n]
 
     def scales(at: int) -> torch.Tensor:
@@ -325,4 +358,4 @@ def unpack(packed: torch.Tensor, fmt: str, n: int, k: int, tile: int) -> Blocks:
         return s.transpose(1, 2).reshape(tiles * tile, blocks)[:n]
 
     return BlockWeight(fmt, codes.contiguous(), scales(code_bytes),
-                       scales(code_bytes + 2 * tile) if fmt == "q4_1" else None, k)
+                       scales(code_bytes + 2 * tile) if fmt in _MINIMUM else None, k)

@@ -1,6 +1,6 @@
 // The quantized projections behind one entry: a format code picks the kernel of its weights' block format
-// (linear_quant.h: q8_0, q4_0, q4_1; linear_kquant.h: q4_k, q6_k), the packed layout is checked against it,
-// and the output tiles are split across threads. It does not compute anything itself.
+// (linear_quant.h: q8_0, q4_0, q4_1, q5_0, q5_1; linear_kquant.h: q4_k, q5_k, q6_k), the packed layout is checked
+// against it, and the output tiles are split across threads. It does not compute anything itself.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -27,6 +27,8 @@ void block_tile(int64_t fmt, const QuantRows& a, const uint8_t* w, int64_t strid
     case kQ8_0: return q_tile<kQ8_0>(a, wt, stride, bias, y, n_out, n0);
     case kQ4_0: return q_tile<kQ4_0>(a, wt, stride, bias, y, n_out, n0);
     case kQ4_1: return q_tile<kQ4_1>(a, wt, stride, bias, y, n_out, n0);
+    case kQ5_0: return q_tile<kQ5_0>(a, wt, stride, bias, y, n_out, n0);
+    case kQ5_1: return q_tile<kQ5_1>(a, wt, stride, bias, y, n_out, n0);
     case kQ4_K: return k_tile<kQ4_K>(a, wt, stride, bias, y, n_out, n0);
     case kQ5_K: return k_tile<kQ5_K>(a, wt, stride, bias, y, n_out, n0);
     default: return k_tile<kQ6_K>(a, wt, stride, bias, y, n_out, n0);
@@ -44,7 +46,8 @@ void quant_rows(const QuantRows& a, const uint8_t* w, int64_t fmt, int64_t tiles
 }
 
 inline void check_packed_quant(const torch::Tensor& packed, int64_t fmt, int64_t n_out, int64_t k) {
-  TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1 || is_super(fmt), "unknown weight format code ", fmt);
+  TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1 || has_fifth_bits(fmt) || is_super(fmt),
+              "unknown weight format code ", fmt);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
               packed.size(2) == record_bytes(fmt),
               "packed quantized weight has the wrong layout (record ", packed.size(2), " bytes, this build's is ",

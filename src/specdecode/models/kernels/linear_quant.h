@@ -1,14 +1,15 @@
-// y = x W^T (+ b) with W in llama.cpp's block formats (q8_0, q4_0, q4_1: blocks of 32 weights along the
-// input, an fp16 scale each, q4_1 an fp16 minimum too) and x quantized per row to int8 blocks of 32 with
-// an fp32 scale (llama.cpp's q8_0 / q8_1 activations).
+// y = x W^T (+ b) with W in llama.cpp's block formats (q8_0, q4_0, q4_1, q5_0, q5_1: blocks of 32 weights
+// along the input, an fp16 scale each, q4_1 and q5_1 an fp16 minimum too) and x quantized per row to int8
+// blocks of 32 with an fp32 scale (llama.cpp's q8_0 / q8_1 activations).
 //
 // Per block, a row's dot product with an output is an exact integer (VNNI vpdpbusd, or AVX2 vpmaddubsw +
 // vpmaddwd, which give the same integers), scaled in fp32: y += float(isum) * (d_w * d_x), plus m_w * s_x
-// for q4_1 (s_x = d_x * sum of the row's block codes). The blocks are summed in order and nothing depends
+// for q4_1 and q5_1 (s_x = d_x * sum of the row's block codes). The blocks are summed in order and nothing depends
 // on other rows, so each row is bitwise what it is alone, and the AVX2 and AVX512 builds give the same bits.
 //
 // Packed layout (models/weights.py packs it): [ceil(N/T), K/32, record] bytes, T = 2 vectors of outputs. A
-// record holds one block of T outputs: the codes, then T fp16 scales d (then T fp16 minimums m for q4_1).
+// record holds one block of T outputs: the codes (q5: then their fifth bits, 4 bytes per output as q5_k's, see
+// nibble_sums), then T fp16 scales d (then T fp16 minimums m for q4_1 and q5_1).
 // q8_0 codes are stored as w + 128 (unsigned): vector (quad q, vector v) holds, per output lane, the 4 codes
 // of inputs 4q..4q+3. q4 codes are nibbles: vector (p, v) holds inputs 4p..4p+3 in its low nibbles and
 // 16+4p..16+4p+3 in its high ones.
@@ -28,7 +29,7 @@
 namespace sd {
 
 // Format codes (models/weights.py FORMAT_CODES); 3 is bf16 (layer.h). q4_k and q6_k: linear_kquant.h.
-enum : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 4, kQ6_K = 5, kQ5_K = 6 };
+enum : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 4, kQ6_K = 5, kQ5_K = 6, kQ5_0 = 7, kQ5_1 = 8 };
 constexpr int64_t kQBlock = 32;
 constexpr int kQVecs = 2;                    // output vectors per tile
 constexpr int64_t kQTile = kQVecs * kLanes;  // outputs per tile: 32 (AVX512) or 16 (AVX2)
@@ -38,8 +39,10 @@ constexpr int kQRows = 4;  // 8 int + 8 fp32 accumulators, weights and scales wi
 constexpr int kQRows = 2;
 #endif
 
-constexpr int64_t q_code_bytes(int64_t fmt) { return kQTile * (fmt == kQ8_0 ? 32 : 16); }
-constexpr int64_t q_scale_count(int64_t fmt) { return kQTile * (fmt == kQ4_1 ? 2 : 1); }
+constexpr bool has_fifth_bits(int64_t fmt) { return fmt == kQ5_0 || fmt == kQ5_1; }
+constexpr bool has_minimum(int64_t fmt) { return fmt == kQ4_1 || fmt == kQ5_1; }
+constexpr int64_t q_code_bytes(int64_t fmt) { return kQTile * (fmt == kQ8_0 ? 32 : has_fifth_bits(fmt) ? 20 : 16); }
+constexpr int64_t q_scale_count(int64_t fmt) { return kQTile * (has_minimum(fmt) ? 2 : 1); }
 constexpr int64_t q_record_bytes(int64_t fmt) { return q_code_bytes(fmt) + 2 * q_scale_count(fmt); }
 
 // Rows of x quantized to int8 blocks: codes [rows, blocks * 32], scale d, code sum sx and s = d * sx per block,
@@ -158,8 +161,8 @@ inline vi fifth_high(vi h, int p) {
 
 // acc[r][v] += one block's integer sums of R activation rows (codes xb[r]) with 4-bit codes laid out as q4's
 // (vector (p, v): inputs 4p..4p+3 in the low nibbles, 16+4p.. in the high ones), or 5-bit ones where `high`
-// holds their fifth bits (q5_k: vector v, per output lane 4 bytes, byte i: bit p = input 4p + i, bit 4 + p =
-// input 16 + 4p + i; the 16-bit shifts' spill between bytes never reaches bit 4).
+// holds their fifth bits (q5_k, q5_0, q5_1: vector v, per output lane 4 bytes, byte i: bit p = input 4p + i,
+// bit 4 + p = input 16 + 4p + i; the 16-bit shifts' spill between bytes never reaches bit 4).
 template <int R>
 inline void nibble_sums(const uint8_t* codes, const int8_t* const (&xb)[R], vi (&acc)[R][kQVecs],
                         const uint8_t* high = nullptr) {
@@ -233,13 +236,13 @@ void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
         }
       }
     } else {
-      nibble_sums<R>(rec, xb, acc);
+      nibble_sums<R>(rec, xb, acc, has_fifth_bits(F) ? rec + 16 * kQTile : nullptr);
     }
     const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec + kCodes);
     vf dw[kQVecs], mw[kQVecs];
     for (int v = 0; v < kQVecs; ++v) {
       dw[v] = load_half(scales + v * kLanes);
-      if constexpr (F == kQ4_1) mw[v] = load_half(scales + kQTile + v * kLanes);
+      if constexpr (has_minimum(F)) mw[v] = load_half(scales + kQTile + v * kLanes);
     }
     for (int r = 0; r < R; ++r) {
       const int64_t at = (r0 + r) * blocks + b;
@@ -247,10 +250,11 @@ void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
       int32_t offset = 0;  // what the integer sums hold beyond sum(w x): the codes' offset times sum(x)
       if constexpr (F == kQ8_0) offset = kQ8Offset ? 128 * a.sx[at] : 0;
       if constexpr (F == kQ4_0) offset = 8 * a.sx[at];
+      if constexpr (F == kQ5_0) offset = 16 * a.sx[at];
       for (int v = 0; v < kQVecs; ++v) {
         const vi exact = offset ? vsub_i(acc[r][v], vset_i(offset)) : acc[r][v];
         facc[r][v] = vfma(vcvt_i(exact), vmul(dw[v], dx), facc[r][v]);
-        if constexpr (F == kQ4_1) facc[r][v] = vfma(mw[v], vset(a.s[at]), facc[r][v]);
+        if constexpr (has_minimum(F)) facc[r][v] = vfma(mw[v], vset(a.s[at]), facc[r][v]);
       }
     }
   }
