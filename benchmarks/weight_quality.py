@@ -35,11 +35,13 @@ from specdecode.sampling import SamplingParams
 
 
 def held_out_text(tokenizer, chunks: int, chunk_tokens: int) -> list[list[int]]:
-    """``chunks`` consecutive pieces of ``chunk_tokens`` tokens of Python's topic documentation."""
+    """``chunks`` consecutive pieces of ``chunk_tokens`` tokens of Python's topic documentation, each opening with
+    BOS where the model wants one (as llama.cpp's perplexity tool starts its chunks)."""
     path = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
     ids = tokenizer.encode(path.read_text(encoding="utf-8"))
-    return [ids[i * chunk_tokens:(i + 1) * chunk_tokens] for i in range(chunks)
-            if len(ids) >= (i + 1) * chunk_tokens]
+    bos = tokenizer.encode_prompt("")  # [BOS] or []
+    step = chunk_tokens - len(bos)
+    return [bos + ids[i * step:(i + 1) * step] for i in range(chunks) if len(ids) >= (i + 1) * step]
 
 
 @torch.inference_mode()

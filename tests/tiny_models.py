@@ -96,11 +96,11 @@ def write_tiny_hf_model(folder: Path, seed: int = 0, arch: str = "llama", words:
 
 
 def varied_model(seed: int = 0, keep_layers: list[int] | None = None, num_layers: int = 4,
-                 dtype: torch.dtype = torch.float32) -> Transformer:
-    """A tiny llama with weights at scale 0.2 (greedy continuations vary; at tiny_model's default scale they
-    repeat one token); with ``keep_layers``, seed's model truncated to those layers: a different model
-    that often agrees with it (a natural draft)."""
-    config = tiny_config("llama", num_layers=num_layers)
+                 dtype: torch.dtype = torch.float32, arch: str = "llama") -> Transformer:
+    """A tiny llama (or ``arch``) with weights at scale 0.2 (greedy continuations vary; at tiny_model's default
+    scale they repeat one token); with ``keep_layers``, seed's llama truncated to those layers: a different
+    model that often agrees with it (a natural draft)."""
+    config = tiny_config(arch, num_layers=num_layers)
     tensors = random_hf_tensors(config, seed, scale=0.2)
     if keep_layers is None:
         return Transformer.from_hf_tensors(config, tensors, dtype=dtype)

@@ -109,10 +109,11 @@ def test_fused_layers_compute_the_float64_reference(path, weights, arch):
 
 @pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 @pytest.mark.parametrize("weights", ["bf16", "q4_1"])
-def test_a_cache_that_sees_every_write_gives_the_same_bits(path, weights):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: per-layer windows, RoPE tables and post-norms
+def test_a_cache_that_sees_every_write_gives_the_same_bits(path, weights, arch):
     """layer_rows writes a plain cache's buffers itself; through update (a recorder, a compressing cache) the
     layer takes its other form: same logits, same cached keys."""
-    model = varied_model(0, dtype=torch.bfloat16)
+    model = varied_model(0, dtype=torch.bfloat16, arch=arch)
     model.pack_weights(path, weights=weights)
     tokens = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -149,8 +150,9 @@ def test_ragged_slots_and_a_tree_give_the_same_bits_in_both_forms(path, weights)
 
 
 @pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
-def test_fused_forwards_give_the_same_bits_on_one_and_two_threads(path):
-    model = varied_model(0, dtype=torch.bfloat16)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: the post-MLP norm's rows split across threads
+def test_fused_forwards_give_the_same_bits_on_one_and_two_threads(path, arch):
+    model = varied_model(0, dtype=torch.bfloat16, arch=arch)
     model.pack_weights(path, weights="q8_0")
     tokens = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(2))
     outs = []
@@ -179,10 +181,11 @@ def test_a_fused_model_hands_out_features_in_its_dtype_and_unfused_packing_stays
 
 
 @pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
-def test_kept_layers_cut_the_fused_forward_without_changing_a_bit(path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: each run of layers reads its layers' RoPE tables
+def test_kept_layers_cut_the_fused_forward_without_changing_a_bit(path, arch):
     """Features of middle layers (an EAGLE-3 head's) come from runs of layers cut after each kept one: the
     logits stay bitwise those of the uncut forward, and a kept layer's output is that of a forward ending there."""
-    model = varied_model(0, dtype=torch.bfloat16)
+    model = varied_model(0, dtype=torch.bfloat16, arch=arch)
     model.pack_weights(path, weights="q4_1")
     tokens = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
