@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.base import Draft, DrafterBase
-from specdecode.models.config import Activation, ModelConfig, expected_tensor_shapes
+from specdecode.models.config import ModelConfig, expected_tensor_shapes, gemma3_fields
 from specdecode.models.transformer import Transformer
 
 
@@ -17,9 +17,8 @@ def tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
     """A 2-4 layer model small enough to run hundreds of forwards per second (Gemma 3: a window of 8 on three
     of its four layers, their own RoPE base, and a query scale that is not head_dim's)."""
     if arch == "gemma3":
-        overrides = {"sliding_window": 8, "window_layers": (True, True, False, True), "rope_theta": 1e6,
-                     "local_rope_theta": 10000.0, "activation": Activation.GELU_TANH, "sandwich_norms": True,
-                     "embed_scale": 8.0, "query_scale": 24 ** -0.5, "norm_offset": 1.0, "tie_word_embeddings": True,
+        gemma = gemma3_fields(overrides.get("hidden_size", 64), (True, True, False, True), query_pre_attn_scalar=24)
+        overrides = {**gemma, "sliding_window": 8, "rope_theta": 1e6, "tie_word_embeddings": True,
                      "rms_norm_eps": 1e-6, **overrides}
     fields = dict(arch=arch, vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from gguf.quants import quantize
 
-from specdecode.models.config import Activation, ModelConfig
+from specdecode.models.config import ModelConfig, gemma3_fields, gemma3_window_layers
 from specdecode.models.loader import expected_tensor_shapes
 
 # Merges of the tiny vocabulary, best first; each also adds its result as a token.
@@ -60,12 +60,10 @@ VOCAB_SIZE = len(tokenizer_metadata()["tokenizer.ggml.tokens"])
 def tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
     """A 2-layer model over the tiny vocabulary; ``overrides`` replace ModelConfig fields. Gemma 3: 6 layers as a
     Gemma 3 GGUF implies them (window 8 on all but the last, their RoPE base 10000)."""
-    if arch == "gemma3":
-        hidden, head_dim = overrides.get("hidden_size", 64), overrides.get("head_dim", 16)
-        overrides = {"num_layers": 6, "sliding_window": 8, "window_layers": (True,) * 5 + (False,),
-                     "rope_theta": 1e6, "local_rope_theta": 10000.0, "activation": Activation.GELU_TANH,
-                     "sandwich_norms": True, "embed_scale": hidden ** 0.5, "query_scale": head_dim ** -0.5,
-                     "norm_offset": 1.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, **overrides}
+    if arch == "gemma3":  # as the GGUF loader reads a Gemma 3 (every sixth layer full, query scale head_dim's)
+        gemma = gemma3_fields(overrides.get("hidden_size", 64), gemma3_window_layers(6), overrides.get("head_dim", 16))
+        overrides = {**gemma, "num_layers": 6, "sliding_window": 8, "rope_theta": 1e6, "tie_word_embeddings": True,
+                     "rms_norm_eps": 1e-6, **overrides}
     fields = dict(arch=arch, vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
                   tie_word_embeddings=arch == "llama", attention_bias=arch == "qwen2", max_position_embeddings=256)

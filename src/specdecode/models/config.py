@@ -95,11 +95,13 @@ class ModelConfig:
         """Its layers attend over different windows (Gemma 3), so one key index cannot serve them all."""
         return len({self.window_of(i) for i in range(self.num_layers)}) > 1
 
+    def local_rope(self, layer: int) -> bool:
+        """Layer ``layer`` rotates at the windowed layers' own base, unscaled (Gemma 3's local layers)."""
+        return self.local_rope_theta is not None and self.window_of(layer) is not None
+
     def rope_theta_of(self, layer: int) -> float:
         """The RoPE base of layer ``layer``."""
-        if self.local_rope_theta is not None and self.window_of(layer) is not None:
-            return self.local_rope_theta
-        return self.rope_theta
+        return self.local_rope_theta if self.local_rope(layer) else self.rope_theta
 
     @property
     def attention_scale(self) -> float:
@@ -222,6 +224,32 @@ class ModelConfig:
         }
 
 
+def gemma3_fields(hidden_size: int, window_layers: tuple[bool, ...], query_pre_attn_scalar: float,
+                  local_rope_theta: float | None = None) -> dict[str, Any]:
+    """The ModelConfig fields that make a Gemma 3 beyond the Llama ones, whichever file they come from.
+
+    Args:
+        hidden_size: the model width (the embedding scale is its square root).
+        window_layers: which layers attend within the sliding window.
+        query_pre_attn_scalar: attention scores are scaled by its inverse square root.
+        local_rope_theta: the windowed layers' RoPE base (None: Gemma 3's 10000).
+    """
+    return {
+        "window_layers": window_layers,
+        "local_rope_theta": GEMMA3_LOCAL_ROPE_THETA if local_rope_theta is None else float(local_rope_theta),
+        "activation": Activation.GELU_TANH,
+        "sandwich_norms": True,
+        "embed_scale": math.sqrt(hidden_size),
+        "query_scale": float(query_pre_attn_scalar) ** -0.5,
+        "norm_offset": 1.0,
+    }
+
+
+def gemma3_window_layers(num_layers: int, pattern: int = 6) -> tuple[bool, ...]:
+    """Gemma 3's interleaving: every ``pattern``-th layer attends to the whole context, the others within the window."""
+    return tuple((i + 1) % pattern != 0 for i in range(num_layers))
+
+
 def _gemma3_fields(cfg: dict[str, Any], local_rope_theta: float | None) -> dict[str, Any]:
     """What a Gemma 3 ``config.json`` sets beyond the Llama fields."""
     if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
@@ -229,20 +257,11 @@ def _gemma3_fields(cfg: dict[str, Any], local_rope_theta: float | None) -> dict[
     act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"Gemma 3 hidden_activation={act!r} is not supported (only gelu_pytorch_tanh)")
-    layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if types is None:  # older configs: every sliding_window_pattern-th layer is a full one
-        pattern = int(cfg.get("sliding_window_pattern", 6))
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-    return {
-        "window_layers": tuple(t == "sliding_attention" for t in types),
-        "local_rope_theta": float(local_rope_theta if local_rope_theta is not None else GEMMA3_LOCAL_ROPE_THETA),
-        "activation": Activation.GELU_TANH,
-        "sandwich_norms": True,
-        "embed_scale": math.sqrt(cfg["hidden_size"]),
-        "query_scale": float(cfg.get("query_pre_attn_scalar", cfg.get("head_dim", 256))) ** -0.5,
-        "norm_offset": 1.0,
-    }
+    layers, types = cfg["num_hidden_layers"], cfg.get("layer_types")
+    windows = gemma3_window_layers(layers, int(cfg.get("sliding_window_pattern", 6))) if types is None else \
+        tuple(t == "sliding_attention" for t in types)  # older configs give the pattern, newer ones each layer
+    return gemma3_fields(cfg["hidden_size"], windows, cfg.get("query_pre_attn_scalar", cfg.get("head_dim", 256)),
+                         local_rope_theta)
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -10,7 +10,6 @@ model (see `transformer.py`) and does not write anything except through `fetch.p
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 from specdecode.models import registry
-from specdecode.models.config import GEMMA3_LOCAL_ROPE_THETA, Activation, ModelConfig, expected_tensor_shapes
+from specdecode.models.config import ModelConfig, expected_tensor_shapes, gemma3_fields, gemma3_window_layers
 from specdecode.models.fetch import fetch
 # GGUFError and LoadError are raised through this module too: importers find them here.
 from specdecode.models.gguf import GGUFError, GGUFFile, GGUFTensorInfo, LoadError, read_gguf, read_gguf_raw  # noqa: F401
@@ -179,18 +178,11 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
 
 
 def _gemma3_gguf_fields(layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
-    """What a Gemma 3 GGUF implies beyond the Llama fields, as llama.cpp reads it: every sixth layer attends
-    to the whole context, the others within the window at RoPE base 10000; GGUF norms already hold 1 + w."""
-    return {
-        "window_layers": tuple((i + 1) % 6 != 0 for i in range(layers)),
-        "local_rope_theta": GEMMA3_LOCAL_ROPE_THETA,
-        "activation": Activation.GELU_TANH,
-        "sandwich_norms": True,
-        "embed_scale": math.sqrt(hidden),
-        # GGUF has no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B (62 layers), else head_dim
-        "query_scale": (hidden // heads if layers == 62 else head_dim) ** -0.5,
-        "norm_offset": 1.0,  # what HF checkpoints leave out; llama.cpp's converter added it to the file's norms
-    }
+    """What a Gemma 3 GGUF implies beyond the Llama fields, as llama.cpp reads it: every sixth layer attends to
+    the whole context, the others within the window at RoPE base 10000 (no GGUF key for either); the norms
+    already hold 1 + w (llama.cpp's converter added the offset HF checkpoints leave out)."""
+    # no query_pre_attn_scalar either: llama.cpp takes hidden / heads for the 27B (62 layers), else head_dim
+    return gemma3_fields(hidden, gemma3_window_layers(layers), hidden // heads if layers == 62 else head_dim)
 
 
 def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -26,10 +26,8 @@ def rope_inv_freq(config: ModelConfig, layer: int = 0) -> torch.Tensor:
     CPU (also while a model is built on the meta device, where torch's own arange would first import seconds of
     decompositions). Layers with a base of their own (``local_rope_theta``) are not scaled."""
     dim = config.head_dim
-    theta = config.rope_theta_of(layer)
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
-    scaling = config.rope_scaling if theta == config.rope_theta else None
-    scaling = scaling or {}
+    inv = 1.0 / (config.rope_theta_of(layer) ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
+    scaling = (None if config.local_rope(layer) else config.rope_scaling) or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv.float()
@@ -88,9 +86,10 @@ class Rope(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        thetas = sorted({config.rope_theta_of(i) for i in range(config.num_layers)}, key=lambda t: t != config.rope_theta)
-        self.kind = tuple(thetas.index(config.rope_theta_of(i)) for i in range(config.num_layers))
-        first = [self.kind.index(k) for k in range(len(thetas))]  # a layer of each kind
+        local = [config.local_rope(i) for i in range(config.num_layers)]
+        kinds = sorted(set(local))  # the model's own base first, where a layer has it
+        self.kind = tuple(kinds.index(is_local) for is_local in local)
+        first = [local.index(is_local) for is_local in kinds]  # a layer of each kind
         self.register_buffer("inv_freq", torch.stack([rope_inv_freq(config, i) for i in first]),  # [K, D/2]
                              persistent=False)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
