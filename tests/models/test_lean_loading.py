@@ -136,6 +136,7 @@ def test_q5_0_and_q5_1_as_stored_speculate_exactly(tmp_path, path):
     target = Transformer.packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
                                      resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
     assert target.weight_format.startswith("q5_0+q5_1")
+    assert target.layers[0].post_mlp_norm.dtype == target.norm.dtype == torch.float32  # read one tensor at a time too
     prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9], [90, 3, 17, 44, 2, 60]]
     engine = Engine(target, drafter=NgramDrafter(max_ngram=3, min_ngram=1), spec=SpeculativeConfig(gamma=5))
     for prompt in prompts:

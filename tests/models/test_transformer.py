@@ -374,3 +374,17 @@ def test_features_are_returned_only_when_asked_and_change_nothing():
     with pytest.raises(ValueError, match=r"features \[3\] name layers this forward skips"):
         model(ids, cache, layers=[0, 1], features=(3,))
     assert cache.lengths[0] == 0  # refused before anything was written
+
+
+def test_gemmas_norm_weights_stay_fp32_in_a_bf16_model():
+    """Gemma's norms hold 1 + w: bf16 (a step of 2^-7 near 1) would lose most of a small w. Other models' norm
+    weights, and every other parameter, take the model dtype."""
+    for arch, norm_dtype in (("gemma3", torch.float32), ("llama", torch.bfloat16)):
+        config = tiny_config(arch)
+        tensors = random_hf_tensors(config, seed=1)
+        tensors["model.layers.0.input_layernorm.weight"][0] = 1.01  # 1.0078125 in bf16
+        model = Transformer.from_hf_tensors(config, tensors, dtype=torch.bfloat16)
+        norms = [p for n, p in model.named_parameters() if n.endswith("norm")]
+        assert norms and all(p.dtype == norm_dtype for p in norms), arch
+        assert model.embed.weight.dtype == torch.bfloat16 and model.layers[0].wqkv.weight.dtype == torch.bfloat16
+        assert (model.layers[0].attn_norm[0].item() == torch.tensor(1.01).item()) == (arch == "gemma3")

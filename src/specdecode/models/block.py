@@ -74,13 +74,13 @@ class Block(nn.Module):
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``[B, H, T, D]``, keys and values ``[B, Hkv, T, D]`` of ``x [B, T, hidden]``, RoPE applied."""
         b, t, _ = x.shape
-        h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
+        h = self._norm(x, self.attn_norm)
         qkv = self.wqkv(h).view(b, t, self.heads + 2 * self.kv_heads, self.head_dim)  # [B, T, H + 2 Hkv, D]
         qk = qkv[:, :, :self.heads + self.kv_heads]
         if self.q_norm is not None:
             d = (self.head_dim,)
-            qk = torch.cat([F.rms_norm(qk[:, :, :self.heads], d, self.q_norm, self.eps),
-                            F.rms_norm(qk[:, :, self.heads:], d, self.k_norm, self.eps)], dim=2)
+            qk = torch.cat([self._norm(qk[:, :, :self.heads], self.q_norm),
+                            self._norm(qk[:, :, self.heads:], self.k_norm)], dim=2)
         qk = apply_rope(qk, cos, sin)  # queries and keys in one go
         q = qk[:, :, :self.heads].transpose(1, 2)  # [B, H, T, D]
         k = qk[:, :, self.heads:].transpose(1, 2)  # [B, Hkv, T, D]
@@ -90,13 +90,18 @@ class Block(nn.Module):
         """The residual stream after the output projection of ``attn [B, H, T, D]`` and the MLP."""
         b, t, _ = x.shape
         x = x + self._post_norm(self.wo(attn.transpose(1, 2).reshape(b, t, -1)), self.post_attn_norm)
-        h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
+        h = self._norm(x, self.mlp_norm)
         gate, up = self.w_gate_up(h).chunk(2, dim=-1)
         act = F.silu(gate) if self.activation == Activation.SILU else F.gelu(gate, approximate="tanh")
         return x + self._post_norm(self.w_down(act * up), self.post_mlp_norm)
 
     def _post_norm(self, y: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        return y if weight is None else F.rms_norm(y, (y.shape[-1],), weight, self.eps)
+        return y if weight is None else self._norm(y, weight)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dimension; a norm weight kept in fp32 (``hf_import.param_dtype``) is used in the
+        rows' dtype here, as it always was: only the fused layers read it at full precision."""
+        return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), self.eps)
 
     def forward(self, x: torch.Tensor, layer: int, cache: Cache, slots: Sequence[int], starts: Sequence[int],
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -28,6 +28,13 @@ def head_part(config: ModelConfig) -> str:
     return "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
 
 
+def param_dtype(config: ModelConfig, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter ``name`` of our model is kept in: ``dtype``, except Gemma's RMSNorm weights, kept in
+    fp32. They hold 1 + w, and bf16's step near 1 (2^-7) would swallow most of a small w (HF keeps w itself in
+    bf16 and adds the 1 in fp32; llama.cpp keeps the norms in f32)."""
+    return torch.float32 if config.norm_offset and name.rsplit(".", 1)[-1].endswith("norm") else dtype
+
+
 def hf_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Our ``Transformer``'s state dict, in ``dtype``, from HF-named weights.
@@ -46,7 +53,7 @@ def hf_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
             state[f"layers.{i}.{name}.weight"] = torch.cat([tensors[f"{p}.weight"] for p in parts])
         if config.attention_bias:
             state[f"layers.{i}.wqkv.bias"] = torch.cat([tensors[f"{p}.bias"] for p in projection_parts(i)["wqkv"]])
-    return {k: v.to(dtype) for k, v in state.items()}
+    return {k: v.to(param_dtype(config, k, dtype)) for k, v in state.items()}
 
 
 def unpacked_state(config: ModelConfig, read: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:

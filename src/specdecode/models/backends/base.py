@@ -138,7 +138,7 @@ class EagerLayers:
         return x[0], kept
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.output.norm, self.output.config.rms_norm_eps)
+        return F.rms_norm(x, (x.shape[-1],), self.output.norm.to(x.dtype), self.output.config.rms_norm_eps)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output.head(normed).float()
