@@ -101,6 +101,8 @@ def varied_model(seed: int = 0, keep_layers: list[int] | None = None, num_layers
     model that often agrees with it (a natural draft)."""
     config = tiny_config(arch, num_layers=num_layers)
     tensors = random_hf_tensors(config, seed, scale=0.2)
+    if keep_layers is not None and arch != "llama":
+        raise ValueError("varied_model: keep_layers makes llama drafts only")
     if keep_layers is None:
         return Transformer.from_hf_tensors(config, tensors, dtype=dtype)
     kept = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}

@@ -44,10 +44,10 @@ def gamma(value: str) -> int | str:
     return g
 
 
-WEIGHTS_HELP = ("the projections' weight format: auto = a GGUF's own formats as stored (Q4_1, Q8_0, Q4_K, Q6_K; Q5_* "
-                "-> q8_0 ...) where our kernels run, else bf16 (default); blocks = as auto with K-quants in 32-weight "
-                "blocks (Q4_K -> q4_1, Q6_K -> q8_0: cheaper verification rows); bf16; q8_0, q4_0, q4_1 (llama.cpp's "
-                "blocks, kept quantized, int8 activations; the output head stays >= q8_0 under q4)")
+WEIGHTS_HELP = ("the projections' weight format: auto = a GGUF's own formats as stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                "Q4_K, Q5_K, Q6_K) where our kernels run, else bf16 (default); blocks = as auto with K-quants in "
+                "32-weight blocks (Q4_K -> q4_1, Q5_K and Q6_K -> q8_0: cheaper verification rows); bf16; q8_0, q4_0, "
+                "q4_1 (llama.cpp's blocks, kept quantized, int8 activations; the output head stays >= q8_0 under q4)")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, device: bool = True, weights_list: bool = False,

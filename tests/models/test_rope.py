@@ -86,3 +86,8 @@ def test_gemma3_windowed_layers_have_their_own_unscaled_base():
     torch.testing.assert_close(rope.inv_freq[1], (1 / (1e4 ** base)).float())
     cos, _ = rope.tables(16, torch.float32)
     assert cos.shape[0] == 2 and not torch.equal(cos[0], cos[1])
+    all_local = Rope(tiny_config("gemma3", window_layers=(True,) * 4))  # one kind, the local one
+    assert all_local.kind == (0, 0, 0, 0) and torch.equal(all_local.inv_freq[0], rope.inv_freq[1])
+    # kinds go by whether a layer is local, not by its base's value: the same base, unscaled on local layers
+    same_base = Rope(tiny_config("gemma3", local_rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert same_base.kind == (1, 1, 0, 1) and torch.equal(same_base.inv_freq[0] * 8, same_base.inv_freq[1])

@@ -122,7 +122,8 @@ def test_q5_formats_come_only_from_their_own_tensors():
 
 
 def test_choose_format():
-    assert choose_format("auto", ["q5_0"]) == "q5_0" and choose_format("blocks", ["q5_1"]) == "q8_0"
+    assert choose_format("auto", ["q5_0"]) == "q5_0" and choose_format("blocks", ["q5_1"]) == "q5_1"
+    assert choose_format("blocks", ["q4_k"]) == "q4_1" and choose_format("blocks", ["q6_k", "q6_k"]) == "q8_0"
     assert choose_format("auto", ["q5_0", "q5_0", "q8_0"]) == "q8_0"  # Gemma's q, k and v: one format
     assert choose_format("auto", ["q4_1", "q4_1", "q8_0"]) == "q8_0"  # one format per projection: the widest
     assert choose_format("auto", ["q4_1"]) == "q4_1" and choose_format("auto", ["bf16", "q4_1"]) == "bf16"

@@ -46,7 +46,8 @@ class ModelConfig:
         sliding_window: the attention window (Mistral's, Gemma 3's local layers'), or None for full attention.
         window_layers: which layers the window applies to (Gemma 3 interleaves windowed and full layers); None:
             all of them.
-        local_rope_theta: RoPE base of the windowed layers where it differs from ``rope_theta`` (Gemma 3), or None.
+        local_rope_theta: RoPE base of the windowed layers, which rotate unscaled (Gemma 3's local layers), or
+            None: every layer rotates as ``rope_theta`` and ``rope_scaling`` say.
         activation: the MLP's gate activation.
         sandwich_norms: an RMSNorm also after attention and after the MLP, before each residual add (Gemma 3).
         embed_scale: the embedding rows are multiplied by it (Gemma: sqrt(hidden_size)).

@@ -45,7 +45,7 @@ def hf_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
     missing = [n for n in expected_tensor_shapes(config) if n not in tensors]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    state = unpacked_state(config, lambda name: tensors[name])
+    state = unpacked_state(config, lambda name, dt: tensors[name].to(dt), dtype)
     if not config.tie_word_embeddings:
         state["lm_head.weight"] = tensors["lm_head.weight"]
     for i in range(config.num_layers):
@@ -56,21 +56,23 @@ def hf_state_dict(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
     return {k: v.to(param_dtype(config, k, dtype)) for k, v in state.items()}
 
 
-def unpacked_state(config: ModelConfig, read: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+def unpacked_state(config: ModelConfig, read: Callable[[str, torch.dtype], torch.Tensor],
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The parameters that packing leaves as they are (the embedding table and the RMSNorm weights, Qwen3's
-    per-head query/key norms and Gemma's post-norms included), each
-    ``read(checkpoint name)``; the projections and the output head are ``packing.py``'s."""
-    state = {"embed.weight": read("model.embed_tokens.weight"), "norm": read("model.norm.weight")}
+    per-head query/key norms and Gemma's post-norms included), each ``read(checkpoint name, its dtype)``
+    (``param_dtype``: ``dtype``, or fp32 for Gemma's norms); the projections and the output head are
+    ``packing.py``'s."""
+    names = {"embed.weight": "model.embed_tokens.weight", "norm": "model.norm.weight"}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        state[f"layers.{i}.attn_norm"] = read(f"{p}input_layernorm.weight")
+        names[f"layers.{i}.attn_norm"] = f"{p}input_layernorm.weight"
         if config.sandwich_norms:  # Gemma: post_attention_layernorm follows attention, a fourth norm the MLP
-            state[f"layers.{i}.post_attn_norm"] = read(f"{p}post_attention_layernorm.weight")
-            state[f"layers.{i}.mlp_norm"] = read(f"{p}pre_feedforward_layernorm.weight")
-            state[f"layers.{i}.post_mlp_norm"] = read(f"{p}post_feedforward_layernorm.weight")
+            names[f"layers.{i}.post_attn_norm"] = f"{p}post_attention_layernorm.weight"
+            names[f"layers.{i}.mlp_norm"] = f"{p}pre_feedforward_layernorm.weight"
+            names[f"layers.{i}.post_mlp_norm"] = f"{p}post_feedforward_layernorm.weight"
         else:
-            state[f"layers.{i}.mlp_norm"] = read(f"{p}post_attention_layernorm.weight")
+            names[f"layers.{i}.mlp_norm"] = f"{p}post_attention_layernorm.weight"
         if config.qk_norm:
-            state[f"layers.{i}.q_norm"] = read(f"{p}self_attn.q_norm.weight")
-            state[f"layers.{i}.k_norm"] = read(f"{p}self_attn.k_norm.weight")
-    return state
+            names[f"layers.{i}.q_norm"] = f"{p}self_attn.q_norm.weight"
+            names[f"layers.{i}.k_norm"] = f"{p}self_attn.k_norm.weight"
+    return {ours: read(theirs, param_dtype(config, ours, dtype)) for ours, theirs in names.items()}

@@ -14,8 +14,8 @@ call; for the 1-17 rows of a decode or verification step that reorder costs more
 itself (a SmolLM2 gate/up projection: 122 us plain, 55 us pre-packed). Packing once at load time
 gives bitwise the same results as ``F.linear`` in bf16 (tests/models/test_linear.py checks it).
 
-``QuantLinear`` keeps weights in llama.cpp's q8_0 / q4_0 / q4_1 blocks or its K-quants q4_k / q6_k as
-stored (``weights.py``, ``super_blocks.py``) and multiplies int8-quantized rows of x with them
+``QuantLinear`` keeps weights in llama.cpp's q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks or its K-quants q4_k /
+q5_k / q6_k as stored (``weights.py``, ``super_blocks.py``) and multiplies int8-quantized rows of x with them
 (``kernels/linear_quant.h``, ``linear_kquant.h``): each row's integer block sums are exact,
 so rows are bitwise independent of each other, and every build gives the same bits.
 

@@ -1,5 +1,6 @@
 """Packing a model's projections for a backend: every fused projection and the output head swapped for the
-backend's packed copy, in bf16, a block format (q8_0, q4_0, q4_1) or a K-quant as stored (q4_k, q6_k) chosen per projection
+backend's packed copy, in bf16, a block format (q8_0, q4_0, q4_1; q5_0, q5_1 as stored) or a K-quant as stored
+(q4_k, q5_k, q6_k), chosen per projection
 (``weights.choose_format``), read from a GGUF's stored blocks where they already are in that format, else
 quantized from the float weights. Also int8 weight-only quantization (draft models) and the description of
 a model's weight formats.

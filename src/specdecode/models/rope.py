@@ -4,7 +4,7 @@ read, and the rotation itself.
 Two table forms serve two kinds of layers: ``rope_tables`` (model dtype, ``[P, D]``, one angle per half,
 the sine's first half negated) for the torch-op layers' ``apply_rope``, and ``rope_rows`` (fp32, ``[P, D/2]``,
 angles in float64) for our fused layers (``kernels/layer.h``). :class:`Rope` keeps both, grown by doubling,
-for each distinct set of frequencies among the layers (Gemma 3's windowed layers have their own base).
+for each kind of layer: the model's own, and Gemma 3's windowed ones with their base, unscaled.
 
 This module does not run attention or decide positions (``rows.py`` places a forward's rows).
 """
@@ -78,7 +78,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Rope(nn.Module):
     """A model's RoPE frequencies (a buffer: it moves with the model) and its tables, built on first need
     and rebuilt by doubling, so that a long generation rebuilds them O(log n) times. Tables have one entry per
-    kind of layer (K distinct frequency sets; 1 for most models): layer i reads entry ``kind[i]``.
+    kind of layer (K = 2 where some layers are local ones, ``ModelConfig.local_rope``; else 1): layer i reads
+    entry ``kind[i]``.
 
     Args:
         config: the architecture (head size, theta per layer, scaling).

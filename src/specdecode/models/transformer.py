@@ -32,7 +32,7 @@ from specdecode.models.backends import AUTO, INT8, TORCH, Backend, LayerRunner, 
 from specdecode.models.backends.base import block_formats_refused
 from specdecode.models.block import Block
 from specdecode.models.config import ModelConfig
-from specdecode.models.hf_import import hf_state_dict, param_dtype, unpacked_state
+from specdecode.models.hf_import import hf_state_dict, unpacked_state
 from specdecode.models.linear import Int8Linear, NativeLinear, PackedLinear, QuantLinear
 from specdecode.models.rope import Rope
 from specdecode.models.rows import ForwardOutput, LogitRows, plan_rows
@@ -333,7 +333,7 @@ class Transformer(nn.Module):
         Args:
             config: the architecture.
             source: the checkpoint's weights (``Checkpoint.weights``).
-            dtype: the model dtype (the embedding table, norms and bf16 projections).
+            dtype: the model dtype (the embedding table, norms but Gemma's, and bf16 projections).
             backend: a packing backend.
             weights: one of WEIGHT_FORMATS, as for ``pack_weights``.
             log: told about a first compile of one of our kernels.
@@ -342,9 +342,7 @@ class Transformer(nn.Module):
             raise ValueError(f"{backend.name} does not pack projections; build the model with from_hf_tensors")
         with torch.device("meta"):
             model = cls(config)
-        state = {k: v.to(param_dtype(config, k, dtype))  # read in fp32 where kept so (Gemma's norms)
-                 for k, v in unpacked_state(config, lambda name: source.float(name, torch.float32 if "norm" in name
-                                                                              else dtype)).items()}
+        state = unpacked_state(config, source.float, dtype)
         model.load_state_dict(state, strict=False, assign=True)  # projections stay on meta until packed
         model.eval().requires_grad_(False)
         model.pack_weights(backend.name, log=log, weights=weights, source=source)

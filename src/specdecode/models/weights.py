@@ -4,12 +4,12 @@ and q6_k, kept quantized in memory.
 A block format holds, per output row and per block of 32 inputs, integer codes and an fp16 scale ``d`` (and
 for q4_1 and q5_1 an fp16 minimum ``m``): q8_0 ``w = d * q`` (q in -127..127), q4_0 ``w = d * (q - 8)`` and
 q4_1 ``w = d * q + m`` (q in 0..15), q5_0 ``w = d * (q - 16)`` and q5_1 ``w = d * q + m`` (q in 0..31); q5_0
-and q5_1 are read from a GGUF file only, never quantized to. :class:`BlockWeight` is that form, unpacked: codes, scales and minimums as
-tensors. It comes from a GGUF file's own blocks without a round trip (``from_gguf``), or from float weights
-through the ``gguf`` package's quantizers, which are llama.cpp's reference ones (``quantize``). ``pack`` lays it
-out for the kernels (``kernels/linear_quant.h``), ``unpack`` reads it back. The K-quants (Q4_K, Q5_K,
-Q6_K: super-blocks of 256) are ``super_blocks.SuperBlockWeight``, read as stored and never quantized to; ``pack``,
-``unpack`` and ``concat`` here take either form.
+and q5_1 are read from a GGUF file only, never quantized to. :class:`BlockWeight` is that form, unpacked:
+codes, scales and minimums as tensors. It comes from a GGUF file's own blocks without a round trip
+(``from_gguf``), or from float weights through the ``gguf`` package's quantizers, which are llama.cpp's
+reference ones (``quantize``). ``pack`` lays it out for the kernels (``kernels/linear_quant.h``), ``unpack``
+reads it back. The K-quants (Q4_K, Q5_K, Q6_K: super-blocks of 256) are ``super_blocks.SuperBlockWeight``,
+read as stored and never quantized to; ``pack``, ``unpack`` and ``concat`` here take either form.
 
 Each GGUF type has our format (``FORMAT_OF``): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are kept as
 stored; Q8_K becomes q8_0, requantized from their dequantized values, and so do the types not listed
@@ -247,7 +247,7 @@ def convert(raw: np.ndarray, qtype: QT, shape: tuple[int, int], fmt: str, chunk:
     width = -(-k // BLOCK)
     out = BlockWeight(fmt, torch.empty(n, width * BLOCK, dtype=torch.uint8), torch.empty(n, width, dtype=torch.float16),
                       torch.empty(n, width, dtype=torch.float16) if fmt in _MINIMUM else None, k)
-    own = (keep or fmt in _FIFTH_BIT) and _CODE_FOR_CODE.get(qtype) == fmt
+    own = keep and _CODE_FOR_CODE.get(qtype) == fmt
     for i in range(0, n, step):
         part_shape = (min(step, n - i), k)
         part = from_gguf(rows[i:i + step], qtype, part_shape) if own else None
@@ -283,11 +283,12 @@ def choose_format(requested: str, stored: Sequence[str], head: bool = False) -> 
     "auto" takes the parts' own formats, K-quants, q5_0 and q5_1 included where all parts share one; where they
     differ, the widest, such a part counting as the quantizable format that holds it (``_STAND_IN``: one
     projection has one format). "blocks" takes every K-quant as the block format that holds it (Q4_K's codes as
-    q4_1, Q6_K requantized to q8_0: cheaper verification rows, see ``kernels/linear_kquant.h``), and Q5_0/Q5_1 as
-    q8_0. An explicit block format applies as asked, except that the output head (``head``) is kept at least q8_0
+    q4_1, Q5_K and Q6_K requantized to q8_0: cheaper verification rows, see ``kernels/linear_kquant.h``). An explicit block format applies as asked, except that the output head (``head``) is kept at least q8_0
     under q4 formats, as llama.cpp's quantizer keeps it wider.
     """
-    if requested == "auto" and len(set(stored)) == 1:
+    if requested == "blocks":  # the K-quants as 32-weight formats; the rest as "auto" takes them
+        stored = [_STAND_IN[s] if s in SUPER_FORMATS else s for s in stored]
+    if requested in ("auto", "blocks") and len(set(stored)) == 1:
         return stored[0]
     if requested in ("auto", "blocks"):
         return max((_STAND_IN.get(s, s) for s in stored), key=_WIDTH.__getitem__)

@@ -67,7 +67,8 @@ class Backend(Protocol):
         row_invariant: every projection computes a row the same at any row count, so one forward's rows
             equal what separate forwards give, whatever the split (our kernels). oneDNN and F.linear round a
             one-row matmul (GEMV) differently from a multi-row one (GEMM).
-        block_formats: it computes with llama.cpp's block formats (q8_0, q4_0, q4_1, q4_k, q6_k), not only bf16.
+        block_formats: it computes with llama.cpp's block formats (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k,
+            q6_k), not only bf16.
         packs: packing swaps the projections for copies laid out for it; False: the model's own ``nn.Linear``
             modules run as they are (the model stays movable between devices).
     """

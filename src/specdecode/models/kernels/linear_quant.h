@@ -28,7 +28,7 @@
 
 namespace sd {
 
-// Format codes (models/weights.py FORMAT_CODES); 3 is bf16 (layer.h). q4_k and q6_k: linear_kquant.h.
+// Format codes (models/weights.py FORMAT_CODES); 3 is bf16 (layer.h). q4_k, q5_k and q6_k: linear_kquant.h.
 enum : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 4, kQ6_K = 5, kQ5_K = 6, kQ5_0 = 7, kQ5_1 = 8 };
 constexpr int64_t kQBlock = 32;
 constexpr int kQVecs = 2;                    // output vectors per tile
