@@ -173,55 +173,42 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The inverse of :meth:`from_hf`, for writing a ``config.json`` (used by tests and parity checks)."""
-        if self.arch == "gemma3":
-            return self._gemma3_hf()
+        common = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "sliding_window": self.sliding_window,
+        }
+        if self.arch == "gemma3":  # transformers' Gemma3TextConfig
+            return {
+                "model_type": "gemma3_text",
+                "architectures": ["Gemma3ForCausalLM"],
+                **common,
+                "rope_local_base_freq": self.local_rope_theta,
+                "layer_types": ["sliding_attention" if self.window_of(i) else "full_attention"
+                                for i in range(self.num_layers)],
+                "query_pre_attn_scalar": round(self.attention_scale ** -2),
+                "hidden_activation": "gelu_pytorch_tanh",
+                "final_logit_softcapping": None,
+                "attn_logit_softcapping": None,
+            }
         return {
             "model_type": self.arch,
             "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.arch]],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "max_position_embeddings": self.max_position_embeddings,
-            "sliding_window": self.sliding_window,
+            **common,
             "use_sliding_window": self.sliding_window is not None,
             "hidden_act": "silu",
-        }
-
-    def _gemma3_hf(self) -> dict[str, Any]:
-        """A Gemma 3 text model's ``config.json`` (transformers' ``Gemma3TextConfig``)."""
-        return {
-            "model_type": "gemma3_text",
-            "architectures": ["Gemma3ForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta,
-            "rope_local_base_freq": self.local_rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "max_position_embeddings": self.max_position_embeddings,
-            "sliding_window": self.sliding_window,
-            "layer_types": ["sliding_attention" if self.window_of(i) else "full_attention" for i in range(self.num_layers)],
-            "query_pre_attn_scalar": round(self.attention_scale ** -2),
-            "hidden_activation": "gelu_pytorch_tanh",
-            "final_logit_softcapping": None,
-            "attn_logit_softcapping": None,
         }
 
 

@@ -132,45 +132,39 @@ inline void rms_norm_row(const float* x, const float* w, int64_t h, float eps, f
   for (int64_t i = 0; i < h; ++i) out[i] = (x[i] * r) * w[i];
 }
 
-// silu(g) * u per element: g * sigmoid(g) with e^-|g| from vexp (its domain is x <= 0).
-inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
+// act(g) * u per element, act computed a vector at a time (the tail through the same vector code, zero-padded).
+template <typename Act>
+inline void gated(const float* g, const float* u, int64_t n, float* out, Act act) {
   const int64_t n_vec = n / kLanes * kLanes;
-  const vf one = vset(1.0f);
-  for (int64_t i = 0; i < n_vec; i += kLanes) {
-    const vf x = vload(g + i);
-    const vf e = vexp(vsub(vzero(), vabs(x)));
-    const vf sig = select_ge0(x, vdiv(one, vadd(one, e)), vdiv(e, vadd(one, e)));
-    vstore(out + i, vmul(vmul(x, sig), vload(u + i)));
-  }
-  if (n_vec < n) {  // the tail through the same vector code, zero-padded
-    alignas(64) float gl[kLanes] = {}, ul[kLanes] = {}, ol[kLanes];
+  for (int64_t i = 0; i < n_vec; i += kLanes) vstore(out + i, vmul(act(vload(g + i)), vload(u + i)));
+  if (n_vec < n) {
+    alignas(64) float gl[kLanes] = {}, ul[kLanes] = {};
     std::memcpy(gl, g + n_vec, sizeof(float) * (n - n_vec));
     std::memcpy(ul, u + n_vec, sizeof(float) * (n - n_vec));
-    silu_mul(gl, ul, kLanes, ol);
+    alignas(64) float ol[kLanes];
+    vstore(ol, vmul(act(vload(gl)), vload(ul)));
     std::memcpy(out + n_vec, ol, sizeof(float) * (n - n_vec));
   }
 }
 
+// silu(g) * u per element: g * sigmoid(g) with e^-|g| from vexp (its domain is x <= 0).
+inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
+  gated(g, u, n, out, [](vf x) {
+    const vf one = vset(1.0f), e = vexp(vsub(vzero(), vabs(x)));
+    return vmul(x, select_ge0(x, vdiv(one, vadd(one, e)), vdiv(e, vadd(one, e))));
+  });
+}
+
 // tanh-GELU(g) * u per element (Gemma's GeGLU): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), the tanh
-// from vexp's e^-2|y| (its domain is x <= 0).
+// from vexp's e^-2|y|.
 inline void gelu_mul(const float* g, const float* u, int64_t n, float* out) {
-  const int64_t n_vec = n / kLanes * kLanes;
-  const vf one = vset(1.0f), half = vset(0.5f), c = vset(0.7978845608028654f), cube = vset(0.044715f);
-  for (int64_t i = 0; i < n_vec; i += kLanes) {
-    const vf x = vload(g + i);
+  gated(g, u, n, out, [](vf x) {
+    const vf one = vset(1.0f), c = vset(0.7978845608028654f), cube = vset(0.044715f);
     const vf y = vmul(c, vfma(vmul(cube, vmul(x, x)), x, x));  // c (x + 0.044715 x^3)
     const vf e = vexp(vsub(vzero(), vadd(vabs(y), vabs(y))));
     const vf t = vdiv(vsub(one, e), vadd(one, e));  // tanh |y|
-    const vf th = select_ge0(y, t, vsub(vzero(), t));
-    vstore(out + i, vmul(vmul(vmul(half, x), vadd(one, th)), vload(u + i)));
-  }
-  if (n_vec < n) {  // the tail through the same vector code, zero-padded
-    alignas(64) float gl[kLanes] = {}, ul[kLanes] = {}, ol[kLanes];
-    std::memcpy(gl, g + n_vec, sizeof(float) * (n - n_vec));
-    std::memcpy(ul, u + n_vec, sizeof(float) * (n - n_vec));
-    gelu_mul(gl, ul, kLanes, ol);
-    std::memcpy(out + n_vec, ol, sizeof(float) * (n - n_vec));
-  }
+    return vmul(vmul(vset(0.5f), x), vadd(one, select_ge0(y, t, vsub(vzero(), t))));
+  });
 }
 
 constexpr int64_t kSiLU = 0, kGeluTanh = 1;  // the MLP's activation (config.Activation)
