@@ -33,7 +33,8 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     b, h, t, d = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(b, kv_heads, (h // kv_heads) * t, d)  # [B, Hkv, G*T, D]
-    scores = (torch.matmul(grouped, keys.transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)).float()  # [B, Hkv, G*T, L]
+    scale = d ** -0.5 if scale is None else scale
+    scores = (torch.matmul(grouped, keys.transpose(-1, -2)) * scale).float()  # [B, Hkv, G*T, L]
     probs = scores.softmax(-1).to(values.dtype)
     return torch.matmul(probs, values).view(b, h, t, d)
 

@@ -166,8 +166,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma3")),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type in ("mistral", "gemma3"))
-            else None,
+            sliding_window=cfg.get("sliding_window")
+            if cfg.get("use_sliding_window", model_type in ("mistral", "gemma3")) else None,
             **gemma,
         )
 

@@ -1,5 +1,5 @@
-"""A Llama/Qwen2/Qwen3/Mistral/Gemma 3-family decoder that runs over a KV cache (:class:`~specdecode.kv.cache.Cache`): the
-model's maths, apart from how it runs.
+"""A Llama/Qwen2/Qwen3/Mistral/Gemma 3-family decoder that runs over a KV cache
+(:class:`~specdecode.kv.cache.Cache`): the model's maths, apart from how it runs.
 
 One forward takes any number of new tokens per sequence (prefill, one decode step, or a draft to verify),
 writes their keys/values into the cache by index, can run a subset of its layers (self-speculation), and

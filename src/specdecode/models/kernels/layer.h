@@ -1,8 +1,9 @@
 // One decoder layer in one call: RMSNorm, the q/k/v projection, RoPE, attention over the sequence's cached
-// keys, the output projection and residual, RMSNorm, gate/up, SiLU (Gemma: tanh-GELU), down and residual (Gemma:
-// each output RMSNormed before its residual add), with no torch op in between (a decode step of a small model otherwise spends as long dispatching ~25 small ops per layer as
-// it does in its projections). The residual stream and every intermediate stay in fp32; keys and values
-// are rounded to bf16 for the cache, and projections of bf16 weights read bf16-rounded inputs.
+// keys, the output projection and residual, RMSNorm, gate/up, SiLU (Gemma: tanh-GELU), down and residual
+// (Gemma: each output RMSNormed before its residual add), with no torch op in between (a decode step of a
+// small model otherwise spends as long dispatching ~25 small ops per layer as it does in its projections).
+// The residual stream and every intermediate stay in fp32; keys and values are rounded to bf16 for the
+// cache, and projections of bf16 weights read bf16-rounded inputs.
 //
 // Rows are independent: every row's numbers come from its own inputs and its own keys in a fixed order, so
 // the layer is row-invariant like the kernels it calls. Two forms give the same bits: `layer_rows` writes new
