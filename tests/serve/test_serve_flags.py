@@ -65,12 +65,12 @@ def test_ray_config_refuses_what_ray_could_not_deploy(settings, message):
         RayConfig(**settings)
 
 
-@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 1), (4, 3), (64, 63)])
-def test_a_server_leaves_one_core_to_the_http_side(cores, threads):
+@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 2), (4, 4), (7, 7), (8, 7), (64, 63)])
+def test_a_server_leaves_one_core_to_the_http_side_from_eight_cores(cores, threads):
     assert server_threads(cores) == threads
 
 
-def test_threads_default_to_every_usable_core_but_one_and_the_flag_overrides(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
-    assert serve_flags(["--model", "some.gguf"]).kernel_threads == 5
+def test_threads_default_to_the_usable_cores_and_the_flag_overrides(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(10)))
+    assert serve_flags(["--model", "some.gguf"]).kernel_threads == 9
     assert serve_flags(["--model", "some.gguf", "--threads", "6"]).kernel_threads == 6

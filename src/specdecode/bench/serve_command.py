@@ -85,7 +85,7 @@ def _methods(value: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every ``bench-serve`` flag, the shared model flags first (no ``--device``: the servers choose theirs)."""
-    add_model_arguments(p, device=False, threads_default="each server's own default (specdecode serve: every core but one)")
+    add_model_arguments(p, device=False, threads_default="each server's own default (specdecode serve: every core, but one from 8 up)")
     p.add_argument("--methods", type=_methods, default=_methods("none,ngram:adaptive"),
                    help="comma list: none (plain decoding, always run), DRAFTER:GAMMA for DRAFTER in "
                         f"{', '.join(SERVED_DRAFTERS)}, either prefixed by rayN: (served by N replicas on Ray Serve, "
@@ -126,7 +126,7 @@ class BenchServeConfig:
         linear: the servers' ``--linear``.
         weights: the servers' ``--weights``.
         threads: the servers' kernel threads (shared out among a Ray method's replicas); None = each server's
-            default (``specdecode serve``: every core but one; a Ray method's replicas share all cores).
+            default (``specdecode serve``: every core, but one from 8 up; a Ray method's replicas share all cores).
         methods: ``none`` first, then ``DRAFTER:GAMMA``, ``rayN:...`` and peers (see :func:`_methods`).
         concurrency: concurrent clients of each level.
         requests: requests per level; None = one per prompt, at least 2 per client.

@@ -11,8 +11,6 @@ import gc
 from contextlib import asynccontextmanager
 from typing import Callable
 
-import torch
-
 from specdecode.serve.config import ServeConfig
 from specdecode.serve.server import SHUTDOWN_GRACE_S, build_server
 
@@ -43,7 +41,6 @@ def run_command(config: ServeConfig, log: Callable[[str], None]) -> int:
     except ImportError as exc:
         raise ValueError(f"specdecode serve needs the serve extra ({exc.name} is missing): "
                          "pip install 'specdecode[serve]'") from None
-    torch.set_num_threads(config.kernel_threads)  # a core is left to the HTTP side (``server_threads``)
     served = build_server(config, log, lifespan=_lifespan)
     gc.collect()
     gc.freeze()  # the model and engine live as long as the server: keep them out of every collection's scan

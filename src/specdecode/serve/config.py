@@ -97,13 +97,18 @@ class ServeConfig:
         return self.threads or server_threads()
 
 
-def server_threads(cores: int | None = None) -> int:
-    """The kernel threads a server runs by default: every core this process may use but one, at least one.
+KEEP_HTTP_CORE_FROM = 8  # cores from which a server leaves one to its HTTP side
 
-    The kept core is the HTTP side's (the event loop, chat templates, tokenization, SSE) and that of clients
-    on the same machine: with a kernel thread on every core they preempt the kernels mid-step, and a step
-    runs 2-3x longer than in the library (docs/benchmarks/history.md, "Serve threads").
+
+def server_threads(cores: int | None = None) -> int:
+    """The kernel threads a server runs by default: every core this process may use, but one from 8 cores up.
+
+    With one OpenMP team in the process (``kernel_team.py``) the HTTP side (event loop, chat templates,
+    tokenization, SSE) takes little of a core: on 2 cores, 2 kernel threads served plain decoding 1.5x faster
+    at one client than 1 and as fast as the library at 1-8 (docs/benchmarks/history.md, "One OpenMP team").
+    From ``KEEP_HTTP_CORE_FROM`` cores on, a core costs the kernels at most an eighth of their compute and is
+    left to the HTTP side, whose work grows with the requests in flight.
     """
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
+    return max(1, cores - 1) if cores >= KEEP_HTTP_CORE_FROM else max(1, cores)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.sequence import Output, Sequence
+from specdecode.serve.kernel_team import use_kernel_threads
 
 log = logging.getLogger("specdecode.serve")
 
@@ -28,11 +29,13 @@ class EngineLoop:
 
     Args:
         engine: the batch engine (used by this loop's thread only, once started).
+        threads: the kernels' threads, whose OpenMP team this loop's thread owns (``kernel_team.py``).
         on_step: called with the engine after every step and after commands ran (e.g. to set gauges).
     """
 
-    def __init__(self, engine: BatchEngine, on_step: Callable[[BatchEngine], None] | None = None) -> None:
+    def __init__(self, engine: BatchEngine, threads: int, on_step: Callable[[BatchEngine], None] | None = None) -> None:
         self.engine = engine
+        self.threads = threads
         self._on_step = on_step
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -82,6 +85,7 @@ class EngineLoop:
         self._wake.set()
 
     def _run(self) -> None:
+        use_kernel_threads(self.threads)
         while True:
             ran = 0
             while True:

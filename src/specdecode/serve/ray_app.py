@@ -63,13 +63,10 @@ class EngineServer:
     """
 
     def __init__(self, config: ServeConfig, hub: DeploymentHandle, threads: int) -> None:
-        import torch
-
         from specdecode.models.build import resolve_device
 
-        torch.set_num_threads(threads)
         target = replace(config.target, device=resolve_device(config.target.device))  # this replica's device
-        served = build_server(replace(config, target=target), log.info)
+        served = build_server(replace(config, target=target), log.info, threads=threads)
         self.app, self.loop, self.metrics = served.app, served.loop, served.metrics
         self.loop.start()
         self.replica = serve.get_replica_context().replica_id.unique_id

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 from specdecode.batch.executor import BatchEngine
 from specdecode.drafter_setup import drafter_factory
 from specdecode.serve.config import ServeConfig
+from specdecode.serve.kernel_team import on_passing_thread, use_kernel_threads
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -34,9 +35,10 @@ class Served:
     kind: str
 
 
-def build_server(config: ServeConfig, log: Callable[[str], None], lifespan=None) -> Served:
+def build_server(config: ServeConfig, log: Callable[[str], None], lifespan=None, threads: int | None = None) -> Served:
     """Loads the model, builds and warms the batch engine and the API over it; ``lifespan`` starts and
-    stops the loop with the application (see ``command.py``).
+    stops the loop with the application (see ``command.py``). ``threads``: the kernels' threads (default
+    ``config.kernel_threads``), all on the engine loop's thread; the calling thread keeps one (``kernel_team.py``).
 
     Raises:
         ValueError: the serve extra is missing, or the drafter's head cannot be found.
@@ -49,16 +51,25 @@ def build_server(config: ServeConfig, log: Callable[[str], None], lifespan=None)
     from specdecode.serve.loop import EngineLoop
     from specdecode.serve.metrics import ServeMetrics
 
+    threads = threads or config.kernel_threads
+    use_kernel_threads(1)
+    engine = on_passing_thread(lambda: _warm_engine(config, log), threads)
+    metrics = ServeMetrics(config.name)
+    engine.observer = metrics  # the warm-up request is not counted
+    loop = EngineLoop(engine, threads, on_step=lambda e: metrics.gauges(len(e.scheduler.running),
+                                                                        len(e.scheduler.waiting), e.kv_usage,
+                                                                        e.learned))
+    return Served(build_app(loop, config.name, metrics, lifespan=lifespan), loop, metrics, config.name,
+                  config.drafter.kind)
+
+
+def _warm_engine(config: ServeConfig, log: Callable[[str], None]) -> BatchEngine:
+    """The model loaded and the batch engine built and warmed up."""
     loaded = config.target.load(progress=log)
     new_drafter = drafter_factory(config.drafter, config.target, loaded, config.draft_cache, log)
-    metrics = ServeMetrics(config.name)
     engine = BatchEngine(loaded.model, loaded.tokenizer, new_drafter, config.speculation, config.cache,
                          config.scheduler, config.max_len)
     log(f"warming up ({config.scheduler.max_running} slots of {engine.max_len} tokens, "
         f"KV {engine.cache.nbytes / 2**20:.0f} MiB) ...")
     engine.warmup()
-    engine.observer = metrics  # the warm-up request is not counted
-    loop = EngineLoop(engine, on_step=lambda e: metrics.gauges(len(e.scheduler.running), len(e.scheduler.waiting),
-                                                               e.kv_usage, e.learned))
-    return Served(build_app(loop, config.name, metrics, lifespan=lifespan), loop, metrics, config.name,
-                  config.drafter.kind)
+    return engine
