@@ -49,6 +49,12 @@ def test_the_llamacpp_server_peer_is_refused_with_the_build_command_and_runs_its
     assert cmd[0] == str(binary) and cmd[cmd.index("-m") + 1] == str(gguf) and cmd[cmd.index("--port") + 1] == "{port}"
     assert cmd[cmd.index("--parallel") + 1] == "4" and cmd[cmd.index("-t") + 1] == "2"
     assert cmd[cmd.index("-c") + 1] == str(4 * 4096)  # each slot gets the context
+    assert _methods("llamacpp-server:t1,llamacpp-server") == ["none", "llamacpp-server:t1", "llamacpp-server"]
+    own = serve_command._peer_command("llamacpp-server:t1", config, 4)  # its own thread count, not --threads
+    assert own[own.index("-t") + 1] == "1"
+    for bad in ("llamacpp-server:1", "llamacpp-server:t0", "llamacpp:tx"):
+        with pytest.raises(argparse.ArgumentTypeError, match="PEER:tN|:tN"):
+            _methods(bad)
 
 
 def test_ray_methods_name_their_replicas_and_share_the_cores():

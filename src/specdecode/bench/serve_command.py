@@ -67,17 +67,29 @@ def _on_ray(method: str) -> tuple[int, str]:
     return 0, method
 
 
+def _peer(method: str) -> tuple[str, int | None] | None:
+    """``PEER`` or ``PEER:tN`` (the peer on N threads) -> (PEER, N or None); None for our methods."""
+    name, colon, threads = method.partition(":")
+    if name not in PEERS:
+        return None
+    if not colon:
+        return name, None
+    if threads[:1] == "t" and threads[1:].isdigit() and int(threads[1:]) >= 1:
+        return name, int(threads[1:])
+    raise argparse.ArgumentTypeError(f"method {method!r}: a peer takes its thread count as {name}:tN (e.g. {name}:t1)")
+
+
 def _methods(value: str) -> list[str]:
     methods = [m.strip() for m in value.split(",") if m.strip()]
     for m in methods:
-        if m in PEERS:
+        if _peer(m):
             continue
         drafter, _, gamma = _on_ray(m)[1].partition(":")
         if drafter not in ("none", *SERVED_DRAFTERS) or bool(gamma) != (drafter != "none"):
             raise argparse.ArgumentTypeError(f"method {m!r}: expected 'none', DRAFTER:GAMMA with DRAFTER one of "
                                              f"{', '.join(SERVED_DRAFTERS)} (e.g. ngram:adaptive, eagle:4), either "
                                              f"prefixed by rayN: for N replicas on Ray Serve, or a peer: "
-                                             f"{', '.join(PEERS)}")
+                                             f"{', '.join(PEERS)}, each optionally :tN for N threads")
     if "none" not in methods:
         methods.insert(0, "none")  # the reference every ratio is taken against
     return methods
@@ -90,8 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list: none (plain decoding, always run), DRAFTER:GAMMA for DRAFTER in "
                         f"{', '.join(SERVED_DRAFTERS)}, either prefixed by rayN: (served by N replicas on Ray Serve, "
                         "sharing the cores), and the peers llamacpp (llama-cpp-python's server on the same GGUF) "
-                        "and llamacpp-server (llama.cpp's own, --max-running slots; `specdecode peers build`) "
-                        "(default none,ngram:adaptive)")
+                        "and llamacpp-server (llama.cpp's own, --max-running slots; `specdecode peers build`), "
+                        "each on --threads threads or, as PEER:tN, on N (default none,ngram:adaptive)")
     p.add_argument("--concurrency", type=_levels, default=_levels("1,2,4,8"),
                    help="concurrent clients per level (default 1,2,4,8)")
     p.add_argument("--requests", type=positive_int, default=None,
@@ -199,13 +211,16 @@ def _server_flags(method: str, config: BenchServeConfig, max_running: int) -> li
     return flags
 
 
-def _peer_command(name: str, config: BenchServeConfig, max_running: int) -> list[str]:
-    """The command line of peer ``name`` on the GGUF ``--model`` names, with the servers' thread count and context
-    (llama-server: ``max_running`` slots of it); refused with the reason where it cannot run."""
+def _peer_command(method: str, config: BenchServeConfig, max_running: int) -> list[str]:
+    """The command line of peer ``method`` on the GGUF ``--model`` names, with its thread count (``PEER:tN``, else
+    the servers') and context (llama-server: ``max_running`` slots of it); refused with the reason where it cannot
+    run."""
     import importlib.util
 
     from specdecode.models import registry
     from specdecode.models.fetch import fetch
+
+    name, own_threads = _peer(method)
 
     if name == "llamacpp" and (importlib.util.find_spec("llama_cpp") is None
                                or importlib.util.find_spec("sse_starlette") is None):
@@ -217,7 +232,7 @@ def _peer_command(name: str, config: BenchServeConfig, max_running: int) -> list
         path = config.model
     if not path.endswith(".gguf"):
         raise ValueError(f"--methods {name} needs a GGUF model; {config.model!r} is not one")
-    threads = config.threads or os.cpu_count() or 1
+    threads = own_threads or config.threads or os.cpu_count() or 1
     if binary is not None:
         return ServerOptions(Path(path), threads, ctx=4096, slots=max_running).command(binary, "{port}")
     return [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "m", "--host", "127.0.0.1",
@@ -241,7 +256,7 @@ def _bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, Any]]:
 def _given(method: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The requests as ``method`` gets them: predictions go to our drafting methods only (plain decoding, the
     reference, and peers get none)."""
-    if method not in PEERS and _on_ray(method)[1] != "none":
+    if not _peer(method) and _on_ray(method)[1] != "none":
         return requests
     return [{k: v for k, v in r.items() if k != "prediction"} for r in requests]
 
@@ -249,7 +264,7 @@ def _given(method: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _learns(method: str) -> bool:
     """Whether ``method``'s drafter keeps what earlier requests generated (``DrafterSpec.learns``)."""
     drafter = _on_ray(method)[1].partition(":")[0]
-    return method not in PEERS and drafter != "none" and registry.spec(drafter).learns
+    return not _peer(method) and drafter != "none" and registry.spec(drafter).learns
 
 
 def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
@@ -260,12 +275,12 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
         prompts = load_prompts(path) if path.exists() else packaged_prompts([config.workload])
     else:
         prompts = select(load_prompts(config.prompts) if config.prompts else default_prompts(), limit=config.limit)
-    peers = {m: _peer_command(m, config, max_running) for m in config.methods if m in PEERS}  # before any starts
+    peers = {m: _peer_command(m, config, max_running) for m in config.methods if _peer(m)}  # before any starts
     servers: list[Server] = []
     library = None
     try:  # every server started is stopped whatever fails from here on
         for m in config.methods:
-            servers.append(Server(m, [], peers[m], ready=PEER_READY[m]) if m in PEERS
+            servers.append(Server(m, [], peers[m], ready=PEER_READY[_peer(m)[0]]) if _peer(m)
                            else Server(m, _server_flags(m, config, max_running)))
         if config.library:
             library = Library(TargetConfig(config.model, config.dtype, "auto", config.linear, config.weights), log)
@@ -314,7 +329,7 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
 
 def _in_library(method: str) -> bool:
     """Whether the library runs ``method`` too (ours, in this process: not a peer, not on Ray)."""
-    return method not in PEERS and not _on_ray(method)[0]
+    return not _peer(method) and not _on_ray(method)[0]
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -371,7 +386,7 @@ def _write(report: dict[str, Any], out: Path, log: Callable[[str], None]) -> Non
              + (" Peer rows: llamacpp is llama-cpp-python's server (one request at a time), llamacpp-server "
                 "llama.cpp's own with --max-running slots, both on the same GGUF; their answers may differ from ours "
                 "at near-ties, so their identity is informational." if any(
-                    r["method"] in PEERS for r in s["rows"]) else ""), "",
+                    _peer(r["method"]) for r in s["rows"]) else ""), "",
              "| method | concurrency | tok/s | library tok/s | vs library | vs plain | vs single-stream plain | TTFT p50 | "
              "ITL p50 | ITL p99 | ITL p99 / step | identical to plain |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
