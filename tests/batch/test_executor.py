@@ -166,6 +166,63 @@ class _FillSpy:
         pass
 
 
+class _RowSpy:
+    """A fixed-gamma controller that notes which controller it is and the rows it was told the others hold."""
+
+    early_stop = False
+
+    def __init__(self, seen: list, gamma: int) -> None:
+        self.seen, self.gamma = seen, gamma
+
+    def next_gamma(self, ctx) -> int:
+        self.seen.append((self, ctx.others_rows, ctx.remaining))
+        return self.gamma
+
+    def stop(self, position, signal) -> bool:
+        return False
+
+    def update(self, record) -> None:
+        pass
+
+
+def _rows_seen(target, draft_model, max_rows: int) -> list[list]:
+    """Two long requests under gamma-2 spies: per step where both decode with room for whole drafts (no prompt
+    rows, no budget's end), each controller in drafting order and the others' rows it was told."""
+    seen: list = []
+    engine = BatchEngine(target, new_drafter=lambda: DraftModelDrafter(draft_model, target, CacheConfig()),
+                         spec=SpeculativeConfig(gamma=2), scheduler=SchedulerConfig(max_running=2, max_rows=max_rows),
+                         max_len=96)
+    engine._new_controller = lambda: _RowSpy(seen, 2)
+    for prompt in PROMPTS[:2]:
+        engine.submit(prompt, max_new_tokens=24, eos_token_ids=())
+    steps = []
+    while engine.has_work:
+        seen.clear()
+        engine.step()
+        prefilling = any(s.prompt_pending for s in engine.scheduler.running)
+        if len(seen) == 2 and min(left for *_, left in seen) > 2 and not prefilling:
+            steps.append([(spy, rows) for spy, rows, _ in seen])
+    assert len(steps) > 4
+    return steps
+
+
+def test_drafts_are_priced_in_turn_each_seeing_the_drafts_before_it(target, draft_model):
+    # Drift fixed: every sequence priced its draft at the others' last drafts, so that drafts, once taken, kept
+    # each other going where none paid; now each sees the rows of this step so far: the other's fed token, and
+    # its draft when it drafted first. Who drafts first turns each step.
+    steps = _rows_seen(target, draft_model, max_rows=8)
+    assert all([rows for _, rows in step] == [1, 3] for step in steps)
+    firsts = [step[0][0] for step in steps]
+    assert all(a is not b for a, b in zip(firsts, firsts[1:]))
+
+
+def test_the_room_left_for_drafts_goes_to_whose_turn_it_is(target, draft_model):
+    steps = _rows_seen(target, draft_model, max_rows=3)  # one row of room: the first to draft takes it
+    assert all([rows for _, rows in step] == [1, 2] for step in steps)
+    firsts = [step[0][0] for step in steps]
+    assert all(a is not b for a, b in zip(firsts, firsts[1:]))
+
+
 def test_the_budget_share_a_controller_sees_counts_the_draft_caches(target, draft_model):
     # Drift fixed: the batch engine priced memory pressure from the target's cache alone; one request alone
     # saw the draft caches too. Both now run this step, so the share counts every cache the budget covers.

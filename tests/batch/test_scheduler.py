@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.batch.scheduler import QueueFullError, Scheduler, SchedulerConfig, SlotPool, fit_rows
+from specdecode.batch.scheduler import QueueFullError, Scheduler, SchedulerConfig, SlotPool
 from specdecode.batch.sequence import Request, Sequence
 
 
@@ -55,22 +55,6 @@ def test_slot_pool_refuses_double_release_and_exhaustion():
     with pytest.raises(RuntimeError, match="is not held"):
         pool.release(7)
     assert pool.free == 1 and b == 1
-
-
-@pytest.mark.parametrize("wanted, rows, expected", [
-    ([3, 3], 10, [3, 3]),
-    ([6, 1, 0], 8, [4, 1, 0]),
-    ([4, 4, 4], 9, [2, 2, 2]),
-    ([5, 2], 4, [1, 1]),
-    ([0, 0], 2, [0, 0]),
-])
-def test_fit_rows_shortens_the_longest_drafts_first(wanted, rows, expected):
-    assert fit_rows(wanted, rows) == expected
-
-
-def test_fit_rows_refuses_more_sequences_than_rows():
-    with pytest.raises(ValueError, match="do not fit 2 rows"):
-        fit_rows([0, 0, 0], 2)
 
 
 @pytest.mark.parametrize("kwargs, message", [

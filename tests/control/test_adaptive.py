@@ -128,3 +128,38 @@ def test_drafting_speed_is_judged_against_measured_plain_steps():
     drafted = _run(fast, 300, draft_s=0.01, verify_1=0.05)
     assert fast.shared.gain > 1.2
     assert 200 / (fast.refresh + 1) - 1 <= drafted[-200:].count(0) <= 200 / fast.refresh + 1
+
+
+def _second_pass_costs(c: AdaptiveGamma) -> None:
+    """Forwards cost 10 ms up to 6 rows, then 6 ms more per 6 rows (a second pass over the weights)."""
+    c.shared.costs.seed([0.010 if rows <= 6 else 0.010 + 0.006 * ((rows - 1) // 6) for rows in range(1, 17)])
+    c.shared.costs.draft_per_token = 1e-5
+
+
+def test_in_a_batch_it_drafts_where_the_whole_step_gains():
+    # Alone, drafting measurably pays; beside 5 sequences that fill the cheap rows a draft would slow 5 other
+    # tokens too (off); beside 3, what is left of the cheap rows pays (on).
+    c = AdaptiveGamma(MODEL, gamma_max=8)
+    _warm(c, 0.01 * VERIFY, accept_share=1.0)
+    _second_pass_costs(c)
+    c.cost.acceptance = PositionAcceptance(8, prior=0.6, later_prior=0.6)
+    assert c.shared.gain > 1.0 and c.next_gamma(ctx()) == 8
+    assert c.next_gamma(ctx(others_rows=5, others_tokens=5.0)) == 0
+    assert c.next_gamma(ctx(others_rows=3, others_tokens=3.0)) == 8 and c.early_stop  # its length: by confidence
+
+
+def test_a_shared_steps_time_is_not_taken_for_drafting_speed():
+    # A forward shared with others times their rows too: only steps run alone teach drafting's measured speed.
+    c = AdaptiveGamma(MODEL, gamma_max=8)
+    _warm(c, 0.01 * VERIFY, accept_share=1.0)
+    gain, plain = c.shared.gain, c.shared.plain_s
+    busy = ctx(others_rows=7, others_tokens=7.0)
+    for _ in range(20):
+        c.next_gamma(busy)
+        c.update(record(4, 0, verify_s=5 * VERIFY, context=busy, others_rows=7))
+        c.next_gamma(busy)
+        c.update(record(0, 0, verify_s=4 * VERIFY, requested=0, context=busy, others_rows=7))
+    assert (c.shared.gain, c.shared.plain_s) == (gain, plain)
+    c.next_gamma(ctx())
+    c.update(record(4, 0, verify_s=2 * VERIFY))  # alone, a rejected draft in two plain steps' time: counted
+    assert c.shared.gain < gain

@@ -206,3 +206,19 @@ def test_in_a_batch_a_draft_also_pays_for_slowing_the_others():
     assert best_gamma(cumulative, costs, others_rows=5, others_tokens=5.0) == 0
     assert best_gamma(cumulative, costs, others_rows=3, others_tokens=3.0) == 2  # what is left of the cheap rows
     assert costs.verify_s(15) == pytest.approx(0.022) and costs.step_s(2, 3) == pytest.approx(2e-5 + 0.010)
+
+
+def test_in_a_batch_probes_are_spaced_by_the_sequences_sharing_the_step():
+    # A probe slows every sequence's step and each of them probes: four sharers, four times the spacing (and
+    # its bound); a lone sequence's spacing is what it was.
+    c = CostGamma(gamma_max=8)
+    c.costs.seed([0.010 * (1 + 0.1 * rows) for rows in range(1, 17)])
+    c.costs.draft_per_token = 0.002
+    alone = c.off.interval(c.costs)
+    assert alone == c.off.interval(c.costs, ctx()) and c.off.min_interval < alone < c.off.max_interval
+    one = c.off.interval(c.costs, ctx(others_rows=3))
+    four = c.off.interval(c.costs, ctx(others_rows=3, others_tokens=3.0))
+    assert 4 * one - 3 <= four <= 4 * one
+    c.costs.draft_per_token = 0.05  # costly probes: the bound, which grows with the sharers too
+    assert c.off.interval(c.costs) == c.off.max_interval
+    assert c.off.interval(c.costs, ctx(others_rows=3, others_tokens=3.0)) == 4 * c.off.max_interval

@@ -3,7 +3,8 @@ hands each sequence its tokens. One request (``engine.Engine``) and many (the se
 
 A step is: admit waiting sequences onto free KV slots; share the step's row budget between the
 decoding sequences' fed tokens, the prompts still being read (a few rows each step, on our kernels) and
-the drafts (each sequence's own controller, priced at the whole forward's rows); draft; run one
+the drafts (decided in turn, who goes first turning each step: each sequence's own controller prices its
+draft at the forward's rows so far, the fed tokens, prompt rows and drafts before it); run one
 row-invariant forward over every sequence's ragged rows (``rows.py``, ``Transformer.forward_rows``);
 verify (``verify_batch``), roll each slot back to its accepted length, commit and emit. Rows are computed
 as they would be alone, so a request's greedy output is bitwise what it is served alone, and a sampled one
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import torch
@@ -30,7 +31,7 @@ import torch
 from specdecode.batch.costs import MAX_PADDED_ROWS, RowPadding, StepCostTable, fastest, remembered_curve
 from specdecode.batch.observer import StepObserver
 from specdecode.batch.rows import ForwardRows, SequenceRows, lay_out
-from specdecode.batch.scheduler import Scheduler, SchedulerConfig, fit_rows
+from specdecode.batch.scheduler import Scheduler, SchedulerConfig
 from specdecode.batch.sequence import (GenerationResult, Output, Request, Sequence, eos_ids, predicted, prompt_ids,
                                        stop_strings)
 from specdecode.control import StepContext, StepRecord, controller_factory
@@ -56,14 +57,17 @@ NO_DRAFT = Draft([])
 
 @dataclass
 class StepPlan:
-    """What one step runs: prompt rows per prefilling sequence, the draft budget of each decoding one (0 for
-    a plain step) and the context its controller decided in; ``control_s`` the planning's seconds per
-    running sequence."""
+    """What one step runs: prompt rows per prefilling sequence and, per decoding one (in drafting order), its
+    draft budget (0 for a plain step) and the context its controller decided in. Drafts are decided in turn
+    (``BatchEngine._draft_budget``): ``rows`` counts the forward's rows so far (fed tokens, prompt rows, the
+    drafts already proposed) and ``room`` the draft rows still within the step's budget."""
 
     chunk: dict[Sequence, int]
-    budgets: dict[Sequence, int]
-    contexts: dict[Sequence, StepContext]
-    control_s: float
+    decoding: list[Sequence]
+    rows: int
+    room: int
+    budgets: dict[Sequence, int] = field(default_factory=dict)
+    contexts: dict[Sequence, StepContext] = field(default_factory=dict)
 
 
 def kv_setting(cache: CacheConfig, dtype: torch.dtype) -> str:
@@ -143,6 +147,7 @@ class BatchEngine:
         self.observer = observer
         self.record_signals = record_signals
         self._warming = False
+        self._steps = 0  # steps run: whose turn it is to draft first
 
     def _allocate(self, tokens: int) -> None:
         """Gives every slot room for ``tokens`` plus one step's drafted (or padding) rows beyond them."""
@@ -231,20 +236,23 @@ class BatchEngine:
             return
         plan = self._plan(running)
         drafts, draft_s = {}, {}
-        for seq, k in plan.budgets.items():
+        for seq in plan.decoding:
+            k = self._draft_budget(seq, plan)
             t0 = time.perf_counter()
             drafts[seq] = self._propose(seq, k)
             draft_s[seq] = time.perf_counter() - t0
+            plan.rows += len(drafts[seq].tokens)
+            plan.room -= len(drafts[seq].tokens)
         t1 = time.perf_counter()
         verdicts, real_rows = self._forward(running, plan.chunk, drafts)
         verify_s = time.perf_counter() - t1
-        for seq, draft in drafts.items():
-            self._settle(seq, plan, draft, verdicts[seq], draft_s[seq], verify_s, real_rows)
+        for seq in running:
+            if seq in drafts:
+                self._settle(seq, plan, drafts[seq], verdicts[seq], draft_s[seq], verify_s, real_rows)
 
     def _plan(self, running: list[Sequence]) -> StepPlan:
         """Shares the row budget: each decoding sequence's fed token, then prompts (oldest first), then drafts.
         With nobody decoding, nobody waits between tokens: prompts then go in larger chunks."""
-        tick = time.perf_counter()
         config = self.scheduler.config
         decoding = [s for s in running if not s.prompt_pending]
         budget = config.max_rows - len(decoding) if decoding else config.prefill_chunk
@@ -255,25 +263,40 @@ class BatchEngine:
                 budget -= chunk[seq]
         if len(running) == 1 and decoding:  # a lone sequence delays nobody: its long drafts may pass max_rows
             budget = max(budget, self.spec.longest_draft)
-        # What the others put in this forward: their fed tokens, the prompt rows, and drafts as long as
-        # their last ones (a draft prices its share of the step).
-        rows_before = sum(s.last_rows for s in decoding) + sum(chunk.values())
-        fill = self._cache_fill()
-        contexts = {s: self._context(s, rows_before - s.last_rows, len(decoding) - 1, fill) for s in decoding}
-        # Drafting past the budget is wasted work: the extra tokens would be cut anyway. Nor may a step reach past
-        # the cache's next compression step (it would show later rows an older cache state).
-        wanted = [min(s.controller.next_gamma(contexts[s]), s.remaining - 1, self.cache.stable_rows(s.slot) - 1)
-                  if s.drafter is not None else 0 for s in decoding]
-        budgets = dict(zip(decoding, fit_rows(wanted, len(decoding) + budget)))
-        # A prompt finished this step decodes in the same forward (its rows follow its last prompt rows).
-        for seq, n in chunk.items():
-            if n == seq.prompt_pending:
-                contexts[seq] = self._context(seq, rows_before, len(decoding), fill)
-                budgets[seq] = 0
-        return StepPlan(chunk, budgets, contexts, (time.perf_counter() - tick) / len(running))
+        # Who drafts first turns each step, so that no sequence always finds the room taken.
+        if decoding:
+            turn = self._steps % len(decoding)
+            decoding = decoding[turn:] + decoding[:turn]
+        self._steps += 1
+        # A prompt finished this step decodes in the same forward (its rows follow its last prompt rows), undrafted.
+        finished = [seq for seq, n in chunk.items() if n == seq.prompt_pending]
+        plan = StepPlan(chunk, decoding + finished, len(decoding) + sum(chunk.values()), budget)
+        for seq in finished:
+            plan.contexts[seq] = self._context(seq, plan.rows - chunk[seq], len(plan.decoding) - 1)
+            plan.budgets[seq] = 0
+        return plan
 
-    def _context(self, seq: Sequence, others_rows: int, others: int, fill: float | None) -> StepContext:
-        return StepContext(seq.remaining, len(seq.tokens), self.max_len, fill, self._kv, others_rows, float(others))
+    def _draft_budget(self, seq: Sequence, plan: StepPlan) -> int:
+        """The most tokens ``seq`` may draft now: its controller's choice, priced at the step as it stands (the
+        others' fed tokens, the prompt rows and the drafts proposed before it), within the room left. Drafting
+        past the budget is wasted work: the extra tokens would be cut anyway. Nor may a step reach past the
+        cache's next compression step (it would show later rows an older cache state)."""
+        if seq in plan.budgets:  # its prompt finished in this step
+            return 0
+        ctx = self._context(seq, plan.rows - 1, len(plan.decoding) - 1)
+        plan.contexts[seq] = ctx
+        if seq.drafter is None:
+            plan.budgets[seq] = 0
+            return 0
+        tick = time.perf_counter()
+        k = min(seq.controller.next_gamma(ctx), seq.remaining - 1, self.cache.stable_rows(seq.slot) - 1, plan.room)
+        seq.stats.control_s += time.perf_counter() - tick
+        plan.budgets[seq] = k
+        return k
+
+    def _context(self, seq: Sequence, others_rows: int, others: int) -> StepContext:
+        return StepContext(seq.remaining, len(seq.tokens), self.max_len, self._cache_fill(), self._kv, others_rows,
+                           float(others))
 
     def _cache_fill(self) -> float | None:
         """Share of the KV budget held: the target's and every drafter's cached tokens, and the prefixes."""
@@ -358,7 +381,7 @@ class BatchEngine:
         tick = time.perf_counter()
         seq.controller.update(record)
         stats = seq.stats
-        stats.control_s += plan.control_s + time.perf_counter() - tick
+        stats.control_s += time.perf_counter() - tick
         stats.record_step(len(draft.tokens), verdict.accepted, len(kept), draft.tree_depth)
         stats.draft_s += draft_s
         stats.verify_s += verify_s

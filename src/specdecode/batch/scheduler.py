@@ -124,16 +124,3 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-
-def fit_rows(wanted: list[int], max_rows: int) -> list[int]:
-    """Draft lengths that fit ``max_rows`` rows (one fed token each, plus the drafts): the longest drafts
-    are shortened first, one token at a time, so short drafts keep what they asked for."""
-    drafts = list(wanted)
-    over = len(drafts) + sum(drafts) - max_rows
-    while over > 0:
-        longest = max(range(len(drafts)), key=lambda i: drafts[i])
-        if drafts[longest] == 0:
-            raise ValueError(f"{len(drafts)} sequences do not fit {max_rows} rows even without drafts")
-        drafts[longest] -= 1
-        over -= 1
-    return drafts

@@ -12,7 +12,9 @@ steps) measures again; while on, a plain step after ``refresh`` drafting steps w
 plain step again (``SharedEstimates.learn_plain``). On/off goes by measured speed rather than by
 ``cost``'s model because confident stopping makes drafting pay where per-position acceptance says it
 would not: replaying the Qwen pair's drafts (``benchmarks/replay_gamma.py``), ``adaptive`` runs 1.41x
-plain decoding, ``cost`` 1.06x.
+plain decoding, ``cost`` 1.06x. That measured speed is a lone sequence's: in a batch (a step shared
+with others, whose rows its time holds) on/off goes by ``cost``'s batch price (``best_gamma`` at the
+forward's rows), and only steps run alone teach the measured speed.
 
 For n-gram lookup, whose tokens cost only verification rows, the match statistics say when a
 proposal is weak (one short, rare match: stop after its first token) or strong (draft on). Without a
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from specdecode.control.base import Signal, StepContext, StepRecord, memory_cap
 from specdecode.control.confidence import CalibratedAcceptance
 from specdecode.control.cost import CostGamma, OffSwitch
-from specdecode.control.estimates import SharedEstimates
+from specdecode.control.estimates import SharedEstimates, best_gamma
 from specdecode.control.model_file import AcceptanceModel
 
 
@@ -80,16 +82,25 @@ class AdaptiveGamma:
         cap = min(memory_cap(ctx, self.gamma_max), ctx.remaining - 1)
         if cap <= 0:
             return 0
-        # Hysteresis: on while drafting beats plain decoding; once off, back on only with the margin
-        # (near break-even, as self-speculation on SmolLM2 is, flapping costs the probes' drafts).
-        self._on = self.shared.gain >= 1.0 + (0.0 if self._on else self.margin)
-        if self.off.decide(cap if self._on else 0, cap, self.cost.costs) == 0:
+        if self.off.decide(cap if self._pays(ctx, cap) else 0, cap, self.cost.costs, ctx) == 0:
             return 0
-        if self.shared.plain_age >= self.refresh:
+        if not ctx.others_rows and self.shared.plain_age >= self.refresh:
             return 0  # time a plain step again: drafting's speed is judged against it
         self._stopping = True
         self._ctx, self._all_accepted, self._tokens = ctx, 1.0, 1.0
         return cap  # a probe too: it shows what drafting gains as drafting is done
+
+    def _pays(self, ctx: StepContext, cap: int) -> bool:
+        """Whether to draft this step. Alone: while drafting steps measurably beat plain ones (hysteresis:
+        once off, back on only with the margin; near break-even, as self-speculation on SmolLM2 is, flapping
+        costs the probes' drafts). In a batch: when the cost model says a draft raises the whole step's
+        tokens per second (a lone sequence's measured speed says nothing about a step whose rows it shares:
+        where one more row starts another pass of the kernel over the weights, it costs several rows)."""
+        if ctx.others_rows:
+            return best_gamma(self.cost.acceptance.cumulative(cap), self.cost.costs, 0.0, ctx.others_rows,
+                              ctx.others_tokens) > 0
+        self._on = self.shared.gain >= 1.0 + (0.0 if self._on else self.margin)
+        return self._on
 
     def stop(self, position: int, signal: Signal) -> bool:
         if not self._stopping:
@@ -106,14 +117,17 @@ class AdaptiveGamma:
         return self._all_accepted * p * step_s < extra_s * (self._tokens + ctx.others_tokens)
 
     def update(self, record: StepRecord) -> None:
-        if self._stopping and record.drafted:
-            # A draft model's first draft after plain steps also catches up on them: not drafting's cost.
-            draft_s = record.draft_s if self.cost.drafted_before else record.drafted * self.cost.costs.draft_per_token
-            self.shared.learn_gain(record.accepted + 1, draft_s + record.verify_s)
-        elif self._by_confidence():
-            self.shared.learn_gain()
-        if not record.drafted:
-            self.shared.learn_plain(record.verify_s)
+        # Drafting's measured speed is a lone sequence's: a step shared with others times their rows too.
+        if not record.others_rows:
+            if self._stopping and record.drafted:
+                # A draft model's first draft after plain steps also catches up on them: not drafting's cost.
+                draft_s = (record.draft_s if self.cost.drafted_before
+                           else record.drafted * self.cost.costs.draft_per_token)
+                self.shared.learn_gain(record.accepted + 1, draft_s + record.verify_s)
+            elif self._by_confidence():
+                self.shared.learn_gain()
+            if not record.drafted:
+                self.shared.learn_plain(record.verify_s)
         self.cost.update(record)
         if self.acceptance is not None:
             self.acceptance.learn(record)

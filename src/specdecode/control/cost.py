@@ -36,19 +36,26 @@ class OffSwitch:
     off_steps: int = field(default=0, init=False)
     probing: bool = field(default=False, init=False)
 
-    def interval(self, costs: StepCosts) -> int:
-        """Off steps between probes: a probe's extra time over a plain step, divided by the overhead allowed."""
-        extra = (costs.step_s(self.probe_gamma) - costs.step_s(0)) / costs.step_s(0)
-        return min(self.max_interval, max(self.min_interval, math.ceil(extra / self.probe_overhead)))
+    def interval(self, costs: StepCosts, ctx: StepContext | None = None) -> int:
+        """Off steps between probes: a probe's extra time over a plain step, divided by the overhead allowed.
 
-    def decide(self, best: int, cap: int, costs: StepCosts) -> int:
-        """The gamma to run when the cost model chose ``best`` (0 = off) and at most ``cap`` may be drafted."""
+        In a batch (``ctx.others_tokens`` other sequences) a probe slows every sequence's step and each of
+        them probes: the spacing (its bounds too) grows with the sequences sharing the step."""
+        others_rows, sharers = (ctx.others_rows, 1.0 + ctx.others_tokens) if ctx is not None else (0, 1.0)
+        plain = costs.step_s(0, others_rows)
+        extra = sharers * (costs.step_s(self.probe_gamma, others_rows) - plain) / plain
+        spacing = max(self.min_interval, math.ceil(extra / self.probe_overhead))
+        return min(math.ceil(self.max_interval * sharers), spacing)
+
+    def decide(self, best: int, cap: int, costs: StepCosts, ctx: StepContext | None = None) -> int:
+        """The gamma to run when the cost model chose ``best`` (0 = off) and at most ``cap`` may be drafted
+        (``ctx``: the step's, for a batch's probe spacing; None: a lone sequence's)."""
         self.probing = False
         if best > 0:
             self.off_steps = 0
             return best
         self.off_steps += 1
-        if self.off_steps >= self.interval(costs):
+        if self.off_steps >= self.interval(costs, ctx):
             self.off_steps = 0
             self.probing = True
             return min(self.probe_gamma, cap)
@@ -97,7 +104,7 @@ class CostGamma:
             return min(self.start_gamma, cap)
         best = best_gamma(self.acceptance.cumulative(cap), self.costs, self.margin, ctx.others_rows,
                           ctx.others_tokens)
-        return self.off.decide(best, cap, self.costs)
+        return self.off.decide(best, cap, self.costs, ctx)
 
     def stop(self, position: int, signal: Signal) -> bool:
         return False
