@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+from dataclasses import replace
 
 import pytest
 
@@ -52,8 +53,11 @@ def test_the_llamacpp_server_peer_is_refused_with_the_build_command_and_runs_its
     assert _methods("llamacpp-server:t1,llamacpp-server") == ["none", "llamacpp-server:t1", "llamacpp-server"]
     own = serve_command._peer_command("llamacpp-server:t1", config, 4)  # its own thread count, not --threads
     assert own[own.index("-t") + 1] == "1"
+    monkeypatch.setattr(serve_command, "server_threads", lambda: 7)  # a machine of 8 cores
+    unset = serve_command._peer_command("llamacpp-server", replace(config, threads=None), 4)
+    assert unset[unset.index("-t") + 1] == "7"  # by default as many threads as our server runs
     for bad in ("llamacpp-server:1", "llamacpp-server:t0", "llamacpp:tx"):
-        with pytest.raises(argparse.ArgumentTypeError, match="PEER:tN|:tN"):
+        with pytest.raises(argparse.ArgumentTypeError, match="takes its thread count"):
             _methods(bad)
 
 

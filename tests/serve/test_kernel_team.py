@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,14 +22,6 @@ def _process_count_restored():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
-
-
-def _in_thread(work):
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(work()))
-    thread.start()
-    thread.join()
-    return out[0]
 
 
 def test_a_threads_count_holds_when_another_thread_sets_its_own():
@@ -55,7 +48,8 @@ def test_a_threads_count_holds_when_another_thread_sets_its_own():
 
 
 def test_on_passing_thread_runs_with_its_threads_and_passes_back_result_and_error():
-    assert _in_thread(lambda: on_passing_thread(torch.get_num_threads, 2)) == 2
+    use_kernel_threads(1)
+    assert on_passing_thread(torch.get_num_threads, 3) == 3 and torch.get_num_threads() == 1
 
     def fails() -> None:
         raise KeyError("the model")
@@ -106,3 +100,20 @@ def test_the_serving_threads_torch_ops_open_no_second_team():
 
     assert new_threads("unguarded") >= 1  # the probe sees a second team where nothing prevents one
     assert new_threads("server") == 0
+
+
+def test_build_server_loads_on_a_passing_thread_and_gives_the_loop_the_kernel_threads(monkeypatch):
+    from specdecode.serve import app, server
+    from specdecode.serve.config import ServeConfig
+
+    loaded: list = []
+
+    def warm_engine(config, log):
+        loaded.append((threading.get_ident(), torch.get_num_threads()))
+        return SimpleNamespace(observer=None)
+    monkeypatch.setattr(server, "_warm_engine", warm_engine)
+    monkeypatch.setattr(app, "build_app", lambda loop, name, metrics, lifespan=None: "app")
+    served = server.build_server(ServeConfig(), lambda _line: None, threads=3)
+    assert loaded[0][0] != threading.get_ident() and loaded[0][1] == 3  # the model loads on its own thread
+    assert torch.get_num_threads() == 1  # the serving thread keeps one: no second team
+    assert served.loop.threads == 3 and served.loop.engine.observer is served.metrics

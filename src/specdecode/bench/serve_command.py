@@ -38,6 +38,7 @@ from specdecode.drafters import registry
 from specdecode.flags import add_model_arguments
 from specdecode.models.native import cpu_flags, cpu_model
 from specdecode.prompts import load_prompts
+from specdecode.serve.config import server_threads, usable_cores
 from specdecode.target import TargetConfig
 
 # Drafters a server runs on the target alone (the heads: the shipped ones).
@@ -97,7 +98,8 @@ def _methods(value: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every ``bench-serve`` flag, the shared model flags first (no ``--device``: the servers choose theirs)."""
-    add_model_arguments(p, device=False, threads_default="each server's own default (specdecode serve: every core, but one from 8 up)")
+    add_model_arguments(p, device=False,
+                        threads_default="each server's own default (specdecode serve: every core, but one from 8 up)")
     p.add_argument("--methods", type=_methods, default=_methods("none,ngram:adaptive"),
                    help="comma list: none (plain decoding, always run), DRAFTER:GAMMA for DRAFTER in "
                         f"{', '.join(SERVED_DRAFTERS)}, either prefixed by rayN: (served by N replicas on Ray Serve, "
@@ -200,7 +202,7 @@ def _server_flags(method: str, config: BenchServeConfig, max_running: int) -> li
     if gamma:
         flags += ["--gamma", gamma]
     if replicas:
-        cores = config.threads or os.cpu_count() or 1
+        cores = config.threads or usable_cores()
         cpus = max(math.floor(cores / replicas * 1e4) / 1e4, 1e-4)  # N x cpus never exceeds the cores
         flags += ["--ray", "--replicas", str(replicas), "--cpus-per-replica", f"{cpus:.4f}".rstrip("0").rstrip(".")]
     elif config.threads:
@@ -232,7 +234,7 @@ def _peer_command(method: str, config: BenchServeConfig, max_running: int) -> li
         path = config.model
     if not path.endswith(".gguf"):
         raise ValueError(f"--methods {name} needs a GGUF model; {config.model!r} is not one")
-    threads = own_threads or config.threads or os.cpu_count() or 1
+    threads = own_threads or config.threads or server_threads()  # by default as many as our server's
     if binary is not None:
         return ServerOptions(Path(path), threads, ctx=4096, slots=max_running).command(binary, "{port}")
     return [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "m", "--host", "127.0.0.1",
@@ -275,12 +277,13 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
         prompts = load_prompts(path) if path.exists() else packaged_prompts([config.workload])
     else:
         prompts = select(load_prompts(config.prompts) if config.prompts else default_prompts(), limit=config.limit)
-    peers = {m: _peer_command(m, config, max_running) for m in config.methods if _peer(m)}  # before any starts
+    peer_kinds = {m: _peer(m) for m in config.methods}
+    peers = {m: _peer_command(m, config, max_running) for m in config.methods if peer_kinds[m]}  # before any starts
     servers: list[Server] = []
     library = None
     try:  # every server started is stopped whatever fails from here on
         for m in config.methods:
-            servers.append(Server(m, [], peers[m], ready=PEER_READY[_peer(m)[0]]) if _peer(m)
+            servers.append(Server(m, [], peers[m], ready=PEER_READY[peer_kinds[m][0]]) if peer_kinds[m]
                            else Server(m, _server_flags(m, config, max_running)))
         if config.library:
             library = Library(TargetConfig(config.model, config.dtype, "auto", config.linear, config.weights), log)

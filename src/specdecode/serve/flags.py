@@ -20,7 +20,8 @@ from specdecode.serve.config import ROUTINGS, RayConfig, ServeConfig
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every ``serve`` flag, the shared model flags first."""
-    add_model_arguments(p, threads_default="every usable core, but one from 8 cores up: that one stays with the HTTP side")
+    add_model_arguments(p, threads_default="every usable core, but one from 8 cores up: that one stays with the "
+                                           "HTTP side")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served-model-name", default=None,

@@ -35,7 +35,8 @@ class Served:
     kind: str
 
 
-def build_server(config: ServeConfig, log: Callable[[str], None], lifespan=None, threads: int | None = None) -> Served:
+def build_server(config: ServeConfig, log: Callable[[str], None], lifespan: Callable | None = None,
+                 threads: int | None = None) -> Served:
     """Loads the model, builds and warms the batch engine and the API over it; ``lifespan`` starts and
     stops the loop with the application (see ``command.py``). ``threads``: the kernels' threads (default
     ``config.kernel_threads``), all on the engine loop's thread; the calling thread keeps one (``kernel_team.py``).
