@@ -167,16 +167,19 @@ class _FillSpy:
 
 
 class _RowSpy:
-    """A fixed-gamma controller that notes which controller it is and the rows it was told the others hold."""
+    """A controller that asks for 2 and 1 tokens in turn and notes which controller it is, the rows it was told the
+    others hold, its budget left and what it asked for."""
 
     early_stop = False
 
-    def __init__(self, seen: list, gamma: int) -> None:
-        self.seen, self.gamma = seen, gamma
+    def __init__(self, seen: list) -> None:
+        self.seen, self.calls = seen, 0
 
     def next_gamma(self, ctx) -> int:
-        self.seen.append((self, ctx.others_rows, ctx.remaining))
-        return self.gamma
+        self.calls += 1
+        gamma = 2 if self.calls % 2 else 1
+        self.seen.append((self, ctx.others_rows, ctx.remaining, gamma))
+        return gamma
 
     def stop(self, position, signal) -> bool:
         return False
@@ -186,13 +189,13 @@ class _RowSpy:
 
 
 def _rows_seen(target, draft_model, max_rows: int) -> list[list]:
-    """Two long requests under gamma-2 spies: per step where both decode with room for whole drafts (no prompt
-    rows, no budget's end), each controller in drafting order and the others' rows it was told."""
+    """Two long requests under _RowSpy controllers: per step where both decode with room for whole drafts (no
+    prompt rows, no budget's end), (controller, others' rows it was told, what it asked for) in drafting order."""
     seen: list = []
     engine = BatchEngine(target, new_drafter=lambda: DraftModelDrafter(draft_model, target, CacheConfig()),
                          spec=SpeculativeConfig(gamma=2), scheduler=SchedulerConfig(max_running=2, max_rows=max_rows),
                          max_len=96)
-    engine._new_controller = lambda: _RowSpy(seen, 2)
+    engine._new_controller = lambda: _RowSpy(seen)
     for prompt in PROMPTS[:2]:
         engine.submit(prompt, max_new_tokens=24, eos_token_ids=())
     steps = []
@@ -200,25 +203,28 @@ def _rows_seen(target, draft_model, max_rows: int) -> list[list]:
         seen.clear()
         engine.step()
         prefilling = any(s.prompt_pending for s in engine.scheduler.running)
-        if len(seen) == 2 and min(left for *_, left in seen) > 2 and not prefilling:
-            steps.append([(spy, rows) for spy, rows, _ in seen])
+        if len(seen) == 2 and min(left for _, _, left, _ in seen) > 2 and not prefilling:
+            steps.append([(spy, rows, gamma) for spy, rows, _, gamma in seen])
     assert len(steps) > 4
     return steps
 
 
-def test_drafts_are_priced_in_turn_each_seeing_the_drafts_before_it(target, draft_model):
-    # Drift fixed: every sequence priced its draft at the others' last drafts, so that drafts, once taken, kept
-    # each other going where none paid; now each sees the rows of this step so far: the other's fed token, and
-    # its draft when it drafted first. Who drafts first turns each step.
+def test_drafts_are_priced_in_turn_at_the_step_they_join(target, draft_model):
+    # Drift fixed: every sequence priced its draft at the others' last drafts only; now the one drafting second
+    # sees the first's draft of this step (its fed token and draft), the first sees the other's fed token and a
+    # draft as long as its last. Who drafts first turns each step.
     steps = _rows_seen(target, draft_model, max_rows=8)
-    assert all([rows for _, rows in step] == [1, 3] for step in steps)
+    for before, (first, second) in zip(steps, steps[1:]):
+        assert second[1] == 1 + first[2]
+        other_last = next(gamma for spy, _, gamma in before if spy is second[0])
+        assert first[1] == 1 + other_last
     firsts = [step[0][0] for step in steps]
     assert all(a is not b for a, b in zip(firsts, firsts[1:]))
 
 
 def test_the_room_left_for_drafts_goes_to_whose_turn_it_is(target, draft_model):
     steps = _rows_seen(target, draft_model, max_rows=3)  # one row of room: the first to draft takes it
-    assert all([rows for _, rows in step] == [1, 2] for step in steps)
+    assert all(second[1] == 2 for _, second in steps)
     firsts = [step[0][0] for step in steps]
     assert all(a is not b for a, b in zip(firsts, firsts[1:]))
 

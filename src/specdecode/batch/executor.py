@@ -3,12 +3,12 @@ hands each sequence its tokens. One request (``engine.Engine``) and many (the se
 
 A step is: admit waiting sequences onto free KV slots; share the step's row budget between the
 decoding sequences' fed tokens, the prompts still being read (a few rows each step, on our kernels) and
-the drafts (decided in turn, who goes first turning each step: each sequence's own controller prices its
-draft at the forward's rows so far, the fed tokens, prompt rows and drafts before it); run one
-row-invariant forward over every sequence's ragged rows (``rows.py``, ``Transformer.forward_rows``);
-verify (``verify_batch``), roll each slot back to its accepted length, commit and emit. Rows are computed
-as they would be alone, so a request's greedy output is bitwise what it is served alone, and a sampled one
-(n-gram drafting or none) depends only on its seed.
+the drafts; draft in turn (who goes first turns each step), each sequence's own controller pricing its
+draft at the forward it joins: the fed tokens, prompt rows, the drafts before it and, for those after it,
+drafts as long as their last ones; run one row-invariant forward over every sequence's ragged rows
+(``rows.py``, ``Transformer.forward_rows``); verify (``verify_batch``), roll each slot back to its
+accepted length, commit and emit. Rows are computed as they would be alone, so a request's greedy output
+is bitwise what it is served alone, and a sampled one (n-gram drafting or none) depends only on its seed.
 
 Each KV slot has a drafter of its own, reset for every sequence it serves and handed that slot: a draft
 model's or EAGLE head's cache is that slot's (named ``draft-<slot>`` in the KV memory), layerskip drafts in
@@ -60,12 +60,14 @@ class StepPlan:
     """What one step runs: prompt rows per prefilling sequence and, per decoding one (in drafting order), its
     draft budget (0 for a plain step) and the context its controller decided in. Drafts are decided in turn
     (``BatchEngine._draft_budget``): ``rows`` counts the forward's rows so far (fed tokens, prompt rows, the
-    drafts already proposed) and ``room`` the draft rows still within the step's budget."""
+    drafts already proposed), ``expected`` the drafts still to come (as long as those sequences' last ones)
+    and ``room`` the draft rows still within the step's budget."""
 
     chunk: dict[Sequence, int]
     decoding: list[Sequence]
     rows: int
     room: int
+    expected: int
     budgets: dict[Sequence, int] = field(default_factory=dict)
     contexts: dict[Sequence, StepContext] = field(default_factory=dict)
 
@@ -270,20 +272,23 @@ class BatchEngine:
         self._steps += 1
         # A prompt finished this step decodes in the same forward (its rows follow its last prompt rows), undrafted.
         finished = [seq for seq, n in chunk.items() if n == seq.prompt_pending]
-        plan = StepPlan(chunk, decoding + finished, len(decoding) + sum(chunk.values()), budget)
+        plan = StepPlan(chunk, decoding + finished, len(decoding) + sum(chunk.values()), budget,
+                        sum(s.last_rows - 1 for s in decoding))
         for seq in finished:
             plan.contexts[seq] = self._context(seq, plan.rows - chunk[seq], len(plan.decoding) - 1)
             plan.budgets[seq] = 0
         return plan
 
     def _draft_budget(self, seq: Sequence, plan: StepPlan) -> int:
-        """The most tokens ``seq`` may draft now: its controller's choice, priced at the step as it stands (the
-        others' fed tokens, the prompt rows and the drafts proposed before it), within the room left. Drafting
+        """The most tokens ``seq`` may draft now: its controller's choice, priced at the step it joins (the
+        others' fed tokens, the prompt rows, the drafts proposed before it and, for those still to draft, drafts
+        as long as their last ones), within the room left. Drafting
         past the budget is wasted work: the extra tokens would be cut anyway. Nor may a step reach past the
         cache's next compression step (it would show later rows an older cache state)."""
         if seq in plan.budgets:  # its prompt finished in this step
             return 0
-        ctx = self._context(seq, plan.rows - 1, len(plan.decoding) - 1)
+        plan.expected -= seq.last_rows - 1  # its own draft is the one being decided
+        ctx = self._context(seq, plan.rows - 1 + plan.expected, len(plan.decoding) - 1)
         plan.contexts[seq] = ctx
         if seq.drafter is None:
             plan.budgets[seq] = 0
