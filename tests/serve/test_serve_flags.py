@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from specdecode.serve.config import RayConfig, server_threads
+from specdecode.serve.config import RayConfig
 from specdecode.serve.flags import serve_flags
 
 
@@ -63,11 +63,6 @@ def test_bad_flags_are_a_value_error_not_an_exit():
 def test_ray_config_refuses_what_ray_could_not_deploy(settings, message):
     with pytest.raises(ValueError, match=message):
         RayConfig(**settings)
-
-
-@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 2), (4, 4), (7, 7), (8, 7), (64, 63)])
-def test_a_server_leaves_one_core_to_the_http_side_from_eight_cores(cores, threads):
-    assert server_threads(cores) == threads
 
 
 def test_threads_default_to_the_usable_cores_and_the_flag_overrides(monkeypatch):

@@ -275,16 +275,16 @@ class BatchEngine:
         plan = StepPlan(chunk, decoding + finished, len(decoding) + sum(chunk.values()), budget,
                         sum(s.last_rows - 1 for s in decoding))
         for seq in finished:
-            plan.contexts[seq] = self._context(seq, plan.rows - chunk[seq], len(plan.decoding) - 1)
+            plan.contexts[seq] = self._context(seq, plan.rows - chunk[seq] + plan.expected, len(plan.decoding) - 1)
             plan.budgets[seq] = 0
         return plan
 
     def _draft_budget(self, seq: Sequence, plan: StepPlan) -> int:
         """The most tokens ``seq`` may draft now: its controller's choice, priced at the step it joins (the
         others' fed tokens, the prompt rows, the drafts proposed before it and, for those still to draft, drafts
-        as long as their last ones), within the room left. Drafting
-        past the budget is wasted work: the extra tokens would be cut anyway. Nor may a step reach past the
-        cache's next compression step (it would show later rows an older cache state)."""
+        as long as their last ones), within the room left. Drafting past the budget is wasted work: the extra
+        tokens would be cut anyway. Nor may a step reach past the cache's next compression step (it would show
+        later rows an older cache state)."""
         if seq in plan.budgets:  # its prompt finished in this step
             return 0
         plan.expected -= seq.last_rows - 1  # its own draft is the one being decided

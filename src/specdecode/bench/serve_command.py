@@ -33,12 +33,12 @@ from specdecode.bench.library import Library
 from specdecode.bench.load import run_level, summarize
 from specdecode.bench.prompts import default_prompts, packaged_prompts, select
 from specdecode.bench import llamacpp_tools
+from specdecode.cores import server_threads, usable_cores
 from specdecode.bench.llamacpp_server import ServerOptions
 from specdecode.drafters import registry
 from specdecode.flags import add_model_arguments
 from specdecode.models.native import cpu_flags, cpu_model
 from specdecode.prompts import load_prompts
-from specdecode.serve.config import server_threads, usable_cores
 from specdecode.target import TargetConfig
 
 # Drafters a server runs on the target alone (the heads: the shipped ones).

@@ -6,11 +6,10 @@ It holds and checks settings; it neither parses flags (``flags.py``) nor builds 
 
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass, field
 
 from specdecode.batch.scheduler import SchedulerConfig
+from specdecode.cores import server_threads
 from specdecode.drafter_setup import DrafterConfig
 from specdecode.control.config import SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
@@ -95,25 +94,3 @@ class ServeConfig:
     def kernel_threads(self) -> int:
         """The step kernels' threads in this process: ``threads``, else :func:`server_threads`."""
         return self.threads or server_threads()
-
-
-KEEP_HTTP_CORE_FROM = 8  # cores from which a server leaves one to its HTTP side
-
-
-def server_threads(cores: int | None = None) -> int:
-    """The kernel threads a server runs by default: every core this process may use, but one from 8 cores up.
-
-    With one OpenMP team in the process (``kernel_team.py``) the HTTP side (event loop, chat templates,
-    tokenization, SSE) takes little of a core: on 2 cores, 2 kernel threads served plain decoding at
-    0.84-1.03x the library's tokens/s at 1-8 clients, 1 thread at 0.61-0.79x (docs/benchmarks/history.md,
-    "One OpenMP team"). From ``KEEP_HTTP_CORE_FROM`` cores on, a core costs the kernels at most an eighth of
-    their compute and is left to the HTTP side, whose work grows with the requests in flight (a judgement: no
-    machine here had more than 2 cores to measure it on).
-    """
-    cores = usable_cores() if cores is None else cores
-    return max(1, cores - (cores >= KEEP_HTTP_CORE_FROM))
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -8,7 +8,7 @@ the event loop, and steps on the engine loop's thread, has two teams. So the ser
 ops on one thread (no team), the model loads on a passing thread whose team ends with it, and the engine loop
 owns the only team.
 
-It does not choose how many threads the kernels get (``config.server_threads``).
+It does not choose how many threads the kernels get (``cores.server_threads``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,30 @@
+"""How many cores this process may use, and how many kernel threads a server takes of them.
+
+Both ``specdecode serve`` and ``bench-serve``'s peers go by it. It does not set any thread count
+(``serve/kernel_team.py`` does).
+"""
+
+from __future__ import annotations
+
+import os
+
+KEEP_HTTP_CORE_FROM = 8  # cores from which a server leaves one to its HTTP side
+
+
+def server_threads(cores: int | None = None) -> int:
+    """The kernel threads a server runs by default: every core this process may use, but one from 8 cores up.
+
+    With one OpenMP team in the process (``serve/kernel_team.py``) the HTTP side (event loop, chat templates,
+    tokenization, SSE) takes little of a core: on 2 cores, 2 kernel threads served plain decoding at
+    0.84-1.03x the library's tokens/s at 1-8 clients, 1 thread at 0.61-0.79x (docs/benchmarks/history.md,
+    "One OpenMP team"). From ``KEEP_HTTP_CORE_FROM`` cores on, a core costs the kernels at most an eighth of
+    their compute and is left to the HTTP side, whose work grows with the requests in flight (a judgement: no
+    machine here had more than 2 cores to measure it on).
+    """
+    cores = usable_cores() if cores is None else cores
+    return max(1, cores - (cores >= KEEP_HTTP_CORE_FROM))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
