@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from specdecode.argtypes import positive_int
+from specdecode.bench.child_server import ServerFailed
 from specdecode.bench.command import add_arguments as add_bench_arguments
 from specdecode.bench.serve_command import add_arguments as add_bench_serve_arguments
 from specdecode.control.model_file import load_controller_file
@@ -286,10 +287,10 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     return run_command(args, _log)
 
 
-# What bad input, a missing file or an impossible setting raise: one line and exit status 2. Anything else is
-# a bug and keeps its traceback.
+# What bad input, a missing file, an impossible setting or a server child that fails (bench-serve's, a peer's)
+# raise: one line and exit status 2. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (UsageError, ValueError, OSError, LoadError, FetchError, UnknownModelError, KVBudgetError,
-               CacheFullError)
+               CacheFullError, ServerFailed)
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "models": cmd_models, "calibrate-layerskip": cmd_calibrate,
             "fit-controller": cmd_fit_controller, "train-head": cmd_train_head, "serve": cmd_serve,

@@ -23,6 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerFailed(RuntimeError):
+    """A server child process exited before it was ready, or did not become ready in time (its output named)."""
+
+
 class Server:
     """A server child process on a free loopback port (``specdecode serve``, or a peer's command); its output
     goes to a temporary file (a pipe nobody reads while it serves could fill and block it).
@@ -47,11 +51,13 @@ class Server:
         return self.log.read()
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        """Returns once the ready path answers 200; raises RuntimeError if the process exits or time runs out."""
+        """Returns once the ready path answers 200; raises ServerFailed if the process exits or time runs out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the {self.name} server exited with {self.proc.returncode}:\n{self.output()}")
+            code = self.proc.poll()
+            if code is not None:  # a negative code: killed by that signal (a crash shows as SIGSEGV)
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+                raise ServerFailed(f"the {self.name} server {how}:\n{self.output() or '(no output)'}")
             try:
                 with urllib.request.urlopen(f"{self.url}{self.ready}", timeout=1) as r:
                     if r.status == 200:
@@ -59,7 +65,7 @@ class Server:
             except OSError:
                 pass  # not listening yet, or not ready (503)
             time.sleep(0.2)
-        raise RuntimeError(f"the {self.name} server did not answer {self.ready} within {timeout:.0f} s")
+        raise ServerFailed(f"the {self.name} server did not answer {self.ready} within {timeout:.0f} s")
 
     def stop(self) -> None:
         """SIGTERM (the server finishes what runs), then a kill after 60 s."""

@@ -66,7 +66,7 @@ class LlamaServer:
 
     Raises (on start):
         llamacpp_tools.PeerMissing: llama-server has not been built here.
-        RuntimeError: it exited or did not become ready within READY_TIMEOUT_S (its output named).
+        ServerFailed: it exited or did not become ready within READY_TIMEOUT_S (its output named).
     """
 
     def __init__(self, options: ServerOptions) -> None:
