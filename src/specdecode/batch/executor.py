@@ -71,6 +71,17 @@ class StepPlan:
     budgets: dict[Sequence, int] = field(default_factory=dict)
     contexts: dict[Sequence, StepContext] = field(default_factory=dict)
 
+    def turn_of(self, seq: Sequence) -> int:
+        """Starts ``seq``'s turn; returns the rows the others put in the forward its draft joins (its own
+        expected draft leaves ``expected``: it is the one being decided)."""
+        self.expected -= seq.last_rows - 1
+        return self.rows - 1 + self.expected
+
+    def drafted(self, tokens: int) -> None:
+        """Counts a draft just proposed: its rows join the forward and leave the room."""
+        self.rows += tokens
+        self.room -= tokens
+
 
 def kv_setting(cache: CacheConfig, dtype: torch.dtype) -> str:
     """A target cache's storage as the controllers see it: "int8", "int4", "window" or a dtype."""
@@ -243,8 +254,7 @@ class BatchEngine:
             t0 = time.perf_counter()
             drafts[seq] = self._propose(seq, k)
             draft_s[seq] = time.perf_counter() - t0
-            plan.rows += len(drafts[seq].tokens)
-            plan.room -= len(drafts[seq].tokens)
+            plan.drafted(len(drafts[seq].tokens))
         t1 = time.perf_counter()
         verdicts, real_rows = self._forward(running, plan.chunk, drafts)
         verify_s = time.perf_counter() - t1
@@ -287,8 +297,7 @@ class BatchEngine:
         later rows an older cache state)."""
         if seq in plan.budgets:  # its prompt finished in this step
             return 0
-        plan.expected -= seq.last_rows - 1  # its own draft is the one being decided
-        ctx = self._context(seq, plan.rows - 1 + plan.expected, len(plan.decoding) - 1)
+        ctx = self._context(seq, plan.turn_of(seq), len(plan.decoding) - 1)
         plan.contexts[seq] = ctx
         if seq.drafter is None:
             plan.budgets[seq] = 0
