@@ -190,6 +190,20 @@ def test_a_dropped_stream_frees_its_slot(client, server):
     _wait_for(base, "vllm:num_requests_running", 0, "the dropped stream still holds its slot")
 
 
+def test_a_dropped_whole_request_frees_its_slot(server):
+    """A non-streamed request hears of no output until its last; the client going away still ends it, within
+    about a second (the watcher's poll), long before its 2000 tokens would."""
+    import http.client
+
+    base = server[1]
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 2000,
+                                                        "temperature": 0}), {"Content-Type": "application/json"})
+    _wait_for(base, "vllm:num_requests_running", 1, "the request did not start")
+    conn.close()
+    _wait_for(base, "vllm:num_requests_running", 0, "the dropped request still holds its slot", timeout=5.0)
+
+
 @pytest.mark.parametrize("body, param, fragment", [
     (b'{"model": "smollm2", "prompt": ', None, "not valid JSON"),
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature", "valid number"),

@@ -242,7 +242,7 @@ def _peer_command(method: str, config: BenchServeConfig, max_running: int) -> li
             "--interrupt_requests", "False"]  # its default cuts a running stream short when the next request comes
 
 
-def _bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, Any]]:
+def chat_bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, Any]]:
     """``count`` greedy chat requests, cycling through ``prompts`` (with their predictions)."""
     bodies = []
     for i in range(count):
@@ -294,7 +294,7 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
         texts: dict[tuple[str, int], list[list[str]]] = {}  # per repeat, each request's answer
         for level in levels:
             count = len(prompts) if config.workload else config.requests or max(len(prompts), 2 * level)
-            bodies = _bodies(prompts, config.max_tokens, count)
+            bodies = chat_bodies(prompts, config.max_tokens, count)
             requests = library.requests(prompts, count) if library else []
             for s in servers:  # an untimed run, so that no level starts cold (one that learns starts afresh below)
                 if not (config.workload and _learns(s.name)):

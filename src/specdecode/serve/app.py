@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from specdecode.serve.metrics import ServeMetrics
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 1.0  # how often a waiting request checks that its client is still there
 
 
 class APIError(Exception):
@@ -105,16 +107,56 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-class _Handle:
-    """One request's outputs, moved from the engine's thread to the event loop's."""
+class OutputRelay:
+    """Hands outputs from the engine's thread to the event loop with one wake-up of the loop for the outputs
+    that arrive together (a step's, one per running request) rather than one per output: each wake-up costs
+    both threads CPU. Each queue gets its outputs in the order they came.
 
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
+    Args:
+        loop: the event loop that reads the queues.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Output]] = []
+
+    def put(self, queue: asyncio.Queue, output: Output) -> None:
+        """Queues ``output`` for ``queue`` (from any thread); wakes the loop unless a wake-up is already due."""
+        with self._lock:
+            self._pending.append((queue, output))
+            if len(self._pending) > 1:  # the wake-up that the first of them asked for has not run yet
+                return
+        self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, output in pending:
+            queue.put_nowait(output)
+
+
+class _Handle:
+    """One request's outputs, moved from the engine's thread to the event loop's. A streamed request hands over
+    every output; a whole one only its last (its texts gather on the engine's thread).
+
+    Args:
+        relay: what hands outputs to the event loop.
+        stream: whether the request streams.
+    """
+
+    def __init__(self, relay: OutputRelay, stream: bool) -> None:
+        self._relay = relay
+        self.stream = stream
         self.outputs: asyncio.Queue[Output] = asyncio.Queue()
+        self.texts: list[str] = []  # a whole request's texts before its last output
         self.seq: Sequence | None = None
 
     def on_output(self, seq: Sequence, output: Output) -> None:
-        self._loop.call_soon_threadsafe(self.outputs.put_nowait, output)
+        if not self.stream and output.finish_reason is None:
+            self.texts.append(output.text)  # read only after the last output, which the loop gets after this
+            return
+        self._relay.put(self.outputs, output)
 
 
 def usage(seq: Sequence) -> dict[str, Any]:
@@ -155,6 +197,7 @@ class ServedModel:
         self.tokenizer = loop.engine.tokenizer
         self.created = int(time.time())
         self.accepting = True
+        self._relay: OutputRelay | None = None
 
     def check_model(self, name: str) -> None:
         if name != self.name:
@@ -199,7 +242,9 @@ class ServedModel:
         """Submits the request to the engine loop; a full queue is a 429, a refused request a 400."""
         if not self.accepting or not self.loop.alive:
             raise APIError(503, "the server is shutting down", kind="service_unavailable")
-        handle = _Handle()
+        if self._relay is None:  # made here: it needs the running loop
+            self._relay = OutputRelay(asyncio.get_running_loop())
+        handle = _Handle(self._relay, body.stream)
         prediction = joined(body.prediction.content) if body.prediction is not None else None
         future = self.loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(),
                                   max_new_tokens=self.budget(body, len(ids)), stop=body.stops(), prediction=prediction)
@@ -212,21 +257,26 @@ class ServedModel:
         return handle
 
     async def outputs(self, handle: _Handle, request: Request) -> AsyncIterator[Output]:
-        """The request's outputs until its last; cancels it if the client goes away."""
+        """The request's outputs until its last; a client that goes away (checked every second, beside the
+        outputs rather than at each) cancels the request, whose last output then ends this."""
+        watcher = asyncio.create_task(self._watch(handle, request))
         try:
             while True:
-                try:
-                    out = await asyncio.wait_for(handle.outputs.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
+                out = await handle.outputs.get()
                 yield out
                 if out.finish_reason is not None:
                     return
         finally:
+            watcher.cancel()
             if not handle.seq.finished:
                 self.loop.cancel(handle.seq)
+
+    async def _watch(self, handle: _Handle, request: Request) -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await request.is_disconnected():
+                self.loop.cancel(handle.seq)
+                return
 
     async def respond(self, request: Request, body: _Sampling, ids: list[int], chat: bool) -> Response:
         """The answer to a completion (``chat`` false) or chat request: one JSON body, or an SSE stream."""
@@ -240,7 +290,7 @@ class ServedModel:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _whole(self, request: Request, handle: _Handle, reply: _Reply) -> Response:
-        text = [out.text async for out in self.outputs(handle, request)]
+        text = handle.texts + [out.text async for out in self.outputs(handle, request)]
         seq = handle.seq
         if seq.finish_reason == "error":
             raise failed(seq)
