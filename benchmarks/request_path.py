@@ -159,7 +159,8 @@ def main() -> None:
         p.error("py-spy is not installed (pip install py-spy)")
     prompts = select(default_prompts(), limit=2)
     bodies = chat_bodies(prompts, args.max_tokens, args.requests)
-    flags = ["--model", args.model, "--served-model-name", "m", "--drafter", "none", *(["--threads", str(args.threads)] if args.threads else [])]
+    flags = ["--model", args.model, "--served-model-name", "m", "--drafter", "none",
+             *(["--threads", str(args.threads)] if args.threads else [])]
     server = Server("specdecode", flags)
     modes = {}
     with tempfile.TemporaryDirectory() as tmp:

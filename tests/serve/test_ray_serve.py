@@ -42,9 +42,13 @@ SHARED = ("You are a careful assistant for a travel agency. Answer in one short 
           "invent prices or dates. The customer asks: ")
 
 
+KEY = "ray-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 def _flags(model: Path | str, *extra: str) -> list[str]:
     return ["--model", str(model), "--served-model-name", MODEL, "--drafter", "ngram", "--max-running", "2",
-            "--max-waiting", "8", "--max-len", "1024", "--log-level", "warning", *extra]
+            "--max-waiting", "8", "--max-len", "1024", "--log-level", "warning", "--api-key", KEY, *extra]
 
 
 def _processes() -> dict[int, tuple[int, bytes]]:
@@ -103,7 +107,7 @@ def cluster(smollm2_path):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="unused", max_retries=0, timeout=180)
+    return openai.OpenAI(base_url=cluster["url"] + "/v1", api_key=KEY, max_retries=0, timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +151,21 @@ def test_a_stream_through_the_proxy_equals_the_plain_answer(client):
 
 def test_bad_input_gets_the_servers_error(cluster, client):
     request = urllib.request.Request(cluster["url"] + "/v1/completions", data=b"{not json",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **AUTH})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=60)
     assert err.value.code == 400 and "not valid JSON" in json.loads(err.value.read())["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="is not served here"):
         client.completions.create(model="other", prompt="hi", max_tokens=2)
+
+
+def test_without_the_key_the_replicas_and_the_ingress_answer_401(cluster):
+    for path in ("/v1/models", "/metrics"):  # a replica's route, and the ingress's own
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(cluster["url"] + path, timeout=60)
+        assert err.value.code == 401 and json.loads(err.value.read())["error"]["code"] == "invalid_api_key"
+    with urllib.request.urlopen(cluster["url"] + "/health", timeout=60) as r:
+        assert r.status == 200
 
 
 def test_both_replicas_metrics_in_one_view(cluster, client):
@@ -170,7 +183,7 @@ def test_both_replicas_metrics_in_one_view(cluster, client):
     # Every replica pushes every METRICS_PUSH_S; on a loaded machine a push can come late, so wait for both.
     deadline = time.monotonic() + 30 * METRICS_PUSH_S
     while True:
-        with urllib.request.urlopen(cluster["url"] + "/metrics", timeout=60) as r:
+        with urllib.request.urlopen(urllib.request.Request(cluster["url"] + "/metrics", headers=AUTH), timeout=60) as r:
             families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
         generated = {s.labels["replica"]: s.value for s in families["vllm:generation_tokens"].samples}
         if len(generated) == 2 or time.monotonic() > deadline:
@@ -187,7 +200,7 @@ def test_a_client_that_goes_away_frees_its_replicas_slot(cluster, client):
     from prometheus_client.parser import text_string_to_metric_families
 
     def running() -> float:
-        with urllib.request.urlopen(cluster["url"] + "/metrics", timeout=60) as r:
+        with urllib.request.urlopen(urllib.request.Request(cluster["url"] + "/metrics", headers=AUTH), timeout=60) as r:
             families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
         return sum(s.value for s in families["vllm:num_requests_running"].samples)
 
@@ -275,7 +288,7 @@ def test_the_serve_ray_command_serves_and_stops_cleanly(smollm2_path, solo, tmp_
     proc = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--ray", "--replicas", "1", "--port",
                              str(port), *_flags(smollm2_path)], stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
         deadline = time.monotonic() + 300
         while "serving on http://" not in log.read_text():  # the command says so once the app is up
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()

@@ -222,6 +222,41 @@ def test_bad_requests_get_a_400_naming_the_field(server, body, param, fragment):
     assert reply["error"]["type"] == "invalid_request_error"
 
 
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logit_bias": {"42": 5}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+])
+def test_fields_this_server_does_not_implement_get_a_400_naming_them(server, extra, param):
+    status, _, reply = _post(server[1], "/v1/chat/completions", {**CHAT, **extra})
+    assert status == 400 and reply["error"]["param"] == param and "not supported" in reply["error"]["message"], reply
+
+
+def test_fields_left_at_their_defaults_or_without_effect_are_accepted(server):
+    body = {**CHAT, "max_tokens": 4, "logprobs": False, "tools": [], "response_format": {"type": "text"},
+            "presence_penalty": 0, "user": "u-1", "metadata": {"k": "v"}, "some_future_field": 1}
+    status, _, reply = _post(server[1], "/v1/chat/completions", body)
+    assert status == 200 and reply["choices"][0]["message"]["content"], reply
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a\udfffb"}]},
+     "messages.0.content"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["ok", "\ud800"]}, "stop.1"),
+])
+def test_text_that_is_not_unicode_gets_a_400_naming_the_field(server, path, body, param):
+    status, _, reply = _post(server[1], path, json.dumps(body).encode())  # json escapes the lone surrogate
+    assert status == 400 and reply["error"]["param"] == param and "not valid Unicode" in reply["error"]["message"]
+
+
 def test_chat_with_a_wrong_message_shape_gets_a_400(server):
     status, _, reply = _post(server[1], "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot"}]})
     assert status == 400 and reply["error"]["param"].startswith("messages.0.role"), reply

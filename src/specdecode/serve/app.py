@@ -28,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from specdecode.batch.scheduler import QueueFullError
 from specdecode.batch.sequence import Output, Sequence
 from specdecode.sampling import SamplingParams
+from specdecode.serve.fields import check_extra_fields, first_unencodable
+from specdecode.serve.guard import HttpPolicy, Guard
 from specdecode.serve.loop import EngineLoop
 from specdecode.serve.metrics import ServeMetrics
 
@@ -67,9 +69,10 @@ class PredictedOutput(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's API does."""
+    """Fields both endpoints share. Others are kept aside for ``fields.check_extra_fields``: refused where they
+    ask for what this server does not do, else ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -151,6 +154,8 @@ class _Handle:
         self.outputs: asyncio.Queue[Output] = asyncio.Queue()
         self.texts: list[str] = []  # a whole request's texts before its last output
         self.seq: Sequence | None = None
+        self.came = time.monotonic()
+        self.timed_out = False  # cancelled at its deadline
 
     def on_output(self, seq: Sequence, output: Output) -> None:
         if not self.stream and output.finish_reason is None:
@@ -189,10 +194,11 @@ class ServedModel:
         loop: the engine loop (started and stopped by the application's lifespan).
         name: the model name clients pass.
         metrics: the Prometheus metrics ``/metrics`` renders.
+        timeout_s: a request still running this long after it came is cancelled (None: no deadline).
     """
 
-    def __init__(self, loop: EngineLoop, name: str, metrics: ServeMetrics) -> None:
-        self.loop, self.name, self.metrics = loop, name, metrics
+    def __init__(self, loop: EngineLoop, name: str, metrics: ServeMetrics, timeout_s: float | None = None) -> None:
+        self.loop, self.name, self.metrics, self.timeout_s = loop, name, metrics, timeout_s
         self.engine = loop.engine
         self.tokenizer = loop.engine.tokenizer
         self.created = int(time.time())
@@ -272,11 +278,17 @@ class ServedModel:
                 self.loop.cancel(handle.seq)
 
     async def _watch(self, handle: _Handle, request: Request) -> None:
+        """Cancels the request when its client has gone or its deadline has passed (checked every second)."""
         while True:
             await asyncio.sleep(DISCONNECT_POLL_S)
-            if await request.is_disconnected():
+            handle.timed_out = self.timeout_s is not None and time.monotonic() - handle.came > self.timeout_s
+            if handle.timed_out or await request.is_disconnected():
                 self.loop.cancel(handle.seq)
                 return
+
+    def deadline_error(self) -> APIError:
+        return APIError(504, f"the request ran past this server's {self.timeout_s:g} s deadline (--request-timeout) "
+                             "and was cancelled", kind="timeout")
 
     async def respond(self, request: Request, body: _Sampling, ids: list[int], chat: bool) -> Response:
         """The answer to a completion (``chat`` false) or chat request: one JSON body, or an SSE stream."""
@@ -295,6 +307,8 @@ class ServedModel:
         if seq.finish_reason == "error":
             raise failed(seq)
         if seq.finish_reason == "cancelled":
+            if handle.timed_out:
+                raise self.deadline_error()
             return Response(status_code=499)  # the client is gone: nobody reads this
         return JSONResponse(reply.whole("".join(text), FINISH[seq.finish_reason], usage(seq)))
 
@@ -303,8 +317,9 @@ class ServedModel:
         if reply.chat:
             yield sse(reply.chunk(None, None, first=True))
         async for out in self.outputs(handle, request):
-            if out.finish_reason == "error":
-                err = failed(handle.seq)
+            late = out.finish_reason == "cancelled" and handle.timed_out
+            if out.finish_reason == "error" or late:
+                err = self.deadline_error() if late else failed(handle.seq)
                 yield sse({"error": {"message": err.message, "type": err.kind, "param": None, "code": None}})
                 break
             finish = FINISH[out.finish_reason] if out.finish_reason else None
@@ -369,14 +384,26 @@ async def bad_request(request: Request, exc: RequestValidationError) -> JSONResp
     return await api_error(request, APIError(400, message, param))
 
 
+def _check_fields(body: _Sampling) -> None:
+    """A 400 for a field this server does not implement, or for text that is not valid Unicode."""
+    refused = check_extra_fields(body.model_extra or {})
+    if refused is not None:
+        raise APIError(400, refused[1], refused[0])
+    bad = first_unencodable(body.model_dump(exclude_none=True))
+    if bad is not None:
+        raise APIError(400, f"{bad}: the text is not valid Unicode (a lone surrogate)", bad)
+
+
 async def completions(request: Request, body: CompletionRequest) -> Response:
     served = _served(request)
+    _check_fields(body)
     served.check_model(body.model)
     return await served.respond(request, body, served.encode_prompt(body.prompt), chat=False)
 
 
 async def chat_completions(request: Request, body: ChatRequest) -> Response:
     served = _served(request)
+    _check_fields(body)
     served.check_model(body.model)
     return await served.respond(request, body, served.encode_chat(body.messages), chat=True)
 
@@ -398,11 +425,13 @@ async def metrics_endpoint(request: Request) -> Response:
     return Response(metrics.render(), media_type=metrics.content_type)
 
 
-def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, lifespan=None) -> FastAPI:
-    """The FastAPI application serving ``loop``'s engine under ``model_name``; ``lifespan`` starts and stops
-    the loop with the server (see ``command.py``)."""
+def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, policy: HttpPolicy = HttpPolicy(),
+              lifespan=None) -> FastAPI:
+    """The FastAPI application serving ``loop``'s engine under ``model_name``, behind ``policy``'s key and body
+    limit (``guard.py``); ``lifespan`` starts and stops the loop with the server (see ``command.py``)."""
     app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.served = ServedModel(loop, model_name, metrics)
+    app.add_middleware(Guard, policy=policy)
+    app.state.served = ServedModel(loop, model_name, metrics, policy.request_timeout_s)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, bad_request)
     app.add_api_route("/v1/completions", completions, methods=["POST"])

@@ -14,6 +14,8 @@ from typing import Callable
 from specdecode.serve.config import ServeConfig
 from specdecode.serve.server import SHUTDOWN_GRACE_S, build_server
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 @asynccontextmanager
 async def _lifespan(app):
@@ -46,6 +48,9 @@ def run_command(config: ServeConfig, log: Callable[[str], None]) -> int:
     gc.freeze()  # the model and engine live as long as the server: keep them out of every collection's scan
     log(f"serving {served.name} on http://{config.host}:{config.port}/v1 (drafter {served.kind}, "
         f"gamma {config.speculation.gamma}, {config.kernel_threads} kernel thread(s))")
+    if config.http.api_key is None and config.host not in LOOPBACK:
+        log(f"warning: listening on {config.host} without an API key: anyone who reaches the port can use the "
+            "server (--api-key)")
     uvicorn.run(served.app, host=config.host, port=config.port, log_level=config.log_level,
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.cores import server_threads
+from specdecode.serve.guard import HttpPolicy
 from specdecode.drafter_setup import DrafterConfig
 from specdecode.control.config import SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
@@ -69,6 +70,7 @@ class ServeConfig:
         log_level: uvicorn's (and, at ``debug``, Ray's driver logs).
         threads: the step kernels' threads; None = :func:`server_threads` (on Ray: ``cpus_per_replica``).
         ray: the Ray Serve deployment, or None to serve in this process.
+        http: the API key, the request body limit and the per-request deadline.
     """
 
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -84,6 +86,7 @@ class ServeConfig:
     log_level: str = "info"
     threads: int | None = None
     ray: RayConfig | None = None
+    http: HttpPolicy = field(default_factory=HttpPolicy)
 
     @property
     def name(self) -> str:

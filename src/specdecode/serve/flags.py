@@ -16,6 +16,7 @@ from specdecode.control.config import SpeculativeConfig
 from specdecode.flags import (add_drafter_arguments, add_gamma_arguments, add_kv_arguments, add_model_arguments,
                               cache_configs, drafter_config, target_config)
 from specdecode.serve.config import ROUTINGS, RayConfig, ServeConfig
+from specdecode.serve.guard import API_KEY_ENV, HttpPolicy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=positive_int, default=None,
                    help="tokens per request, prompt + completion (default: the model's context, at most 4096)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--api-key", default=None,
+                   help=f"clients must send `Authorization: Bearer KEY`; every route but /health answers 401 "
+                        f"without it (default: ${API_KEY_ENV}, else no key)")
+    p.add_argument("--metrics-public", action="store_true", help="/metrics answers without the API key")
+    p.add_argument("--max-body-bytes", type=byte_size, default=HttpPolicy.max_body_bytes, metavar="SIZE",
+                   help="the largest request body, e.g. 8M; larger ones get a 413 (default 8M)")
+    p.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
+                   help="cancel a request still running this long after it came: a 504, or an error event ending "
+                        "its stream (default: no deadline)")
     add_kv_arguments(p)
     _add_ray_arguments(p)
 
@@ -75,8 +85,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     cache, draft_cache = cache_configs(args, draft=drafter.has_draft_cache)
     ray = RayConfig(args.replicas, args.cpus_per_replica, args.ingress_replicas, args.memory_per_replica,
                     args.routing, address=args.ray_address) if args.ray else None
+    http = HttpPolicy(HttpPolicy.key_from(args.api_key), args.metrics_public, args.max_body_bytes,
+                      args.request_timeout)
     return ServeConfig(target_config(args), drafter, speculation, cache, draft_cache, scheduler, args.max_len,
-                       args.served_model_name, args.host, args.port, args.log_level, args.threads, ray)
+                       args.served_model_name, args.host, args.port, args.log_level, args.threads, ray, http)
 
 
 def serve_flags(flags: list[str]) -> ServeConfig:

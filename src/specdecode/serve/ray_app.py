@@ -38,6 +38,7 @@ from ray.serve.handle import DeploymentHandle
 from specdecode.argtypes import byte_size
 from specdecode.serve.config import RayConfig, ServeConfig
 from specdecode.serve.flags import serve_flags
+from specdecode.serve.guard import UNAUTHORIZED, HttpPolicy, error_body
 from specdecode.serve.forward import ForwardedRequest, ResponseHead, call_asgi
 from specdecode.serve.metrics import merge_replicas
 from specdecode.serve.server import SHUTDOWN_GRACE_S, build_server
@@ -209,16 +210,21 @@ class Ingress:
         engine: the ``EngineServer`` deployment.
         hub: the ``MetricsHub`` deployment.
         retries: attempts after the first when a replica dies before anything was sent.
+        policy: the API key; the replicas check it on the routes they answer, this ingress on ``/metrics``.
     """
 
-    def __init__(self, engine: DeploymentHandle, hub: DeploymentHandle, retries: int = 2) -> None:
-        self.engine, self.hub, self.retries = engine.options(stream=True), hub, retries
+    def __init__(self, engine: DeploymentHandle, hub: DeploymentHandle, retries: int = 2,
+                 policy: HttpPolicy = HttpPolicy()) -> None:
+        self.engine, self.hub, self.retries, self.policy = engine.options(stream=True), hub, retries, policy
 
     @ingress_api.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
         """Every replica's metrics in one view."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if not self.policy.allows("/metrics", request.headers.get("authorization")):
+            return JSONResponse(error_body(UNAUTHORIZED, "invalid_api_key"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
         return Response(await self.hub.render.remote(), media_type=CONTENT_TYPE_LATEST)
 
     @ingress_api.api_route("/{path:path}", methods=["GET", "POST"])
@@ -267,7 +273,7 @@ def build_application(config: ServeConfig, replicas: int = 1, cpus_per_replica: 
         health_check_period_s=2, max_constructor_retry_count=2,  # one retry in all, then the deployment fails
         graceful_shutdown_timeout_s=SHUTDOWN_GRACE_S + 5, **router,
     ).bind(config, hub, threads)
-    return Ingress.options(num_replicas=ray.ingress_replicas).bind(engine, hub, ray.retries)
+    return Ingress.options(num_replicas=ray.ingress_replicas).bind(engine, hub, ray.retries, config.http)
 
 
 class DeploymentError(RuntimeError):

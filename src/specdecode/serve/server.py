@@ -60,7 +60,7 @@ def build_server(config: ServeConfig, log: Callable[[str], None], lifespan: Call
     loop = EngineLoop(engine, threads, on_step=lambda e: metrics.gauges(len(e.scheduler.running),
                                                                         len(e.scheduler.waiting), e.kv_usage,
                                                                         e.learned))
-    return Served(build_app(loop, config.name, metrics, lifespan=lifespan), loop, metrics, config.name,
+    return Served(build_app(loop, config.name, metrics, config.http, lifespan=lifespan), loop, metrics, config.name,
                   config.drafter.kind)
 
 

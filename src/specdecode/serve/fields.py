@@ -1,0 +1,74 @@
+"""Which request fields the server honours, refuses or ignores, and text it cannot encode.
+
+OpenAI's request fields that change what a completion is but are not implemented here (tools, logprobs,
+response formats, penalties, ...) are refused with a 400 naming the field whenever they ask for something
+other than their default; fields that do not change the completion (``user``, ``metadata``, ``store``, ...)
+are accepted and ignored; any other unknown field is ignored too and logged once per name, since a client
+library may send fields newer than this server. Text fields holding a lone surrogate (``"\\udfff"``, valid
+JSON but not Unicode) are a 400 naming the field.
+
+It does not parse requests (``app.py``'s models do) nor check their values' ranges.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("specdecode.serve")
+
+# Field -> the values that ask for nothing (the field's default or an explicit "off"); anything else is refused.
+REFUSED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "logprobs": (None, False), "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,), "modalities": (None, ["text"]),
+    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "web_search_options": (None,),
+}
+# Accepted and ignored: they do not change the completion.
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                     "reasoning_effort", "verbosity"})
+
+_logged: set[str] = set()
+
+
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    return any(value == o and type(value) is type(o) for o in off)  # True is not 1 here
+
+
+def check_extra_fields(extra: dict[str, Any]) -> tuple[str, str] | None:
+    """The first field of ``extra`` (fields the request models do not declare) that asks for what this server
+    does not do, as (field, message); unknown fields are logged once per name and ignored."""
+    for name, value in extra.items():
+        if name in REFUSED:
+            if not _is_off(value, REFUSED[name]):
+                return name, f"{name} is not supported by this server (got {_short(value)})"
+        elif name not in IGNORED and name not in _logged:
+            _logged.add(name)
+            log.warning("ignoring the unknown request field %r (logged once)", name)
+    return None
+
+
+def first_unencodable(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string in ``value`` (nested dicts and lists) that is not valid Unicode
+    (a lone surrogate), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = first_unencodable(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,44 @@
+"""fields.py: OpenAI fields that ask for what this server does not do are refused by name, fields at their
+defaults or without effect pass, unknown ones are logged once, and text that is not Unicode is found by path."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from specdecode.serve import fields
+from specdecode.serve.fields import check_extra_fields, first_unencodable
+
+
+@pytest.mark.parametrize("extra, name", [
+    ({"tools": [{"type": "function"}]}, "tools"), ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 1}, "top_logprobs"), ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"frequency_penalty": -1.0}, "frequency_penalty"),
+    ({"audio": {"voice": "x"}}, "audio"),
+    ({"user": "u", "logit_bias": {"1": 1}}, "logit_bias"),
+])
+def test_fields_asking_for_what_is_not_done_are_refused_by_name(extra, name):
+    refused = check_extra_fields(extra)
+    assert refused is not None and refused[0] == name and "not supported" in refused[1]
+
+
+def test_defaults_and_fields_without_effect_pass():
+    assert check_extra_fields({"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+                               "response_format": {"type": "text"}, "presence_penalty": 0.0, "best_of": 1,
+                               "user": "u", "store": True, "metadata": {"a": "b"}, "parallel_tool_calls": True}) is None
+    assert check_extra_fields({"logprobs": 1}) is not None  # 1 is not False here
+
+
+def test_unknown_fields_are_logged_once_and_ignored(caplog, monkeypatch):
+    monkeypatch.setattr(fields, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="specdecode.serve"):
+        assert check_extra_fields({"frobnicate": 1}) is None
+        assert check_extra_fields({"frobnicate": 2}) is None
+    assert [r.getMessage() for r in caplog.records] == ["ignoring the unknown request field 'frobnicate' (logged once)"]
+
+
+def test_the_first_text_that_is_not_unicode_is_named_by_its_path():
+    assert first_unencodable({"messages": [{"content": "ok"}, {"content": ["a", "b\udfff"]}]}) == "messages.1.content.1"
+    assert first_unencodable({"prompt": "fine", "stop": ["x"]}) is None
+    assert first_unencodable("\ud800") == "body"
