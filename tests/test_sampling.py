@@ -146,3 +146,14 @@ def test_sample_draws_only_from_the_support():
     assert draws.shape == (50, 2)
     assert set(draws[:, 0].tolist()) == {1, 3}
     assert set(draws[:, 1].tolist()) == {2}
+
+
+def test_extreme_but_valid_parameters_give_a_distribution():
+    """top_p below float32's least value keeps the top token (not nothing: NaN), and a temperature too small to
+    divide by is greedy (logits / 1e-300 overflow), as the server's fuzzer found."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=5e-324))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    tiny = SamplingParams(temperature=1e-300)
+    assert tiny.greedy and torch.equal(probs_from_logits(logits, tiny), probs)
+    assert not SamplingParams(temperature=1e-4).greedy

@@ -11,12 +11,15 @@ from dataclasses import dataclass
 import torch
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy, as vLLM's: logits / 1e-300 overflow to inf - inf = NaN
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen.
 
     Args:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 (or below GREEDY_BELOW) means greedy (argmax); otherwise logits are divided by it.
         top_k: keep the k most likely tokens; 0 keeps all.
         top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all.
         seed: seed of the request's random generator; None draws one from the global generator.
@@ -37,7 +40,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: temperature 0, or one so small (below GREEDY_BELOW) that dividing by it overflows."""
+        return self.temperature < GREEDY_BELOW
 
     def request_seed(self) -> int:
         """The request's seed: ``seed``, or one drawn from the global generator when it is None."""
@@ -76,8 +80,10 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     if params.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
+        # Drop a token when the mass strictly before it already reaches top_p; the top token always stays (a
+        # top_p under float32's least value would otherwise drop it too, leaving nothing).
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop_sorted[..., 0] = False
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     return logits.softmax(-1)
 

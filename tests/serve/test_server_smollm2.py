@@ -276,6 +276,9 @@ def test_a_full_queue_answers_429_with_retry_after(server):
 
 
 def test_bounded_load_every_request_answered_once_no_leaks_flat_memory(client, server):
+    """A soak of 200 requests from 8 clients, a mix of whole and streamed answers, refused requests and streams
+    dropped after their first chunk: every valid request is answered once, every refused one a 400, the dropped
+    ones free their slots, and memory stays flat."""
     proc, base = server
     generated_before = _metric(base, "vllm:generation_tokens_total")
     first_tokens_before = _metric(base, "vllm:time_to_first_token_seconds_count")
@@ -283,16 +286,34 @@ def test_bounded_load_every_request_answered_once_no_leaks_flat_memory(client, s
     start = time.monotonic()
 
     def ask(i):
-        r = client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)] + f" ({i})", max_tokens=4,
-                                      temperature=0)
-        return i, r.id, r.usage.completion_tokens
+        prompt = PROMPTS[i % len(PROMPTS)] + f" ({i})"
+        kind = ("whole", "stream", "refused", "dropped")[i % 4]
+        if kind == "whole":
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+            return i, kind, r.id, r.usage.completion_tokens
+        if kind == "refused":
+            status, _, reply = _post(base, "/v1/completions", {"model": MODEL, "prompt": prompt, "logprobs": 2})
+            return i, kind, status, reply["error"]["param"]
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4 if kind == "stream" else 500,
+                                           temperature=0, stream=True)
+        ids, tokens = set(), 0
+        for chunk in stream:
+            ids.add(chunk.id)
+            tokens += bool(chunk.choices and chunk.choices[0].text)
+            if kind == "dropped":
+                stream.close()
+                break
+        return i, kind, ids.pop(), tokens
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(ask, range(200)))
     elapsed = time.monotonic() - start
-    assert sorted(i for i, _, _ in results) == list(range(200)) and len({rid for _, rid, _ in results}) == 200
+    assert sorted(r[0] for r in results) == list(range(200))
+    answered = [r for r in results if r[1] in ("whole", "stream")]
+    assert len({r[2] for r in answered}) == 100 and all(r[3] >= 1 for r in answered)
+    assert all(r[2:] == (400, "logprobs") for r in results if r[1] == "refused")
     assert elapsed < 120, f"200 requests took {elapsed:.0f} s"
-    assert _metric(base, "vllm:generation_tokens_total") - generated_before == sum(n for _, _, n in results)
-    assert _metric(base, "vllm:time_to_first_token_seconds_count") - first_tokens_before == 200  # one per request
+    assert _metric(base, "vllm:generation_tokens_total") - generated_before >= sum(r[3] for r in answered)
+    assert _metric(base, "vllm:time_to_first_token_seconds_count") - first_tokens_before == 150  # answered + dropped
     _wait_for(base, "vllm:num_requests_running", 0)  # the gauges are set after the step that answered
     assert _metric(base, "vllm:num_requests_waiting") == 0 and _metric(base, "vllm:kv_cache_usage_perc") == 0
     grown = _rss_bytes(proc.pid) - rss_before

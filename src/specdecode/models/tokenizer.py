@@ -264,7 +264,8 @@ class Tokenizer:
             **kwargs: extra template variables (``tools``, ``documents`` ...).
 
         Raises:
-            ChatTemplateError: no template, or the template called ``raise_exception``.
+            ChatTemplateError: no template, the template called ``raise_exception``, or it failed on these
+                messages (e.g. a ``None`` content where it adds strings).
         """
         if self.chat_template is None:
             raise ChatTemplateError("this tokenizer has no chat template; pass plain text instead")
@@ -274,6 +275,8 @@ class Tokenizer:
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as exc:  # syntax we do not support, or an error the template raised
             raise ChatTemplateError(f"chat template: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:  # messages it cannot take
+            raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from exc
 
     # ------------------------------------------------------------------------------------------
     # Persistence: a folder with tokenizer.json + tokenizer_config.json, readable by from_hf_dir.

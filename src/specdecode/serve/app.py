@@ -22,11 +22,13 @@ from typing import Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.batch.scheduler import QueueFullError
 from specdecode.batch.sequence import Output, Sequence
+from specdecode.models.tokenizer import ChatTemplateError
 from specdecode.sampling import SamplingParams
 from specdecode.serve.fields import check_extra_fields, first_unencodable
 from specdecode.serve.guard import HttpPolicy, Guard
@@ -241,8 +243,12 @@ class ServedModel:
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         if not self.tokenizer.chat_template:
             raise APIError(400, f"model {self.name!r} has no chat template; use /v1/completions", "messages")
-        rendered = [{"role": m.role, "content": None if m.content is None else joined(m.content)} for m in messages]
-        return self.tokenizer.encode_prompt(self.tokenizer.apply_chat_template(rendered))
+        # No content (OpenAI allows it beside tool calls) renders as empty: templates add strings to it.
+        rendered = [{"role": m.role, "content": "" if m.content is None else joined(m.content)} for m in messages]
+        try:
+            return self.tokenizer.encode_prompt(self.tokenizer.apply_chat_template(rendered))
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), "messages") from None
 
     async def start(self, ids: list[int], body: _Sampling) -> _Handle:
         """Submits the request to the engine loop; a full queue is a 429, a refused request a 400."""
@@ -371,6 +377,12 @@ async def api_error(request: Request, exc: APIError) -> JSONResponse:
                         status_code=exc.status, headers=exc.headers)
 
 
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own refusals (a body that is not UTF-8, an unknown route, a wrong method) in
+    OpenAI's error shape."""
+    return await api_error(request, APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+
 async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     """FastAPI's validation errors as OpenAI-style 400s naming the first bad field."""
     first = exc.errors()[0]
@@ -425,6 +437,30 @@ async def metrics_endpoint(request: Request) -> Response:
     return Response(metrics.render(), media_type=metrics.content_type)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body, as every refusal has it."""
+
+    error: ErrorDetail
+
+
+ERROR_CODES = {400: "malformed, or asks for what this server does not do (the field is named)",
+               401: "no valid API key (with --api-key)", 413: "the body is over --max-body-bytes",
+               429: "the queue is full (Retry-After)", 500: "generation failed", 503: "the server is shutting down",
+               504: "the request ran past --request-timeout"}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route's refusals."""
+    return {code: {"model": ErrorBody, "description": ERROR_CODES[code]} for code in codes}
+
+
 def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, policy: HttpPolicy = HttpPolicy(),
               lifespan=None) -> FastAPI:
     """The FastAPI application serving ``loop``'s engine under ``model_name``, behind ``policy``'s key and body
@@ -434,9 +470,12 @@ def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, policy: 
     app.state.served = ServedModel(loop, model_name, metrics, policy.request_timeout_s)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, bad_request)
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/metrics", metrics_endpoint, methods=["GET"])
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    generate = _errors(400, 401, 413, 429, 500, 503, 504)  # 500: a failed step ends the requests it served
+    app.add_api_route("/v1/completions", completions, methods=["POST"], responses=generate)
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], responses=generate)
+    app.add_api_route("/v1/models", models, methods=["GET"], responses=_errors(401))
+    app.add_api_route("/health", health, methods=["GET"], responses={503: {"description": "the engine stopped"}})
+    app.add_api_route("/metrics", metrics_endpoint, methods=["GET"], responses=_errors(401),
+                      response_class=PlainTextResponse)  # Prometheus' text format
     return app
