@@ -229,8 +229,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"suffix": "end"}, "suffix"),
+    ({"best_of": 2}, "best_of"),
     ({"logit_bias": {"42": 5}}, "logit_bias"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"modalities": ["text", "audio"]}, "modalities"),
@@ -241,7 +241,7 @@ def test_fields_this_server_does_not_implement_get_a_400_naming_them(server, ext
 
 
 def test_fields_left_at_their_defaults_or_without_effect_are_accepted(server):
-    body = {**CHAT, "max_tokens": 4, "logprobs": False, "tools": [], "response_format": {"type": "text"},
+    body = {**CHAT, "max_tokens": 4, "tools": [], "response_format": {"type": "text"},
             "presence_penalty": 0, "user": "u-1", "metadata": {"k": "v"}, "some_future_field": 1}
     status, _, reply = _post(server[1], "/v1/chat/completions", body)
     assert status == 200 and reply["choices"][0]["message"]["content"], reply
@@ -255,6 +255,44 @@ def test_fields_left_at_their_defaults_or_without_effect_are_accepted(server):
 def test_text_that_is_not_unicode_gets_a_400_naming_the_field(server, path, body, param):
     status, _, reply = _post(server[1], path, json.dumps(body).encode())  # json escapes the lone surrogate
     assert status == 400 and reply["error"]["param"] == param and "not valid Unicode" in reply["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def solo_logprobs(smollm2):
+    """Plain decoding's (no drafts, alone) greedy tokens and log-probabilities with 2 alternatives, in process."""
+    from specdecode.batch.executor import BatchEngine
+
+    def run(prompt: str, n: int) -> list:
+        engine = BatchEngine(smollm2.model, smollm2.tokenizer)
+        got = []
+        engine.submit(prompt, max_new_tokens=n, logprobs=2, on_output=lambda seq, out: got.extend(out.logprobs))
+        while engine.has_work:
+            engine.step()
+        return got
+    return run
+
+
+def test_logprobs_equal_plain_decodings_on_both_endpoints_streamed_or_not(client, server, smollm2, solo_logprobs):
+    """The server drafts (n-gram); its log-probabilities are plain decoding's, in OpenAI's shapes."""
+    prompt = PROMPTS[0]
+    want = solo_logprobs(prompt, 12)
+    name = lambda t: smollm2.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == [name(x.token) for x in want] and len(lp.top_logprobs[0]) == 2
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want], abs=1e-6)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == whole.choices[0].text
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=2, stream=True) if c.choices]
+    assert [t for s in streamed if s for t in s.token_logprobs] == pytest.approx(lp.token_logprobs, abs=0)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob
+                                     for c in content)
+    assert "".join(c.token for c in content).startswith(chat.choices[0].message.content)
+    status, _, reply = _post(server[1], "/v1/chat/completions", {**CHAT, "top_logprobs": 2})
+    assert status == 400 and reply["error"]["param"] == "top_logprobs"
 
 
 def test_chat_with_a_wrong_message_shape_gets_a_400(server):
@@ -292,7 +330,8 @@ def test_bounded_load_every_request_answered_once_no_leaks_flat_memory(client, s
             r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
             return i, kind, r.id, r.usage.completion_tokens
         if kind == "refused":
-            status, _, reply = _post(base, "/v1/completions", {"model": MODEL, "prompt": prompt, "logprobs": 2})
+            status, _, reply = _post(base, "/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                               "logit_bias": {"42": 5}})
             return i, kind, status, reply["error"]["param"]
         stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4 if kind == "stream" else 500,
                                            temperature=0, stream=True)
@@ -310,7 +349,7 @@ def test_bounded_load_every_request_answered_once_no_leaks_flat_memory(client, s
     assert sorted(r[0] for r in results) == list(range(200))
     answered = [r for r in results if r[1] in ("whole", "stream")]
     assert len({r[2] for r in answered}) == 100 and all(r[3] >= 1 for r in answered)
-    assert all(r[2:] == (400, "logprobs") for r in results if r[1] == "refused")
+    assert all(r[2:] == (400, "logit_bias") for r in results if r[1] == "refused")
     assert elapsed < 120, f"200 requests took {elapsed:.0f} s"
     assert _metric(base, "vllm:generation_tokens_total") - generated_before >= sum(r[3] for r in answered)
     assert _metric(base, "vllm:time_to_first_token_seconds_count") - first_tokens_before == 150  # answered + dropped

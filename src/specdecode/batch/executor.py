@@ -32,8 +32,8 @@ from specdecode.batch.costs import MAX_PADDED_ROWS, RowPadding, StepCostTable, f
 from specdecode.batch.observer import StepObserver
 from specdecode.batch.rows import ForwardRows, SequenceRows, lay_out
 from specdecode.batch.scheduler import Scheduler, SchedulerConfig
-from specdecode.batch.sequence import (GenerationResult, Output, Request, Sequence, eos_ids, predicted, prompt_ids,
-                                       stop_strings)
+from specdecode.batch.sequence import (MAX_TOP_LOGPROBS, GenerationResult, Output, Request, Sequence, eos_ids,
+                                       predicted, prompt_ids, stop_strings)
 from specdecode.control import StepContext, StepRecord, controller_factory
 from specdecode.control.config import SpeculativeConfig
 from specdecode.control.long import LongDrafts
@@ -41,6 +41,7 @@ from specdecode.drafters.base import Draft, Drafter, OwnCache, StopRule
 from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
+from specdecode.logprobs import TokenLogprob, token_logprobs, verdict_rows
 from specdecode.models.fetch import cache_dir
 from specdecode.models.native import cpu_model, source_digest
 from specdecode.models.prefill import prefill
@@ -174,18 +175,21 @@ class BatchEngine:
     def submit(self, prompt: str | Seq[int], sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
                stop: str | Iterable[str] = (), eos_token_ids: Iterable[int] | None = None,
                on_output: Callable[[Sequence, Output], None] | None = None,
-               prediction: str | Seq[int] | None = None) -> Sequence:
-        """Queues a request; it starts at a later :meth:`step`. Arguments as for ``Engine.stream``.
+               prediction: str | Seq[int] | None = None, logprobs: int | None = None) -> Sequence:
+        """Queues a request; it starts at a later :meth:`step`. Arguments as for ``Engine.stream``, and
+        ``logprobs``: each output carries its tokens' log-probabilities with this many alternatives (``logprobs.py``).
 
         Raises:
             ValueError: bad input (named).
             QueueFullError: the waiting queue is full.
         """
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS} alternatives per token (got {logprobs})")
         stop = stop_strings(stop, self.tokenizer)
         ids = prompt_ids(prompt, self.tokenizer, self.target.config.vocab_size, self.max_len, max_new_tokens,
                          self._limit_name)
         request = Request(tuple(ids), sampling, max_new_tokens, stop, eos_ids(eos_token_ids, self.tokenizer),
-                          predicted(prediction, self.tokenizer, self.target.config.vocab_size))
+                          predicted(prediction, self.tokenizer, self.target.config.vocab_size), logprobs)
         self._make_room(len(ids) + max_new_tokens)
         seq = Sequence(request, self.tokenizer, on_output)
         self.scheduler.add(seq)
@@ -256,11 +260,12 @@ class BatchEngine:
             draft_s[seq] = time.perf_counter() - t0
             plan.drafted(len(drafts[seq].tokens))
         t1 = time.perf_counter()
-        verdicts, real_rows = self._forward(running, plan.chunk, drafts)
+        verdicts, logprobs, real_rows = self._forward(running, plan.chunk, drafts)
         verify_s = time.perf_counter() - t1
         for seq in running:
             if seq in drafts:
-                self._settle(seq, plan, drafts[seq], verdicts[seq], draft_s[seq], verify_s, real_rows)
+                self._settle(seq, plan, drafts[seq], verdicts[seq], draft_s[seq], verify_s, real_rows,
+                             logprobs.get(seq))
 
     def _plan(self, running: list[Sequence]) -> StepPlan:
         """Shares the row budget: each decoding sequence's fed token, then prompts (oldest first), then drafts.
@@ -338,10 +343,11 @@ class BatchEngine:
             return done
         return timed_stop
 
-    def _forward(self, running: list[Sequence], chunk: dict[Sequence, int],
-                 drafts: dict[Sequence, Draft]) -> tuple[dict[Sequence, Verdict], int]:
-        """One forward over the step's rows, acceptance, and rollback per slot; returns the verdicts and the
-        forward's real rows (padding left out). Only decoding rows get logits."""
+    def _forward(self, running: list[Sequence], chunk: dict[Sequence, int], drafts: dict[Sequence, Draft]
+                 ) -> tuple[dict[Sequence, Verdict], dict[Sequence, list[TokenLogprob]], int]:
+        """One forward over the step's rows, acceptance, and rollback per slot; returns the verdicts, the
+        emitted tokens' log-probabilities of the sequences that asked, and the forward's real rows (padding
+        left out). Only decoding rows get logits."""
         parts = [SequenceRows(seq, seq.slot, self.cache.lengths[seq.slot],
                               seq.tokens[seq.prefilled:seq.prefilled + chunk.get(seq, 0)],
                               seq.tokens[-1] if seq in drafts else None, drafts.get(seq, NO_DRAFT)) for seq in running]
@@ -360,6 +366,13 @@ class BatchEngine:
         verdicts = verify_batch(logits, [1 + len(p.draft.tokens) for p in decoding],
                                 [Pending(p.draft.tokens, p.draft.q, p.key.request.sampling, p.key.seed,
                                          len(p.key.tokens), p.key.generator, p.draft.parents) for p in decoding])
+        logprobs, start = {}, 0
+        for part, verdict in zip(decoding, verdicts):
+            asked = part.key.request.logprobs
+            if asked is not None:
+                rows = logits[[start + r for r in verdict_rows(verdict.accepted, verdict.path)]]
+                logprobs[part.key] = token_logprobs(rows, verdict.tokens, asked)
+            start += 1 + len(part.draft.tokens)
         for part, verdict in zip(decoding, verdicts):
             # Keep the fed token and the accepted drafts (a tree's path, moved into place); the emitted target
             # token is fed next step.
@@ -368,7 +381,7 @@ class BatchEngine:
                 start = rows.first[part.key] + len(part.prompt)
                 part.key.drafter.observe(part.held, hidden[[start + r for r in kept]])
         self.target.synchronize()  # before the caller reads its timer
-        return {p.key: v for p, v in zip(decoding, verdicts)}, real
+        return {p.key: v for p, v in zip(decoding, verdicts)}, logprobs, real
 
     def _pad(self, rows: ForwardRows) -> None:
         """Filler rows up to the row count the padding table asks for, within the last run's slot's room.
@@ -379,9 +392,9 @@ class BatchEngine:
         rows.pad(self.padding.rows(len(rows.tokens), len(rows.tokens) + room))
 
     def _settle(self, seq: Sequence, plan: StepPlan, draft: Draft, verdict: Verdict, draft_s: float,
-                verify_s: float, real_rows: int) -> None:
+                verify_s: float, real_rows: int, logprobs: list[TokenLogprob] | None = None) -> None:
         """Commits a decoding sequence's step: its tokens, its drafter's and controller's updates, the stats,
-        the observer, and its output (its slot freed first if it finished)."""
+        the observer, and its output (with the kept tokens' ``logprobs``; its slot freed first if it finished)."""
         if seq in plan.chunk:
             seq.stats.prefill_s = time.perf_counter() - seq.arrival
         self.cache.commit(seq.slot, self.cache.lengths[seq.slot])  # the fed token and the accepted drafts are verified
@@ -403,7 +416,7 @@ class BatchEngine:
             self.observer.stepped(seq, record, len(kept), time.perf_counter())
         if seq.finished:
             self._retire(seq)
-        self._emit(seq, kept)
+        self._emit(seq, kept, None if logprobs is None else logprobs[:len(kept)])
 
     def _start(self, seq: Sequence) -> None:
         """Gives a newly admitted sequence its controller, drafter and random state, and prefills its prompt
@@ -459,9 +472,9 @@ class BatchEngine:
         if self.observer is not None:
             self.observer.finished(seq)
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         if seq.on_output is not None:
-            seq.on_output(seq, seq.output(tokens))
+            seq.on_output(seq, seq.output(tokens, logprobs))
 
     # ------------------------------------------------------------------ costs
 

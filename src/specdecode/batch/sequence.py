@@ -20,11 +20,13 @@ import torch
 from specdecode.control import GammaController
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.prediction import Prediction
+from specdecode.logprobs import TokenLogprob
 from specdecode.sampling import SamplingParams
 from specdecode.stats import RequestStats
 from specdecode.text import Detokenizer, find_stop, stream_safe_length
 
 FINISH_REASONS = ("eos", "stop", "length", "cancelled", "error")
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
 _ids = itertools.count()
 
 
@@ -40,6 +42,8 @@ class Request:
         eos: ids that end generation (kept in ``token_ids``, left out of the text).
         prediction: text the output is expected to be mostly made of, drafted where the output follows it
             (``drafters/prediction.py``); None = no prediction.
+        logprobs: report each token's log-probability with this many alternatives (0..MAX_TOP_LOGPROBS);
+            None = none (``logprobs.py``).
     """
 
     prompt_ids: tuple[int, ...]
@@ -48,6 +52,7 @@ class Request:
     stop: tuple[str, ...] = ()
     eos: frozenset[int] = frozenset()
     prediction: Prediction | None = None
+    logprobs: int | None = None
 
 
 @dataclass
@@ -77,11 +82,13 @@ class Output:
         token_ids: tokens appended this step.
         text: text that may be shown now (held back while it could still become a stop string).
         finish_reason: set on the sequence's last output (one of FINISH_REASONS).
+        logprobs: each of ``token_ids``' log-probability, when the request asked for them.
     """
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(eq=False)
@@ -177,8 +184,9 @@ class Sequence:
         if self.finish_reason is None:
             self.finish_reason = reason
 
-    def output(self, tokens: list[int]) -> Output:
-        """The :class:`Output` of a step that appended ``tokens``: the newly showable text."""
+    def output(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Output:
+        """The :class:`Output` of a step that appended ``tokens`` (with their ``logprobs``, if asked): the newly
+        showable text."""
         if self.finished:
             self.detokenizer.flush()
             visible = len(self.text)
@@ -186,7 +194,7 @@ class Sequence:
             visible = stream_safe_length(self.detokenizer.text, self.request.stop)
         text = self.text[self._shown:visible] if self.finished else self.detokenizer.text[self._shown:visible]
         self._shown = max(self._shown, visible)
-        return Output(tokens, text, self.finish_reason)
+        return Output(tokens, text, self.finish_reason, logprobs)
 
 
 def stop_strings(stop: str | Iterable[str], tokenizer) -> tuple[str, ...]:

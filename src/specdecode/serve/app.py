@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.batch.scheduler import QueueFullError
 from specdecode.batch.sequence import Output, Sequence
+from specdecode.logprobs import TokenLogprob
 from specdecode.models.tokenizer import ChatTemplateError
 from specdecode.sampling import SamplingParams
 from specdecode.serve.fields import check_extra_fields, first_unencodable
@@ -92,6 +93,10 @@ class _Sampling(BaseModel):
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, max(0, self.top_k), self.top_p, self.seed)
 
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives per token to report with log-probabilities; None = no log-probabilities."""
+        raise NotImplementedError
+
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stops):
@@ -101,6 +106,10 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)  # alternatives per token (OpenAI's legacy completions: 0-5)
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -110,6 +119,13 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def top_logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class OutputRelay:
@@ -155,6 +171,7 @@ class _Handle:
         self.stream = stream
         self.outputs: asyncio.Queue[Output] = asyncio.Queue()
         self.texts: list[str] = []  # a whole request's texts before its last output
+        self.logprobs: list[TokenLogprob] = []  # and their tokens' log-probabilities, if asked
         self.seq: Sequence | None = None
         self.came = time.monotonic()
         self.timed_out = False  # cancelled at its deadline
@@ -162,6 +179,7 @@ class _Handle:
     def on_output(self, seq: Sequence, output: Output) -> None:
         if not self.stream and output.finish_reason is None:
             self.texts.append(output.text)  # read only after the last output, which the loop gets after this
+            self.logprobs += output.logprobs or []
             return
         self._relay.put(self.outputs, output)
 
@@ -259,7 +277,8 @@ class ServedModel:
         handle = _Handle(self._relay, body.stream)
         prediction = joined(body.prediction.content) if body.prediction is not None else None
         future = self.loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(),
-                                  max_new_tokens=self.budget(body, len(ids)), stop=body.stops(), prediction=prediction)
+                                  max_new_tokens=self.budget(body, len(ids)), stop=body.stops(), prediction=prediction,
+                                  logprobs=body.top_logprobs_asked())
         try:
             handle.seq = await asyncio.wrap_future(future)
         except QueueFullError as exc:
@@ -300,7 +319,7 @@ class ServedModel:
         """The answer to a completion (``chat`` false) or chat request: one JSON body, or an SSE stream."""
         handle = await self.start(ids, body)
         reply = _Reply(chat, {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                              "model": self.name})
+                              "model": self.name}, self.tokenizer)
         if not body.stream:
             return await self._whole(request, handle, reply)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -308,7 +327,8 @@ class ServedModel:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _whole(self, request: Request, handle: _Handle, reply: _Reply) -> Response:
-        text = handle.texts + [out.text async for out in self.outputs(handle, request)]
+        last = [out async for out in self.outputs(handle, request)]
+        text = handle.texts + [out.text for out in last]
         seq = handle.seq
         if seq.finish_reason == "error":
             raise failed(seq)
@@ -316,7 +336,9 @@ class ServedModel:
             if handle.timed_out:
                 raise self.deadline_error()
             return Response(status_code=499)  # the client is gone: nobody reads this
-        return JSONResponse(reply.whole("".join(text), FINISH[seq.finish_reason], usage(seq)))
+        logprobs = [*handle.logprobs, *(lp for out in last for lp in out.logprobs or [])] \
+            if seq.request.logprobs is not None else None
+        return JSONResponse(reply.whole("".join(text), FINISH[seq.finish_reason], usage(seq), logprobs))
 
     async def _events(self, request: Request, handle: _Handle, reply: _Reply,
                       include_usage: bool) -> AsyncIterator[str]:
@@ -329,8 +351,8 @@ class ServedModel:
                 yield sse({"error": {"message": err.message, "type": err.kind, "param": None, "code": None}})
                 break
             finish = FINISH[out.finish_reason] if out.finish_reason else None
-            if out.text or finish:
-                yield sse(reply.chunk(out.text, finish))
+            if out.text or finish or out.logprobs:
+                yield sse(reply.chunk(out.text, finish, logprobs=out.logprobs))
         if include_usage and handle.seq.finish_reason not in ("error", "cancelled"):
             yield sse(reply.usage_chunk(usage(handle.seq)))
         yield "data: [DONE]\n\n"
@@ -342,27 +364,52 @@ class _Reply:
 
     chat: bool
     base: dict[str, Any]
+    tokenizer: Any = None  # names the tokens of log-probabilities
+    text_offset: int = 0  # a completion's characters before the next log-probabilities' first token
 
     @property
     def chunk_kind(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def whole(self, content: str, finish: str, usage: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, content: str, finish: str, usage: dict[str, Any],
+              logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if self.chat else
-                  {"index": 0, "text": content, "logprobs": None})
+                  {"index": 0, "text": content})
+        choice["logprobs"] = self.logprobs(logprobs)
         choice["finish_reason"] = finish
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self.base, "object": kind, "choices": [choice], "usage": usage}
 
-    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str | None, finish: str | None, first: bool = False,
+              logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         return {**self.base, "object": self.chunk_kind, "choices": [choice]}
+
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` of a choice: chat's ``content`` list, or a completion's parallel lists."""
+        if entries is None:
+            return None
+        name = self._token_text
+        if self.chat:
+            return {"content": [{"token": name(lp.token), "logprob": lp.logprob, "bytes": list(name(lp.token).encode()),
+                                 "top_logprobs": [{"token": name(t), "logprob": v, "bytes": list(name(t).encode())}
+                                                  for t, v in lp.top]} for lp in entries], "refusal": None}
+        offsets = []
+        for lp in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(name(lp.token))
+        return {"tokens": [name(lp.token) for lp in entries], "token_logprobs": [lp.logprob for lp in entries],
+                "top_logprobs": [{name(t): v for t, v in lp.top} for lp in entries], "text_offset": offsets}
+
+    def _token_text(self, token: int) -> str:
+        # One token alone: a piece of a multi-byte character shows as U+FFFD (its bytes too).
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self.base, "object": self.chunk_kind, "choices": [], "usage": usage}
@@ -471,7 +518,9 @@ def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, policy: 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, bad_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    generate = _errors(400, 401, 413, 429, 500, 503, 504)  # 500: a failed step ends the requests it served
+    generate = {200: {"description": "the completion: JSON, or with stream: true server-sent events",
+                      "content": {"text/event-stream": {}}},
+                **_errors(400, 401, 413, 429, 500, 503, 504)}  # 500: a failed step ends the requests it served
     app.add_api_route("/v1/completions", completions, methods=["POST"], responses=generate)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], responses=generate)
     app.add_api_route("/v1/models", models, methods=["GET"], responses=_errors(401))

@@ -1,7 +1,7 @@
 """Which request fields the server honours, refuses or ignores, and text it cannot encode.
 
-OpenAI's request fields that change what a completion is but are not implemented here (tools, logprobs,
-response formats, penalties, ...) are refused with a 400 naming the field whenever they ask for something
+OpenAI's request fields that change what a completion is but are not implemented here (tools, response
+formats, penalties, ...) are refused with a 400 naming the field whenever they ask for something
 other than their default; fields that do not change the completion (``user``, ``metadata``, ``store``, ...)
 are accepted and ignored; any other unknown field is ignored too and logged once per name, since a client
 library may send fields newer than this server. Text fields holding a lone surrogate (``"\\udfff"``, valid
@@ -21,7 +21,6 @@ log = logging.getLogger("specdecode.serve")
 REFUSED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
-    "logprobs": (None, False), "top_logprobs": (None, 0),
     "response_format": (None, {"type": "text"}),
     "audio": (None,), "modalities": (None, ["text"]),
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
