@@ -8,14 +8,14 @@ import logging
 import pytest
 
 from specdecode.serve import fields
-from specdecode.serve.fields import check_extra_fields, first_unencodable
+from specdecode.serve.fields import check_extra_fields, first_unencodable, unencodable_text
 
 
 @pytest.mark.parametrize("extra, name", [
     ({"tools": [{"type": "function"}]}, "tools"), ({"suffix": "end"}, "suffix"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"frequency_penalty": -1.0}, "frequency_penalty"),
-    ({"audio": {"voice": "x"}}, "audio"),
+    ({"audio": {"voice": "x"}}, "audio"), ({"min_p": 0.1}, "min_p"), ({"guided_json": {}}, "guided_json"),
     ({"user": "u", "logit_bias": {"1": 1}}, "logit_bias"),
 ])
 def test_fields_asking_for_what_is_not_done_are_refused_by_name(extra, name):
@@ -42,3 +42,19 @@ def test_the_first_text_that_is_not_unicode_is_named_by_its_path():
     assert first_unencodable({"messages": [{"content": "ok"}, {"content": ["a", "b\udfff"]}]}) == "messages.1.content.1"
     assert first_unencodable({"prompt": "fine", "stop": ["x"]}) is None
     assert first_unencodable("\ud800") == "body"
+
+
+def test_unknown_names_are_logged_up_to_a_bound(caplog, monkeypatch):
+    monkeypatch.setattr(fields, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="specdecode.serve"):
+        for i in range(fields.MAX_LOGGED + 10):
+            check_extra_fields({f"field_{i}" + "x" * 100: 1})
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == fields.MAX_LOGGED + 1 and lines[-1].startswith("ignoring further unknown")
+    assert all(len(line) < 120 for line in lines)  # long names are shortened
+
+
+def test_only_text_that_reaches_the_tokenizer_is_checked():
+    assert unencodable_text({"prompt": [1, 2, 3], "stop": ["a", "\ud800"]}) == "stop.1"
+    assert unencodable_text({"messages": [{"role": "user", "content": "\udfff"}]}) == "messages.0.content"
+    assert unencodable_text({"prompt": "fine", "user": "\udfff"}) is None  # an ignored field

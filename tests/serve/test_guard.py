@@ -104,7 +104,7 @@ def test_bodies_over_the_limit_are_413_declared_or_chunked():
 
 
 def test_an_empty_key_a_zero_limit_or_deadline_is_refused():
-    with pytest.raises(ValueError, match="must not be empty"):
+    with pytest.raises(ValueError, match="not empty"):
         HttpPolicy(api_key=" ")
     with pytest.raises(ValueError, match="at least 1"):
         HttpPolicy(max_body_bytes=0)
@@ -117,3 +117,31 @@ def test_the_key_comes_from_the_flag_else_the_environment(monkeypatch):
     assert HttpPolicy.key_from(None) == "from-env" and HttpPolicy.key_from("flag") == "flag"
     monkeypatch.delenv("SPECDECODE_API_KEY")
     assert HttpPolicy.key_from(None) is None
+
+
+def test_paths_are_matched_exactly_and_the_scheme_in_any_case():
+    assert _call(KEYED, "GET", "/health/").status_code == 401  # only /health itself is open
+    assert _call(KEYED, "GET", "/metrics", headers={"Authorization": "bearer s3cret"}).status_code == 200
+    assert not KEYED.allows("/v1/models", "Bearer s3cretx") and KEYED.allows("/v1/models", "Bearer  s3cret ")
+
+
+def test_keys_that_could_never_match_are_refused_when_configured():
+    for key in (" k", "k ", "clé"):
+        with pytest.raises(ValueError, match="ASCII, not empty, without spaces"):
+            HttpPolicy(api_key=key)
+    assert "s3cret" not in repr(KEYED)
+
+
+def test_a_websocket_is_refused_when_a_key_is_set():
+    sent: list[dict] = []
+    messages = [{"type": "websocket.connect"}]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/v1/echo", "headers": [], "query_string": b""}
+    asyncio.run(_app(KEYED)(scope, receive, send))
+    assert sent == [{"type": "websocket.close", "code": 1008}]

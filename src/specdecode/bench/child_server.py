@@ -7,6 +7,7 @@ It does not decide what runs (``serve_command.py``, ``llamacpp_server.py``) or s
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -44,7 +45,9 @@ class Server:
         self.log = tempfile.TemporaryFile("w+")
         argv = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), *flags] if command is None \
             else [a.replace("{port}", str(self.port)) for a in command]
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        # Our clients send no key: a $SPECDECODE_API_KEY exported here must not lock them out of our server.
+        env = {k: v for k, v in os.environ.items() if k != "SPECDECODE_API_KEY" or "--api-key" in flags}
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
 
     def output(self) -> str:
         self.log.seek(0)

@@ -13,6 +13,7 @@ It does not step the engine (``loop.py``) nor parse command lines (``flags.py``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -31,14 +32,15 @@ from specdecode.batch.sequence import Output, Sequence
 from specdecode.logprobs import TokenLogprob
 from specdecode.models.tokenizer import ChatTemplateError
 from specdecode.sampling import SamplingParams
-from specdecode.serve.fields import check_extra_fields, first_unencodable
-from specdecode.serve.guard import HttpPolicy, Guard
+from specdecode.serve.fields import check_extra_fields, unencodable_text
+from specdecode.serve.guard import Guard, HttpPolicy, error_body
 from specdecode.serve.loop import EngineLoop
 from specdecode.serve.metrics import ServeMetrics
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 1.0  # how often a waiting request checks that its client is still there
+CANCEL_GRACE_S = 10.0  # a cancel the engine has not confirmed by then: its thread is taken to be stuck
 
 
 class APIError(Exception):
@@ -138,7 +140,7 @@ class OutputRelay:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self.loop = loop
         self._lock = threading.Lock()
         self._pending: list[tuple[asyncio.Queue, Output]] = []
 
@@ -148,7 +150,11 @@ class OutputRelay:
             self._pending.append((queue, output))
             if len(self._pending) > 1:  # the wake-up that the first of them asked for has not run yet
                 return
-        self._loop.call_soon_threadsafe(self._deliver)
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop has closed: nobody reads these any more, and the next put must wake again
+            with self._lock:
+                self._pending.clear()
 
     def _deliver(self) -> None:
         with self._lock:
@@ -214,7 +220,7 @@ class ServedModel:
         loop: the engine loop (started and stopped by the application's lifespan).
         name: the model name clients pass.
         metrics: the Prometheus metrics ``/metrics`` renders.
-        timeout_s: a request still running this long after it came is cancelled (None: no deadline).
+        timeout_s: a request still running this long after it was accepted is cancelled (None: no deadline).
     """
 
     def __init__(self, loop: EngineLoop, name: str, metrics: ServeMetrics, timeout_s: float | None = None) -> None:
@@ -272,8 +278,9 @@ class ServedModel:
         """Submits the request to the engine loop; a full queue is a 429, a refused request a 400."""
         if not self.accepting or not self.loop.alive:
             raise APIError(503, "the server is shutting down", kind="service_unavailable")
-        if self._relay is None:  # made here: it needs the running loop
-            self._relay = OutputRelay(asyncio.get_running_loop())
+        running = asyncio.get_running_loop()
+        if self._relay is None or self._relay.loop is not running:  # made here: it needs the running loop
+            self._relay = OutputRelay(running)
         handle = _Handle(self._relay, body.stream)
         prediction = joined(body.prediction.content) if body.prediction is not None else None
         future = self.loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(),
@@ -288,8 +295,8 @@ class ServedModel:
         return handle
 
     async def outputs(self, handle: _Handle, request: Request) -> AsyncIterator[Output]:
-        """The request's outputs until its last; a client that goes away (checked every second, beside the
-        outputs rather than at each) cancels the request, whose last output then ends this."""
+        """The request's outputs until its last; a client that goes away or a deadline that passes (checked
+        beside the outputs rather than at each) cancels the request, whose last output then ends this."""
         watcher = asyncio.create_task(self._watch(handle, request))
         try:
             while True:
@@ -303,13 +310,21 @@ class ServedModel:
                 self.loop.cancel(handle.seq)
 
     async def _watch(self, handle: _Handle, request: Request) -> None:
-        """Cancels the request when its client has gone or its deadline has passed (checked every second)."""
+        """Cancels the request when its client has gone or its deadline has passed, at most a second late; ends
+        it with an error output itself when the engine's thread has stopped (nothing else would)."""
+        cancelled_at = None
         while True:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            handle.timed_out = self.timeout_s is not None and time.monotonic() - handle.came > self.timeout_s
-            if handle.timed_out or await request.is_disconnected():
-                self.loop.cancel(handle.seq)
+            left = None if self.timeout_s is None else handle.came + self.timeout_s - time.monotonic()
+            await asyncio.sleep(DISCONNECT_POLL_S if left is None else max(0.0, min(DISCONNECT_POLL_S, left)))
+            if not self.loop.alive or (cancelled_at is not None and time.monotonic() - cancelled_at > CANCEL_GRACE_S):
+                handle.seq.error = handle.seq.error or "the engine stopped"
+                handle.outputs.put_nowait(Output([], "", "error"))
                 return
+            if cancelled_at is None:
+                handle.timed_out = self.timeout_s is not None and time.monotonic() - handle.came >= self.timeout_s
+                if handle.timed_out or await request.is_disconnected():
+                    self.loop.cancel(handle.seq)
+                    cancelled_at = time.monotonic()
 
     def deadline_error(self) -> APIError:
         return APIError(504, f"the request ran past this server's {self.timeout_s:g} s deadline (--request-timeout) "
@@ -327,32 +342,35 @@ class ServedModel:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _whole(self, request: Request, handle: _Handle, reply: _Reply) -> Response:
-        last = [out async for out in self.outputs(handle, request)]
+        async with contextlib.aclosing(self.outputs(handle, request)) as outputs:
+            last = [out async for out in outputs]
         text = handle.texts + [out.text for out in last]
         seq = handle.seq
-        if seq.finish_reason == "error":
+        finish = last[-1].finish_reason  # the engine's, or the watcher's when the engine stopped
+        if finish == "error":
             raise failed(seq)
-        if seq.finish_reason == "cancelled":
+        if finish == "cancelled":
             if handle.timed_out:
                 raise self.deadline_error()
             return Response(status_code=499)  # the client is gone: nobody reads this
         logprobs = [*handle.logprobs, *(lp for out in last for lp in out.logprobs or [])] \
             if seq.request.logprobs is not None else None
-        return JSONResponse(reply.whole("".join(text), FINISH[seq.finish_reason], usage(seq), logprobs))
+        return JSONResponse(reply.whole("".join(text), FINISH[finish], usage(seq), logprobs))
 
     async def _events(self, request: Request, handle: _Handle, reply: _Reply,
                       include_usage: bool) -> AsyncIterator[str]:
         if reply.chat:
             yield sse(reply.chunk(None, None, first=True))
-        async for out in self.outputs(handle, request):
-            late = out.finish_reason == "cancelled" and handle.timed_out
-            if out.finish_reason == "error" or late:
-                err = self.deadline_error() if late else failed(handle.seq)
-                yield sse({"error": {"message": err.message, "type": err.kind, "param": None, "code": None}})
-                break
-            finish = FINISH[out.finish_reason] if out.finish_reason else None
-            if out.text or finish or out.logprobs:
-                yield sse(reply.chunk(out.text, finish, logprobs=out.logprobs))
+        async with contextlib.aclosing(self.outputs(handle, request)) as outputs:
+            async for out in outputs:
+                late = out.finish_reason == "cancelled" and handle.timed_out
+                if out.finish_reason == "error" or late:
+                    err = self.deadline_error() if late else failed(handle.seq)
+                    yield sse(error_body(err.message, kind=err.kind))
+                    break
+                finish = FINISH[out.finish_reason] if out.finish_reason else None
+                if out.text or finish or out.logprobs:
+                    yield sse(reply.chunk(out.text, finish, logprobs=out.logprobs))
         if include_usage and handle.seq.finish_reason not in ("error", "cancelled"):
             yield sse(reply.usage_chunk(usage(handle.seq)))
         yield "data: [DONE]\n\n"
@@ -420,8 +438,8 @@ def _served(request: Request) -> ServedModel:
 
 
 async def api_error(request: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": None}},
-                        status_code=exc.status, headers=exc.headers)
+    return JSONResponse(error_body(exc.message, param=exc.param, kind=exc.kind), status_code=exc.status,
+                        headers=exc.headers)
 
 
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -448,7 +466,7 @@ def _check_fields(body: _Sampling) -> None:
     refused = check_extra_fields(body.model_extra or {})
     if refused is not None:
         raise APIError(400, refused[1], refused[0])
-    bad = first_unencodable(body.model_dump(exclude_none=True))
+    bad = unencodable_text(body.model_dump(exclude_none=True, include={"prompt", "messages", "stop", "prediction"}))
     if bad is not None:
         raise APIError(400, f"{bad}: the text is not valid Unicode (a lone surrogate)", bad)
 

@@ -20,16 +20,22 @@ log = logging.getLogger("specdecode.serve")
 # Field -> the values that ask for nothing (the field's default or an explicit "off"); anything else is refused.
 REFUSED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
     "audio": (None,), "modalities": (None, ["text"]),
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "web_search_options": (None,),
+    # vLLM's sampling extensions (we take its top_k): refused unless neutral, as OpenAI's own.
+    "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "ignore_eos": (None, False),
+    "stop_token_ids": (None, []), "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,),
 }
 # Accepted and ignored: they do not change the completion.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                     "reasoning_effort", "verbosity"})
+                     "reasoning_effort", "verbosity", "parallel_tool_calls"})
+MAX_LOGGED = 64  # unknown names logged, then one line saying that no more will be
 
 _logged: set[str] = set()
 
@@ -45,9 +51,25 @@ def check_extra_fields(extra: dict[str, Any]) -> tuple[str, str] | None:
         if name in REFUSED:
             if not _is_off(value, REFUSED[name]):
                 return name, f"{name} is not supported by this server (got {_short(value)})"
-        elif name not in IGNORED and name not in _logged:
+        elif name not in IGNORED and name not in _logged and len(_logged) <= MAX_LOGGED:
             _logged.add(name)
-            log.warning("ignoring the unknown request field %r (logged once)", name)
+            if len(_logged) > MAX_LOGGED:
+                log.warning("ignoring further unknown request fields without logging them")
+            else:
+                log.warning("ignoring the unknown request field %s (logged once)", _short(name))
+    return None
+
+
+def unencodable_text(body: dict[str, Any]) -> str | None:
+    """The dotted path of the first text in what reaches the tokenizer (``prompt``, ``messages``' contents,
+    ``stop``, ``prediction``) that is not valid Unicode, or None; token-id prompts are not walked."""
+    for name in ("prompt", "messages", "stop", "prediction"):
+        value = body.get(name)
+        if name == "prompt" and isinstance(value, list) and not all(isinstance(v, str) for v in value):
+            continue  # token ids
+        found = first_unencodable(value, name) if value is not None else None
+        if found is not None:
+            return found
     return None
 
 

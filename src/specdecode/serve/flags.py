@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=byte_size, default=HttpPolicy.max_body_bytes, metavar="SIZE",
                    help="the largest request body, e.g. 8M; larger ones get a 413 (default 8M)")
     p.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
-                   help="cancel a request still running this long after it came: a 504, or an error event ending "
-                        "its stream (default: no deadline)")
+                   help="cancel a request still running this long after it was accepted (read, checked and "
+                        "tokenized): a 504, or an error event ending its stream (default: no deadline)")
     add_kv_arguments(p)
     _add_ray_arguments(p)
 

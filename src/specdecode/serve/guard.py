@@ -14,7 +14,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
@@ -35,21 +35,22 @@ class HttpPolicy:
         api_key: the key clients must send as ``Authorization: Bearer <key>``; None = anyone may call.
         metrics_public: ``/metrics`` answers without the key.
         max_body_bytes: the largest request body accepted.
-        request_timeout_s: a request still running this long after it came is cancelled (``app.py``: a 504,
-            or an error event ending its stream); None = no deadline.
+        request_timeout_s: a request still running this long after it was accepted (read, checked, tokenized)
+            is cancelled (``app.py``: a 504, or an error event ending its stream); None = no deadline.
 
     Raises:
         ValueError: an empty key, a body limit below 1 byte, or a deadline that is not positive.
     """
 
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never printed with a config
     metrics_public: bool = False
     max_body_bytes: int = 8 * 2**20
     request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("--api-key (or $SPECDECODE_API_KEY) must not be empty")
+        if self.api_key is not None and (not self.api_key.strip() or self.api_key != self.api_key.strip()
+                                         or not self.api_key.isascii()):
+            raise ValueError("--api-key (or $SPECDECODE_API_KEY) must be ASCII, not empty, without spaces around it")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be at least 1 (got {self.max_body_bytes})")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
@@ -64,8 +65,9 @@ class HttpPolicy:
         """Whether a request for ``path`` with this ``Authorization`` header value may go on."""
         if self.api_key is None or path in OPEN_PATHS or (self.metrics_public and path == "/metrics"):
             return True
-        scheme, _, token = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        scheme, _, token = (authorization or "").partition(" ")  # the header as sent: latin-1 bytes
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1", "replace"),
+                                                                  self.api_key.encode())
 
 
 class Guard:
@@ -75,6 +77,9 @@ class Guard:
         self.app, self.policy = app, policy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and self.policy.api_key is not None:  # none are served: refuse, keyed or not
+            await receive()  # websocket.connect
+            return await send({"type": "websocket.close", "code": 1008})
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -109,9 +114,10 @@ def _replay(first: Message, receive: Receive) -> Receive:
     return replayed
 
 
-def error_body(message: str, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error body for a refused request."""
-    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+def error_body(message: str, code: str | None = None, param: str | None = None,
+               kind: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``), for every refusal and failure."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 async def error(send: Send, status: int, message: str, code: str | None = None,

@@ -118,8 +118,7 @@ ingress_api = FastAPI(title="specdecode (Ray Serve)", docs_url=None, redoc_url=N
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                        status_code=status, headers=headers)
+    return JSONResponse(error_body(message, kind=kind), status_code=status, headers=headers)
 
 
 def _began(chunk: bytes) -> bool:
@@ -192,7 +191,7 @@ async def _relay(stream: Any, held: list[bytes]) -> AsyncIterator[bytes | str]:
     except Exception as exc:
         lost = "died" if isinstance(exc, REPLICA_DIED) else f"failed ({type(exc).__name__})"
         message = f"the replica serving this request {lost} mid-stream; the answer is incomplete"
-        yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+        yield f"data: {json.dumps(error_body(message, kind='server_error'))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         stream.cancel()  # a client that went away cancels the replica's request (and frees its KV slot)
@@ -222,17 +221,32 @@ class Ingress:
         """Every replica's metrics in one view."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        if not self.policy.allows("/metrics", request.headers.get("authorization")):
-            return JSONResponse(error_body(UNAUTHORIZED, "invalid_api_key"), status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
-        return Response(await self.hub.render.remote(), media_type=CONTENT_TYPE_LATEST)
+        refused = self._refused("/metrics", request)
+        return refused or Response(await self.hub.render.remote(), media_type=CONTENT_TYPE_LATEST)
 
     @ingress_api.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request) -> Response:
         """Any other request: to an engine replica (:func:`answer`)."""
+        refused = self._refused("/" + path, request)  # here too: an unkeyed or huge body never crosses Ray
+        if refused is not None:
+            return refused
+        body, size, limit = [], 0, self.policy.max_body_bytes
+        async for part in request.stream():
+            body.append(part)
+            size += len(part)
+            if size > limit:
+                return JSONResponse(error_body(f"the request body is over the {limit} bytes this server takes"),
+                                    status_code=413)
         forwarded = ForwardedRequest.build(request.method, "/" + path, request.url.query.encode(),
-                                           list(request.headers.raw), await request.body())
+                                           list(request.headers.raw), b"".join(body))
         return await answer(self.engine, forwarded, self.retries)
+
+    def _refused(self, path: str, request: Request) -> Response | None:
+        """The 401 for a request without the API key, or None."""
+        if self.policy.allows(path, request.headers.get("authorization")):
+            return None
+        return JSONResponse(error_body(UNAUTHORIZED, "invalid_api_key"), status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
 
 
 def build_application(config: ServeConfig, replicas: int = 1, cpus_per_replica: float = 1.0,
