@@ -16,7 +16,7 @@ from specdecode.engine import SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.logprobs import token_logprobs, verdict_rows
 from specdecode.sampling import SamplingParams
-from tiny_models import varied_model
+from tiny_models import random_head_drafter, varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,7 +61,10 @@ def test_logprobs_are_the_same_with_and_without_speculation_batched_or_alone(pat
     draft = varied_model(0, dtype=torch.bfloat16, keep_layers=[0, 1])
     draft.pack_weights(path)
     plain = _logprobs(BatchEngine(model, max_len=96, scheduler=SchedulerConfig(max_running=1)), top=3)  # alone
-    for new in (NgramDrafter, lambda: DraftModelDrafter(draft, model, CacheConfig())):
+    for new in (NgramDrafter, lambda: DraftModelDrafter(draft, model, CacheConfig()),
+                lambda: DraftModelDrafter(draft, model, CacheConfig(), tree_width=2),  # trees: rows 1 + node
+                lambda: random_head_drafter("medusa", model, seed=3),  # heads read the target's features
+                lambda: random_head_drafter("eagle-tree", model, seed=3, cache=CacheConfig())):
         engine = BatchEngine(model, new_drafter=new, spec=SpeculativeConfig(gamma=4), max_len=96,
                              scheduler=SchedulerConfig(max_running=4))
         assert _logprobs(engine, top=3) == plain  # bitwise: tokens, log-probabilities and alternatives

@@ -241,10 +241,14 @@ def test_fields_this_server_does_not_implement_get_a_400_naming_them(server, ext
 
 
 def test_fields_left_at_their_defaults_or_without_effect_are_accepted(server):
-    body = {**CHAT, "max_tokens": 4, "tools": [], "response_format": {"type": "text"},
+    body = {**CHAT, "max_tokens": 4, "tools": [], "response_format": {"type": "text"}, "logprobs": None,
+            "top_logprobs": 0,
             "presence_penalty": 0, "user": "u-1", "metadata": {"k": "v"}, "some_future_field": 1}
     status, _, reply = _post(server[1], "/v1/chat/completions", body)
-    assert status == 200 and reply["choices"][0]["message"]["content"], reply
+    assert status == 200 and reply["choices"][0]["message"]["content"] and reply["choices"][0]["logprobs"] is None
+    status, _, reply = _post(server[1], "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                            "logprobs": False})
+    assert status == 200 and reply["choices"][0]["logprobs"] is None, reply
 
 
 @pytest.mark.parametrize("path, body, param", [

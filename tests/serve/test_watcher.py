@@ -68,3 +68,16 @@ def test_a_deadline_cancels_at_its_time_and_is_a_504_if_the_engine_confirms_noth
     error, seconds = _answer(served, stop_engine_after=None)
     assert error.status == 504 and "deadline" in error.message
     assert 0.3 <= seconds < 0.9  # not the watcher's 1 s poll
+
+
+def test_a_stream_whose_engine_stopped_ends_with_an_error_event_and_no_usage():
+    served = ServedModel(_SilentLoop(), "m", None)
+
+    async def go() -> list[str]:
+        body = CompletionRequest(model="m", prompt=[1, 2], max_tokens=4, stream=True,
+                                 stream_options={"include_usage": True})
+        asyncio.get_running_loop().call_later(0.1, setattr, served.loop, "alive", False)
+        response = await served.respond(_request(), body, [1, 2], chat=False)
+        return [chunk async for chunk in response.body_iterator]
+    events = asyncio.run(asyncio.wait_for(go(), 10))
+    assert len(events) == 2 and "the engine stopped" in events[0] and events[1] == "data: [DONE]\n\n"

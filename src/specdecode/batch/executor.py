@@ -260,8 +260,8 @@ class BatchEngine:
             draft_s[seq] = time.perf_counter() - t0
             plan.drafted(len(drafts[seq].tokens))
         t1 = time.perf_counter()
-        verdicts, logprobs, real_rows = self._forward(running, plan.chunk, drafts)
-        verify_s = time.perf_counter() - t1
+        verdicts, logprobs, real_rows, logprobs_s = self._forward(running, plan.chunk, drafts)
+        verify_s = time.perf_counter() - t1 - logprobs_s
         for seq in running:
             if seq in drafts:
                 self._settle(seq, plan, drafts[seq], verdicts[seq], draft_s[seq], verify_s, real_rows,
@@ -344,10 +344,10 @@ class BatchEngine:
         return timed_stop
 
     def _forward(self, running: list[Sequence], chunk: dict[Sequence, int], drafts: dict[Sequence, Draft]
-                 ) -> tuple[dict[Sequence, Verdict], dict[Sequence, list[TokenLogprob]], int]:
+                 ) -> tuple[dict[Sequence, Verdict], dict[Sequence, list[TokenLogprob]], int, float]:
         """One forward over the step's rows, acceptance, and rollback per slot; returns the verdicts, the
-        emitted tokens' log-probabilities of the sequences that asked, and the forward's real rows (padding
-        left out). Only decoding rows get logits."""
+        emitted tokens' log-probabilities of the sequences that asked, the forward's real rows (padding left
+        out) and the seconds the log-probabilities took. Only decoding rows get logits."""
         parts = [SequenceRows(seq, seq.slot, self.cache.lengths[seq.slot],
                               seq.tokens[seq.prefilled:seq.prefilled + chunk.get(seq, 0)],
                               seq.tokens[-1] if seq in drafts else None, drafts.get(seq, NO_DRAFT)) for seq in running]
@@ -366,13 +366,14 @@ class BatchEngine:
         verdicts = verify_batch(logits, [1 + len(p.draft.tokens) for p in decoding],
                                 [Pending(p.draft.tokens, p.draft.q, p.key.request.sampling, p.key.seed,
                                          len(p.key.tokens), p.key.generator, p.draft.parents) for p in decoding])
-        logprobs, start = {}, 0
+        logprobs, start, tick = {}, 0, time.perf_counter()
         for part, verdict in zip(decoding, verdicts):
             asked = part.key.request.logprobs
             if asked is not None:
-                rows = logits[[start + r for r in verdict_rows(verdict.accepted, verdict.path)]]
-                logprobs[part.key] = token_logprobs(rows, verdict.tokens, asked)
+                predicting = logits[[start + r for r in verdict_rows(verdict.accepted, verdict.path)]]
+                logprobs[part.key] = token_logprobs(predicting, verdict.tokens, asked)
             start += 1 + len(part.draft.tokens)
+        logprobs_s = time.perf_counter() - tick  # kept out of the verification time the controllers learn
         for part, verdict in zip(decoding, verdicts):
             # Keep the fed token and the accepted drafts (a tree's path, moved into place); the emitted target
             # token is fed next step.
@@ -381,7 +382,7 @@ class BatchEngine:
                 start = rows.first[part.key] + len(part.prompt)
                 part.key.drafter.observe(part.held, hidden[[start + r for r in kept]])
         self.target.synchronize()  # before the caller reads its timer
-        return {p.key: v for p, v in zip(decoding, verdicts)}, logprobs, real
+        return {p.key: v for p, v in zip(decoding, verdicts)}, logprobs, real, logprobs_s
 
     def _pad(self, rows: ForwardRows) -> None:
         """Filler rows up to the row count the padding table asks for, within the last run's slot's room.

@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.batch.scheduler import QueueFullError
@@ -110,6 +110,15 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
     logprobs: int | None = Field(None, ge=0, le=5)  # alternatives per token (OpenAI's legacy completions: 0-5)
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_off(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # false: off, as clients send it; true says no count
+            if value:
+                raise ValueError("logprobs takes a number of alternatives, 0-5")
+            return None
+        return value
+
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
 
@@ -121,11 +130,11 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def top_logprobs_asked(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -314,10 +323,17 @@ class ServedModel:
         it with an error output itself when the engine's thread has stopped (nothing else would)."""
         cancelled_at = None
         while True:
-            left = None if self.timeout_s is None else handle.came + self.timeout_s - time.monotonic()
+            left = None if self.timeout_s is None or cancelled_at is not None else \
+                handle.came + self.timeout_s - time.monotonic()
             await asyncio.sleep(DISCONNECT_POLL_S if left is None else max(0.0, min(DISCONNECT_POLL_S, left)))
-            if not self.loop.alive or (cancelled_at is not None and time.monotonic() - cancelled_at > CANCEL_GRACE_S):
-                handle.seq.error = handle.seq.error or "the engine stopped"
+            unanswered = cancelled_at is not None and time.monotonic() - cancelled_at > CANCEL_GRACE_S
+            if not self.loop.alive or unanswered:
+                if handle.timed_out:  # still the deadline's answer
+                    handle.outputs.put_nowait(Output([], "", "cancelled"))
+                    return
+                handle.seq.error = handle.seq.error or (
+                    "the engine stopped" if not self.loop.alive else
+                    f"the engine did not answer a cancel within {CANCEL_GRACE_S:g} s")
                 handle.outputs.put_nowait(Output([], "", "error"))
                 return
             if cancelled_at is None:
@@ -361,8 +377,10 @@ class ServedModel:
                       include_usage: bool) -> AsyncIterator[str]:
         if reply.chat:
             yield sse(reply.chunk(None, None, first=True))
+        ended = None  # the last output's finish reason (the watcher's when the engine did not answer)
         async with contextlib.aclosing(self.outputs(handle, request)) as outputs:
             async for out in outputs:
+                ended = out.finish_reason
                 late = out.finish_reason == "cancelled" and handle.timed_out
                 if out.finish_reason == "error" or late:
                     err = self.deadline_error() if late else failed(handle.seq)
@@ -371,7 +389,7 @@ class ServedModel:
                 finish = FINISH[out.finish_reason] if out.finish_reason else None
                 if out.text or finish or out.logprobs:
                     yield sse(reply.chunk(out.text, finish, logprobs=out.logprobs))
-        if include_usage and handle.seq.finish_reason not in ("error", "cancelled"):
+        if include_usage and ended not in (None, "error", "cancelled"):
             yield sse(reply.usage_chunk(usage(handle.seq)))
         yield "data: [DONE]\n\n"
 

@@ -21,6 +21,7 @@ log = logging.getLogger("specdecode.serve")
 REFUSED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"),
+    "top_logprobs": (None, 0),  # reaches here from completions only, whose count is `logprobs`
     "response_format": (None, {"type": "text"}),
     "audio": (None,), "modalities": (None, ["text"]),
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),

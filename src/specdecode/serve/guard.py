@@ -77,7 +77,7 @@ class Guard:
         self.app, self.policy = app, policy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "websocket" and self.policy.api_key is not None:  # none are served: refuse, keyed or not
+        if scope["type"] == "websocket" and self.policy.api_key is not None:  # (none are served) not without the key
             await receive()  # websocket.connect
             return await send({"type": "websocket.close", "code": 1008})
         if scope["type"] != "http":
