@@ -81,3 +81,4 @@ def test_a_stream_whose_engine_stopped_ends_with_an_error_event_and_no_usage():
         return [chunk async for chunk in response.body_iterator]
     events = asyncio.run(asyncio.wait_for(go(), 10))
     assert len(events) == 2 and "the engine stopped" in events[0] and events[1] == "data: [DONE]\n\n"
+

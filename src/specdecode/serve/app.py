@@ -326,6 +326,8 @@ class ServedModel:
             left = None if self.timeout_s is None or cancelled_at is not None else \
                 handle.came + self.timeout_s - time.monotonic()
             await asyncio.sleep(DISCONNECT_POLL_S if left is None else max(0.0, min(DISCONNECT_POLL_S, left)))
+            if handle.seq.finished:  # its last output is on its way (the engine sets this before handing it over)
+                return
             unanswered = cancelled_at is not None and time.monotonic() - cancelled_at > CANCEL_GRACE_S
             if not self.loop.alive or unanswered:
                 if handle.timed_out:  # still the deadline's answer
