@@ -366,14 +366,16 @@ class BatchEngine:
         verdicts = verify_batch(logits, [1 + len(p.draft.tokens) for p in decoding],
                                 [Pending(p.draft.tokens, p.draft.q, p.key.request.sampling, p.key.seed,
                                          len(p.key.tokens), p.key.generator, p.draft.parents) for p in decoding])
-        logprobs, start, tick = {}, 0, time.perf_counter()
-        for part, verdict in zip(decoding, verdicts):
-            asked = part.key.request.logprobs
-            if asked is not None:
-                predicting = logits[[start + r for r in verdict_rows(verdict.accepted, verdict.path)]]
-                logprobs[part.key] = token_logprobs(predicting, verdict.tokens, asked)
-            start += 1 + len(part.draft.tokens)
-        logprobs_s = time.perf_counter() - tick  # kept out of the verification time the controllers learn
+        logprobs, logprobs_s = {}, 0.0
+        if any(p.key.request.logprobs is not None for p in decoding):  # most steps: nobody asked
+            start, tick = 0, time.perf_counter()
+            for part, verdict in zip(decoding, verdicts):
+                asked = part.key.request.logprobs
+                if asked is not None:
+                    predicting = logits[[start + r for r in verdict_rows(verdict.accepted, verdict.path)]]
+                    logprobs[part.key] = token_logprobs(predicting, verdict.tokens, asked)
+                start += 1 + len(part.draft.tokens)
+            logprobs_s = time.perf_counter() - tick  # kept out of the verification time the controllers learn
         for part, verdict in zip(decoding, verdicts):
             # Keep the fed token and the accepted drafts (a tree's path, moved into place); the emitted target
             # token is fed next step.

@@ -435,9 +435,11 @@ class _Reply:
             return None
         name = self._token_text
         if self.chat:
-            return {"content": [{"token": name(lp.token), "logprob": lp.logprob, "bytes": list(name(lp.token).encode()),
-                                 "top_logprobs": [{"token": name(t), "logprob": v, "bytes": list(name(t).encode())}
-                                                  for t, v in lp.top]} for lp in entries], "refusal": None}
+            def entry(token: int, logprob: float) -> dict[str, Any]:
+                text = name(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                                for lp in entries], "refusal": None}
         offsets = []
         for lp in entries:
             offsets.append(self.text_offset)
