@@ -43,24 +43,48 @@ def small_vocab_model(seed: int, layers: int = 3) -> Transformer:
     return Transformer.from_hf_tensors(config, tensors)
 
 
+LETTERS = "abcdefghijklmno"  # the small vocabulary's tokens 0..14 as text; token 15 is "<eos>"
+
+
+def small_vocab_tokenizer():
+    """A byte-level tokenizer whose token i is LETTERS[i] (one byte each) and 15 "<eos>": what a grammar needs."""
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    from specdecode.models.tokenizer import Tokenizer
+    backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(LETTERS)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<eos>", special=True)])
+    return Tokenizer(backend, None, VOCAB - 1)
+
+
 def small_vocab_target() -> Transformer:
     """The target every distribution test samples from."""
     return small_vocab_model(3)
 
 
-def next_probs(model: Transformer, seqs: list[list[int]], sampling: SamplingParams) -> torch.Tensor:
+def next_probs(model: Transformer, seqs: list[list[int]], sampling: SamplingParams,
+               allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The next token's distribution after each of ``seqs``, with the tokens outside ``allowed`` ([V] bool) masked
+    out of the logits first when given."""
     out = []
     for seq in seqs:
         cache = model.new_cache(CacheConfig(max_len=len(seq)))
-        out.append(probs_from_logits(model(torch.tensor([seq]), cache, logits=LogitRows.LAST).logits[0, -1], sampling))
+        logits = model(torch.tensor([seq]), cache, logits=LogitRows.LAST).logits[0, -1]
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        out.append(probs_from_logits(logits, sampling))
     return torch.stack(out)  # [len(seqs), V]
 
 
-def exact_joint(model: Transformer, sampling: SamplingParams) -> torch.Tensor:
-    """P(t1, t2, t3 | PROMPT) under the target alone, shape [V, V, V]."""
-    p1 = next_probs(model, [PROMPT], sampling)[0]  # [V]
-    p2 = next_probs(model, [PROMPT + [a] for a in range(VOCAB)], sampling)  # [V, V]
-    p3 = next_probs(model, [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)], sampling)
+def exact_joint(model: Transformer, sampling: SamplingParams,
+                allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """P(t1, t2, t3 | PROMPT) under the target alone, shape [V, V, V]; with ``allowed``, under a grammar that allows
+    those tokens ([V] bool) at each of the three positions, whatever came before."""
+    a1, a2, a3 = allowed if allowed is not None else (None, None, None)
+    p1 = next_probs(model, [PROMPT], sampling, a1)[0]  # [V]
+    p2 = next_probs(model, [PROMPT + [a] for a in range(VOCAB)], sampling, a2)  # [V, V]
+    p3 = next_probs(model, [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)], sampling, a3)
     return p1[:, None, None] * p2[:, :, None] * p3.view(VOCAB, VOCAB, VOCAB)
 
 
@@ -86,12 +110,13 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def sample_counts(engine: Engine, sampling: SamplingParams, samples: int = SAMPLES,
-                  on_result: Callable[[GenerationResult], None] | None = None) -> torch.Tensor:
-    """Counts of the first NEW_TOKENS tokens the engine samples after PROMPT, seeds 0..samples-1: [V, V, V]."""
+                  on_result: Callable[[GenerationResult], None] | None = None, **request) -> torch.Tensor:
+    """Counts of the first NEW_TOKENS tokens the engine samples after PROMPT, seeds 0..samples-1: [V, V, V]
+    (``request``: more arguments of ``Engine.generate``)."""
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     for seed in range(samples):
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
-        result = engine.generate(PROMPT, params, max_new_tokens=NEW_TOKENS, eos_token_ids=())
+        result = engine.generate(PROMPT, params, max_new_tokens=NEW_TOKENS, eos_token_ids=(), **request)
         counts[tuple(result.token_ids)] += 1
         if on_result is not None:
             on_result(result)

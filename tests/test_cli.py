@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -518,3 +519,42 @@ def test_a_bug_keeps_its_traceback_while_user_errors_are_one_line(monkeypatch, c
         raise KVBudgetError("KV budget exceeded: ...")
     monkeypatch.setitem(cli.COMMANDS, "models", over_budget)
     assert_usage_error(*run(capsys, "models"), "KV budget exceeded")
+
+
+@pytest.mark.integration
+def test_smollm2_generate_with_a_json_schema_or_a_regex(smollm2_path, capsys, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"enum": ["France", "Spain", "Italy"]}},
+              "required": ["city", "country"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema), encoding="utf-8")
+
+    def generate(*flags, prompt: str) -> dict:
+        rc, out, err = run(capsys, "generate", "--model", smollm2_path, "--threads", "1", "--chat", "--json",
+                           "--max-new-tokens", "48", *flags, prompt)
+        assert rc == 0, err
+        return json.loads(out)
+
+    doc = generate("--json-schema", path, prompt="Where is Paris? Answer in JSON.")
+    jsonschema.validate(json.loads(doc["text"]), schema)
+    assert doc["finish_reason"] == "stop" and doc["stats"]["forced_accepted"] > 0  # ngram (the default) drafts
+    plain = generate("--json-schema", path, "--drafter", "none", prompt="Where is Paris? Answer in JSON.")
+    assert plain["token_ids"] == doc["token_ids"] and plain["stats"]["forced_drafted"] == 0
+    doc = generate("--regex", "[0-9]{4}", prompt="In which year did WW2 end?")
+    assert re.fullmatch("[0-9]{4}", doc["text"]) and doc["finish_reason"] == "stop"
+
+
+def test_grammar_flags_are_checked(tiny, capsys, tmp_path):
+    rc, out, err = run(capsys, "generate", "--model", tiny["target"], *FAST, "--json-schema", tmp_path / "missing", "x")
+    assert_usage_error(rc, out, err, "--json-schema", "cannot read it")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json", encoding="utf-8")
+    rc, out, err = run(capsys, "generate", "--model", tiny["target"], *FAST, "--json-schema", bad, "x")
+    assert_usage_error(rc, out, err, "--json-schema", "not valid JSON")
+    rc, out, err = run(capsys, "generate", "--model", tiny["target"], *FAST, "--regex", "a", "--json-schema", bad, "x")
+    assert rc == 2 and "not allowed with argument" in err
+    # The tiny model's word-level tokenizer is not one llguidance reads: said so, after loading.
+    rc, out, err = run(capsys, "generate", "--model", tiny["target"], *FAST, "--regex", "(cat|dog)", "x")
+    assert_usage_error(rc, out, err, "--regex", "tokenizer cannot be used with a grammar")

@@ -80,7 +80,8 @@ def test_to_dict_has_raw_and_derived_keys_and_is_json():
            "rejections", "drafted_by_position", "accepted_by_position", "prefill_s", "draft_s", "verify_s",
            "control_s", "wall_s", "decode_step_s", "kv_bytes", "kv_bytes_per_token", "draft_kv_bytes",
            "draft_kv_bytes_per_token", "prefix_hit_tokens", "tree_steps", "steps_by_budget", "accepted_by_budget",
-           "prediction_tokens", "prediction_drafted", "prediction_accepted"}
+           "prediction_tokens", "prediction_drafted", "prediction_accepted", "forced_drafted", "forced_accepted",
+           "grammar_s"}
     derived = {"acceptance_rate", "token_acceptance", "mean_accepted_length", "mean_gamma", "acceptance_by_position",
                "accepted_length_by_budget", "tokens_per_s", "predicted_speedup"}
     assert set(d) == raw | derived

@@ -26,6 +26,7 @@ from specdecode.drafter_setup import DrafterConfig, drafter_factory
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.flags import (add_drafter_arguments, add_gamma_arguments, add_kv_arguments, add_model_arguments,
                               cache_configs, drafter_config, target_config)
+from specdecode.grammar import Grammar, GrammarError
 from specdecode.heads.command import add_arguments as add_head_arguments
 from specdecode.kv.cache import CacheConfig, CacheFullError
 from specdecode.kv.memory import KVBudgetError
@@ -66,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prediction", default=None, metavar="FILE|-",
                    help="text the answer is expected to be mostly made of (e.g. the file an edit starts from), "
                         "drafted wherever the answer follows it; '-' reads it from stdin")
+    structured = g.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", default=None, metavar="FILE",
+                            help="the answer is JSON valid under this JSON schema (every token drawn from the "
+                                 "model's distribution masked by it; the tokens it forces are drafted)")
+    structured.add_argument("--regex", default=None, metavar="RE", help="the answer matches this regex whole")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_kv_arguments(g)
 
@@ -149,6 +155,27 @@ def _engine_for(drafter: DrafterConfig, target_config: TargetConfig, target: Loa
     return Engine(target.model, target.tokenizer, new() if new is not None else None, spec, cache=caches[0])
 
 
+def _grammar_flag(args: argparse.Namespace) -> str:
+    return "--regex" if args.regex is not None else "--json-schema"
+
+
+def _read_grammar(args: argparse.Namespace) -> Grammar | None:
+    """``--json-schema FILE`` or ``--regex RE`` as a grammar; a file that cannot be read or a schema that is not
+    JSON is refused before any model loads, one that does not compile once the engine compiles it."""
+    if args.regex is None and args.json_schema is None:
+        return None
+    try:
+        if args.regex is not None:
+            return Grammar.regex(args.regex)
+        try:
+            text = Path(args.json_schema).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--json-schema {args.json_schema}: cannot read it ({exc})") from None
+        return Grammar.json_schema(text)
+    except GrammarError as exc:
+        raise UsageError(f"{_grammar_flag(args)}: {exc}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt == "-" and args.prediction == "-":
         raise UsageError("the prompt and --prediction cannot both be read from stdin ('-'); give one as a file")
@@ -156,6 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     prediction = _read_prediction(args.prediction)
+    grammar = _read_grammar(args)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     # Validated before any model is loaded.
     spec = SpeculativeConfig(args.gamma, args.gamma_max, args.controller_file, args.long_max)
@@ -171,12 +199,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     engine = _engine_for(drafter, target_settings, target, spec, caches)
     engine.warmup()
+    try:
+        stream = engine.stream(prompt, sampling, args.max_new_tokens, args.stop, prediction=prediction, grammar=grammar)
+    except GrammarError as exc:
+        raise UsageError(f"{_grammar_flag(args)}: {exc}") from None
     if args.json:
-        result = engine.generate(prompt, sampling, args.max_new_tokens, args.stop, prediction=prediction)
+        for _ in stream:  # runs the request to its end
+            pass
+        result = stream.result
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                           "stats": result.stats.to_dict()}))
         return 0
-    stream = engine.stream(prompt, sampling, args.max_new_tokens, args.stop, prediction=prediction)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -187,6 +220,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
          f"tau {s.mean_accepted_length:.2f}, acceptance {s.acceptance_rate:.2f}, predicted speedup {predicted}, "
          f"KV {s.kv_bytes_per_token:.0f} B/token, "
          + (f"prediction {s.prediction_accepted}/{s.prediction_drafted} tokens kept, " if prediction else "")
+         + (f"forced {s.forced_accepted}/{s.forced_drafted} tokens kept, " if grammar and s.forced_drafted else "")
          + f"finish {stream.result.finish_reason}]")
     return 0
 

@@ -19,6 +19,7 @@ from specdecode.batch.stream import TextStream
 from specdecode.control import StepRecord
 from specdecode.control.config import SpeculativeConfig
 from specdecode.drafters.base import Drafter
+from specdecode.grammar import Grammar
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.models.transformer import Transformer
@@ -81,9 +82,9 @@ class Engine:
     def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 128, stop: str | Iterable[str] = (),
                  eos_token_ids: Iterable[int] | None = None,
-                 prediction: str | Sequence[int] | None = None) -> GenerationResult:
+                 prediction: str | Sequence[int] | None = None, grammar: Grammar | None = None) -> GenerationResult:
         """Generates a continuation of ``prompt``; see :meth:`stream` for the arguments."""
-        stream = self.stream(prompt, sampling, max_new_tokens, stop, eos_token_ids, prediction)
+        stream = self.stream(prompt, sampling, max_new_tokens, stop, eos_token_ids, prediction, grammar)
         for _ in stream:  # runs the request to its end
             pass
         return stream.result
@@ -91,7 +92,7 @@ class Engine:
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                max_new_tokens: int = 128, stop: str | Iterable[str] = (),
                eos_token_ids: Iterable[int] | None = None,
-               prediction: str | Sequence[int] | None = None) -> TextStream:
+               prediction: str | Sequence[int] | None = None, grammar: Grammar | None = None) -> TextStream:
         """Like :meth:`generate`, but yields text as it is accepted. The request is submitted at once, so bad
         input is refused here.
 
@@ -104,12 +105,16 @@ class Engine:
             eos_token_ids: ids that end generation; default: the tokenizer's end-of-sequence ids.
             prediction: text (or token ids) the output is expected to be mostly made of (e.g. the original of an
                 edit): drafted wherever the output follows it, whatever the drafter; never changes the output.
+            grammar: what the output must match (``grammar.Grammar``: a JSON schema, any JSON object, a regex, a
+                choice): every token is drawn from the target's distribution masked by it, drafts included, and
+                the request ends when it is complete; with speculation on, the tokens it forces are drafted.
         """
         if self._running is not None and not self._running.finished:  # a stream abandoned before its end
             self.batch.cancel(self._running)
         outputs: list[Output] = []
         seq = self._running = self.batch.submit(prompt, sampling, max_new_tokens, stop, eos_token_ids,
-                                                on_output=lambda _, out: outputs.append(out), prediction=prediction)
+                                                on_output=lambda _, out: outputs.append(out), prediction=prediction,
+                                                grammar=grammar)
         return TextStream(self._steps(seq, outputs))
 
     def _steps(self, seq: Running, outputs: list[Output]) -> Iterator[Output]:

@@ -2,7 +2,8 @@
 
 Each emitted token's log-probability, and the ``top`` most likely tokens at its position, come from the
 target's own distribution there: the log-softmax of its logits at the row that predicted the token, before
-temperature, top-k or top-p (vLLM's default too). A draft only decides which rows a forward computes, and our
+temperature, top-k or top-p (vLLM's default too); under a grammar, of the logits it masked, so tokens it refuses
+are never listed as alternatives. A draft only decides which rows a forward computes, and our
 forwards give every row the bits it has alone, so a request's log-probabilities are the same with and without
 speculation, batched or not.
 
@@ -23,7 +24,8 @@ class TokenLogprob:
     Args:
         token: the token id.
         logprob: its log-probability under the target's distribution at its position.
-        top: the ``top`` most likely (token id, log-probability) pairs there, most likely first.
+        top: the ``top`` most likely (token id, log-probability) pairs there, most likely first (fewer where fewer
+            tokens are possible: a grammar's masked row).
     """
 
     token: int
@@ -43,7 +45,8 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[Toke
     for row, token in zip(rows, tokens):  # a row at a time: each row's numbers whatever else was computed
         logp = torch.log_softmax(row.float(), -1)  # [V]
         best = logp.topk(top) if top else None
-        alternatives = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+        alternatives = tuple((t, v) for t, v in zip(best.indices.tolist(), best.values.tolist())
+                             if v != float("-inf")) if best is not None else ()
         out.append(TokenLogprob(token, float(logp[token]), alternatives))
     return out
 

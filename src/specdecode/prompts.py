@@ -4,7 +4,8 @@ its validation, and rendering a prompt to the token ids a model is fed.
 A prompt file is JSONL, one object per line: ``{"id", "category", "prompt"}`` or ``{"id", "category",
 "messages"}`` (a chat: ``[{"role": "system"|"user"|"assistant", "content": "..."}, ...]``), with an
 optional ``"prediction"``: a non-empty string, the text the answer is expected to be mostly made of
-(OpenAI's "Predicted Outputs": for an edit, the original text). Blank lines are ignored; other keys are
+(OpenAI's "Predicted Outputs": for an edit, the original text) and an optional ``"schema"``: a JSON schema the
+answer must follow (``bench`` decodes under it and checks the answers). Blank lines are ignored; other keys are
 ignored too. Every problem is reported with its line number, and a file with any problem is rejected as
 a whole. This module does not run models nor hold any prompt set (the benchmark's suites are
 ``bench/prompts.py``'s, the head-training set ``heads/data.py``'s).
@@ -35,6 +36,7 @@ class Prompt:
         prompt: plain text, or None when ``messages`` is given.
         messages: a chat, or None when ``prompt`` is given.
         prediction: text the answer is expected to be mostly made of (an edit's original), or None.
+        schema: a JSON schema the answer must follow (as JSON text), or None.
     """
 
     id: str
@@ -42,6 +44,7 @@ class Prompt:
     prompt: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
     prediction: str | None = None
+    schema: str | None = None
 
 
 def _check_line(obj: Any) -> str | Prompt:
@@ -62,10 +65,13 @@ def _check_line(obj: Any) -> str | Prompt:
     prediction = obj.get("prediction")
     if "prediction" in obj and (not isinstance(prediction, str) or not prediction.strip()):
         return "'prediction' must be a non-empty string"
+    if "schema" in obj and not isinstance(obj["schema"], dict):
+        return "'schema' must be a JSON schema (an object)"
+    schema = json.dumps(obj["schema"]) if "schema" in obj else None
     if has_prompt:
         if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
             return "'prompt' must be a non-empty string"
-        return Prompt(str(pid), category.strip(), prompt=obj["prompt"], prediction=prediction)
+        return Prompt(str(pid), category.strip(), prompt=obj["prompt"], prediction=prediction, schema=schema)
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
         return "'messages' must be a non-empty list of {\"role\", \"content\"} objects"
@@ -77,7 +83,7 @@ def _check_line(obj: Any) -> str | Prompt:
     if messages[-1]["role"] != "user":
         return "the last message must have role 'user' (the model answers it)"
     clean = tuple({"role": m["role"], "content": m["content"]} for m in messages)
-    return Prompt(str(pid), category.strip(), messages=clean, prediction=prediction)
+    return Prompt(str(pid), category.strip(), messages=clean, prediction=prediction, schema=schema)
 
 
 def parse_prompts(lines: Iterable[str], source: str = "<prompts>") -> list[Prompt]:

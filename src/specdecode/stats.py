@@ -74,6 +74,11 @@ class RequestStats:
     prediction_tokens: int = 0
     prediction_drafted: int = 0
     prediction_accepted: int = 0
+    # A grammar's forced tokens drafted and accepted (``drafters/forced.py``; also counted in drafted/accepted), and
+    # the seconds its masks took (inside verify_s).
+    forced_drafted: int = 0
+    forced_accepted: int = 0
+    grammar_s: float = 0.0
     # Token trees: steps whose draft branched, and per draft size (nodes, 0 = nothing drafted) the steps and
     # the tokens they accepted.
     tree_steps: int = 0

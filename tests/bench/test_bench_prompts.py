@@ -106,3 +106,17 @@ def test_cli_rejects_a_malformed_file_before_loading_anything(tmp_path, capsys):
     assert status == 2
     assert f"{path}:2: not valid JSON" in err
     assert "loading" not in err  # nothing ran: the model was never touched
+
+
+def test_structured_suite_has_twenty_or_more_schemas_that_compile_strictly():
+    from distribution_check import small_vocab_tokenizer
+    from specdecode.grammar import Grammar, GrammarCompiler
+
+    prompts = packaged_prompts(["structured"])
+    assert len(prompts) >= 20 and len({p.schema for p in prompts}) == len(prompts)
+    tokenizer = small_vocab_tokenizer()
+    compiler = GrammarCompiler(tokenizer.backend.to_str(), 16, tokenizer.eos_token_ids)
+    for p in prompts:
+        schema = json.loads(p.schema)
+        assert schema["type"] == "object" and schema["required"], p.id
+        compiler.compile(Grammar.json_schema(schema, strict=True))  # every keyword enforced, none ignored

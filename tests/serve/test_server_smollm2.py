@@ -9,7 +9,9 @@ The tests share one server and run in file order (the SIGTERM test last).
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -226,7 +228,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"suffix": "end"}, "suffix"),
@@ -259,6 +261,103 @@ def test_fields_left_at_their_defaults_or_without_effect_are_accepted(server):
 def test_text_that_is_not_unicode_gets_a_400_naming_the_field(server, path, body, param):
     status, _, reply = _post(server[1], path, json.dumps(body).encode())  # json escapes the lone surrogate
     assert status == 400 and reply["error"]["param"] == param and "not valid Unicode" in reply["error"]["message"]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                         "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                                         "color": {"enum": ["red", "green", "blue"]}},
+          "required": ["name", "age", "color"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Describe a person as JSON: name, age and favourite color."}]
+
+
+def test_response_format_json_schema_and_json_object_through_the_openai_client(client, server, smollm2):
+    """Answers parse and validate; greedy ones equal constrained plain decoding in process (the server drafts,
+    forced tokens included, and counts those apart)."""
+    import jsonschema
+
+    from specdecode.engine import Engine
+    from specdecode.grammar import Grammar
+
+    plain = Engine(smollm2.model, smollm2.tokenizer)
+    prompt = smollm2.tokenizer.apply_chat_template(ASK)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    forced_before = _metric(server[1], "specdecode:forced_draft_tokens_total")
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, temperature=0,
+                                           response_format=fmt)
+    text = whole.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert whole.choices[0].finish_reason == "stop"
+    assert text == plain.generate(prompt, max_new_tokens=64, grammar=Grammar.json_schema(PERSON)).text
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=64, temperature=0, response_format=fmt, stream=True) if c.choices)
+    assert streamed == text
+    assert _metric(server[1], "specdecode:forced_draft_tokens_total") > forced_before
+    assert _metric(server[1], "specdecode:forced_accepted_tokens_total") > 0
+    for seed in range(3):  # sampled answers are valid too
+        sampled = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, temperature=0.7,
+                                                 seed=seed, response_format=fmt)
+        jsonschema.validate(json.loads(sampled.choices[0].message.content), PERSON)
+    anything = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=48, temperature=0,
+                                              response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    else:  # cut by the budget: an object still open
+        assert anything.choices[0].message.content.startswith("{")
+
+
+def test_structured_outputs_regex_and_choice_with_logprobs_of_the_masked_distribution(client, smollm2):
+    choices = ["red", "green", "blue"]
+    reply = client.completions.create(model=MODEL, prompt="My favourite color is", max_tokens=8, temperature=0,
+                                      logprobs=5, extra_body={"structured_outputs": {"choice": choices}})
+    assert reply.choices[0].text in choices and reply.choices[0].finish_reason == "stop"
+    first = reply.choices[0].logprobs.top_logprobs[0]
+    assert first and all(any(c.startswith(t.strip()) and t.strip() for c in choices) for t in first), first
+    # Of the masked distribution: the few allowed first tokens hold nearly all of it (unmasked, "red" without a
+    # leading space is unlikely here).
+    assert 0.9 < sum(math.exp(v) for v in first.values()) <= 1 + 1e-4
+    date = r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"
+    dated = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "When? A date."}],
+                                           max_tokens=16, temperature=0, extra_body={"structured_outputs": {"regex": date}})
+    assert re.fullmatch(date, dated.choices[0].message.content)
+
+
+def test_logprobs_under_a_schema_list_only_tokens_it_allows(client, server):
+    """Forced rows allow one token: their alternatives are that token alone (no -inf in the JSON, streamed or not)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, temperature=0,
+                                           response_format=fmt, logprobs=True, top_logprobs=5)
+    content = whole.choices[0].logprobs.content
+    assert "".join(c.token for c in content).startswith(whole.choices[0].message.content[:10])
+    assert any(len(c.top_logprobs) == 1 and c.logprob == 0.0 for c in content)  # a forced token
+    assert all(math.isfinite(t.logprob) for c in content for t in c.top_logprobs)
+    status, _, reply = _post(server[1], "/v1/completions", {"model": MODEL, "prompt": "Name:", "max_tokens": 16,
+                                                            "logprobs": 5, "response_format": {"type": "json_object"},
+                                                            "stream": False})
+    assert status == 200 and reply["choices"][0]["logprobs"]["top_logprobs"], reply
+    streamed = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0,
+                                              response_format=fmt, logprobs=True, top_logprobs=3, stream=True)
+    assert sum(len(c.choices[0].logprobs.content) for c in streamed if c.choices and c.choices[0].logprobs) > 0
+
+
+@pytest.mark.parametrize("extra, param, fragment", [
+    ({"structured_outputs": {"regex": "a\udfffb"}}, "structured_outputs.regex", "not valid Unicode"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": "\ud800"}}}},
+     "response_format.json_schema.schema.const", "not valid Unicode"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs its json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                 "schema": {"type": "string", "format": "nope"}}}},
+     "response_format", "does not compile"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "Input should be"),
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "does not compile"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar", "Extra inputs"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs",
+     "not both"),
+])
+def test_structured_output_requests_that_cannot_be_served_get_a_400_naming_the_field(server, extra, param, fragment):
+    # (json escapes a lone surrogate, which JSON allows and Unicode does not)
+    status, _, reply = _post(server[1], "/v1/chat/completions", json.dumps({**CHAT, **extra}).encode())
+    assert status == 400 and reply["error"]["param"] == param and fragment in reply["error"]["message"], reply
 
 
 @pytest.fixture(scope="module")

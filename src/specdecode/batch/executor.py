@@ -38,7 +38,9 @@ from specdecode.control import StepContext, StepRecord, controller_factory
 from specdecode.control.config import SpeculativeConfig
 from specdecode.control.long import LongDrafts
 from specdecode.drafters.base import Draft, Drafter, OwnCache, StopRule
+from specdecode.drafters.forced import ForcedDrafter, within
 from specdecode.drafters.prediction import PredictionDrafter
+from specdecode.grammar import Grammar, GrammarCompiler, mask_rows
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.logprobs import TokenLogprob, token_logprobs, verdict_rows
@@ -104,6 +106,18 @@ def keep_rows(cache: Cache, slot: int, held: int, verdict: Verdict) -> list[int]
     return rows
 
 
+def drafter_record(ctx: StepContext, budget: int, draft: Draft, verdict: Verdict, draft_s: float, verify_s: float,
+                   others_rows: int) -> StepRecord:
+    """A step as its controller learns it: the drafter's own tokens. A grammar's forced tokens lead the draft but
+    are not the drafter's choice (counted apart); where one was rejected, the drafter's tokens after it were never
+    judged, and none count."""
+    forced = draft.forced
+    judged = verdict.accepted >= forced and len(draft.tokens) > forced
+    return StepRecord(ctx, budget - forced if judged else 0, len(draft.tokens) - forced if judged else 0,
+                      verdict.accepted - forced if judged else 0, draft_s, verify_s,
+                      draft.signals if judged else (), others_rows, forced, min(verdict.accepted, forced))
+
+
 class BatchEngine:
     """Serves requests together with per-request speculation.
 
@@ -162,6 +176,7 @@ class BatchEngine:
         self.record_signals = record_signals
         self._warming = False
         self._steps = 0  # steps run: whose turn it is to draft first
+        self._grammars: GrammarCompiler | None = None  # made at the first request with a grammar
 
     def _allocate(self, tokens: int) -> None:
         """Gives every slot room for ``tokens`` plus one step's drafted (or padding) rows beyond them."""
@@ -175,12 +190,13 @@ class BatchEngine:
     def submit(self, prompt: str | Seq[int], sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
                stop: str | Iterable[str] = (), eos_token_ids: Iterable[int] | None = None,
                on_output: Callable[[Sequence, Output], None] | None = None,
-               prediction: str | Seq[int] | None = None, logprobs: int | None = None) -> Sequence:
+               prediction: str | Seq[int] | None = None, logprobs: int | None = None,
+               grammar: Grammar | None = None) -> Sequence:
         """Queues a request; it starts at a later :meth:`step`. Arguments as for ``Engine.stream``, and
         ``logprobs``: each output carries its tokens' log-probabilities with this many alternatives (``logprobs.py``).
 
         Raises:
-            ValueError: bad input (named).
+            ValueError: bad input (named; ``grammar.GrammarError`` for a grammar that does not compile).
             QueueFullError: the waiting queue is full.
         """
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
@@ -188,12 +204,22 @@ class BatchEngine:
         stop = stop_strings(stop, self.tokenizer)
         ids = prompt_ids(prompt, self.tokenizer, self.target.config.vocab_size, self.max_len, max_new_tokens,
                          self._limit_name)
+        if grammar is not None:
+            self._grammar_compiler().compile(grammar)  # a grammar that does not compile is refused now
         request = Request(tuple(ids), sampling, max_new_tokens, stop, eos_ids(eos_token_ids, self.tokenizer),
-                          predicted(prediction, self.tokenizer, self.target.config.vocab_size), logprobs)
+                          predicted(prediction, self.tokenizer, self.target.config.vocab_size), logprobs, grammar)
         self._make_room(len(ids) + max_new_tokens)
         seq = Sequence(request, self.tokenizer, on_output)
         self.scheduler.add(seq)
         return seq
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("a grammar needs an engine with a tokenizer")
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.target.config.vocab_size,
+                                             self.tokenizer.eos_token_ids)
+        return self._grammars
 
     def _make_room(self, tokens: int) -> None:
         """Grows the slots for a request of ``tokens`` tokens, which only an idle engine can do."""
@@ -308,7 +334,10 @@ class BatchEngine:
             plan.budgets[seq] = 0
             return 0
         tick = time.perf_counter()
-        k = min(seq.controller.next_gamma(ctx), seq.remaining - 1, self.cache.stable_rows(seq.slot) - 1, plan.room)
+        # A grammar's forced tokens are drafted besides the controller's choice: they are all but sure.
+        forced = len(seq.drafter.forced_ahead()) if isinstance(seq.drafter, ForcedDrafter) else 0
+        k = min(seq.controller.next_gamma(ctx) + forced, seq.remaining - 1, self.cache.stable_rows(seq.slot) - 1,
+                plan.room)
         seq.stats.control_s += time.perf_counter() - tick
         plan.budgets[seq] = k
         return k
@@ -326,8 +355,9 @@ class BatchEngine:
     def _propose(self, seq: Sequence, k: int) -> Draft:
         if not k:
             return NO_DRAFT
-        return seq.drafter.propose(seq.tokens, k, seq.request.sampling, seq.generator,
-                                   self._stop_rule(seq)).check(k, seq.drafter.name)
+        draft = seq.drafter.propose(seq.tokens, k, seq.request.sampling, seq.generator,
+                                    self._stop_rule(seq)).check(k, seq.drafter.name)
+        return draft if seq.constraint is None else within(draft, seq.constraint)
 
     def _stop_rule(self, seq: Sequence) -> StopRule | None:
         """The controller's early stop, timed as control (None, so no signals are computed, unless a controller
@@ -363,6 +393,7 @@ class BatchEngine:
                 seq.drafter.observe(seq.prefilled, hidden[rows.first[seq]:rows.first[seq] + n])
             seq.prefilled += n
         decoding = [p for p in parts if p.decodes]
+        self._mask(logits, decoding)
         verdicts = verify_batch(logits, [1 + len(p.draft.tokens) for p in decoding],
                                 [Pending(p.draft.tokens, p.draft.q, p.key.request.sampling, p.key.seed,
                                          len(p.key.tokens), p.key.generator, p.draft.parents) for p in decoding])
@@ -386,6 +417,19 @@ class BatchEngine:
         self.target.synchronize()  # before the caller reads its timer
         return {p.key: v for p, v in zip(decoding, verdicts)}, logprobs, real, logprobs_s
 
+    @staticmethod
+    def _mask(logits: torch.Tensor, decoding: list[SequenceRows]) -> None:
+        """Masks the rows of sequences under a grammar (in place, ``logits`` [scored, V]), so that acceptance,
+        sampling and log-probabilities all follow the constrained distribution."""
+        start = 0
+        for part in decoding:
+            seq = part.key
+            if seq.constraint is not None:
+                tick = time.perf_counter()
+                mask_rows(logits, start, seq.constraint.masks(part.draft.tokens, part.draft.parents))
+                seq.stats.grammar_s += time.perf_counter() - tick
+            start += 1 + len(part.draft.tokens)
+
     def _pad(self, rows: ForwardRows) -> None:
         """Filler rows up to the row count the padding table asks for, within the last run's slot's room.
         (Filler is only ever needed off our kernels, where no prompt is prefilled in a step: the last
@@ -401,18 +445,28 @@ class BatchEngine:
         if seq in plan.chunk:
             seq.stats.prefill_s = time.perf_counter() - seq.arrival
         self.cache.commit(seq.slot, self.cache.lengths[seq.slot])  # the fed token and the accepted drafts are verified
-        # Cut at EOS, at the token that completes a stop string, or at the budget: where plain decoding stops.
-        kept = seq.append(verdict.tokens)
+        # Cut at EOS, at the token that completes a stop string or the grammar, or at the budget: where plain
+        # decoding stops.
+        constraint, tokens = seq.constraint, verdict.tokens
+        if constraint is not None:
+            tokens = tokens[:constraint.until_done(tokens)]
+        kept = seq.append(tokens)
+        if constraint is not None:
+            constraint.advance(kept)
+            if constraint.done:
+                seq.complete()
         if seq.drafter is not None:
             seq.drafter.commit(seq.tokens)
         seq.last_rows = 1 + len(draft.tokens)
-        record = StepRecord(plan.contexts[seq], plan.budgets[seq], len(draft.tokens), verdict.accepted, draft_s,
-                            verify_s, draft.signals, others_rows=real_rows - seq.last_rows - plan.chunk.get(seq, 0))
+        record = drafter_record(plan.contexts[seq], plan.budgets[seq], draft, verdict, draft_s, verify_s,
+                                real_rows - seq.last_rows - plan.chunk.get(seq, 0))
         tick = time.perf_counter()
         seq.controller.update(record)
         stats = seq.stats
         stats.control_s += time.perf_counter() - tick
         stats.record_step(len(draft.tokens), verdict.accepted, len(kept), draft.tree_depth)
+        stats.forced_drafted += record.forced
+        stats.forced_accepted += record.forced_accepted
         stats.draft_s += draft_s
         stats.verify_s += verify_s
         if self.observer is not None:
@@ -431,6 +485,10 @@ class BatchEngine:
         seq.drafter = self._drafters[seq.slot] if self._drafters else None
         if seq.request.prediction is not None:
             seq.drafter = PredictionDrafter(seq.request.prediction, seq.drafter, self.tokenizer)
+        if seq.request.grammar is not None:
+            seq.constraint = self._grammar_compiler().start(seq.request.grammar)
+            if seq.drafter is not None:  # speculation on: forced tokens are drafted too
+                seq.drafter = ForcedDrafter(seq.constraint, seq.drafter)
         # Long drafts (a prediction, a long suffix match) unless speculation is off (gamma 0) and no prediction asks.
         if seq.drafter is not None and self.spec.long_max and (self.spec.gamma != 0 or seq.request.prediction):
             seq.controller = LongDrafts(seq.controller, seq.drafter, self.spec.long_max)
@@ -455,9 +513,10 @@ class BatchEngine:
         frees its slot."""
         stats = seq.stats
         stats.wall_s = time.perf_counter() - seq.arrival
-        if isinstance(seq.drafter, PredictionDrafter):
-            stats.prediction_tokens = len(seq.drafter.prediction.ids)
-            stats.prediction_drafted, stats.prediction_accepted = seq.drafter.drafted, seq.drafter.accepted
+        drafter = seq.drafter.inner if isinstance(seq.drafter, ForcedDrafter) else seq.drafter
+        if isinstance(drafter, PredictionDrafter):
+            stats.prediction_tokens = len(drafter.prediction.ids)
+            stats.prediction_drafted, stats.prediction_accepted = drafter.drafted, drafter.accepted
         if seq.drafter is not None and seq.finish_reason not in ("cancelled", "error") and not self._warming:
             seq.drafter.finish(seq.tokens)  # (the warm-up's dummy request teaches nothing)
         if seq.slot is not None:

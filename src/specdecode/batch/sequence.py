@@ -20,6 +20,7 @@ import torch
 from specdecode.control import GammaController
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.prediction import Prediction
+from specdecode.grammar import Constraint, Grammar
 from specdecode.logprobs import TokenLogprob
 from specdecode.sampling import SamplingParams
 from specdecode.stats import RequestStats
@@ -44,6 +45,8 @@ class Request:
             (``drafters/prediction.py``); None = no prediction.
         logprobs: report each token's log-probability with this many alternatives (0..MAX_TOP_LOGPROBS);
             None = none (``logprobs.py``).
+        grammar: what the output must match (``grammar.py``); None = anything. The request ends when the
+            grammar is complete.
     """
 
     prompt_ids: tuple[int, ...]
@@ -53,6 +56,7 @@ class Request:
     eos: frozenset[int] = frozenset()
     prediction: Prediction | None = None
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -116,6 +120,7 @@ class Sequence:
     controller: GammaController | None = None
     drafter: Drafter | None = None
     generator: torch.Generator | None = None
+    constraint: Constraint | None = None  # its place in its grammar, when it has one
     seed: int = 0
     prefilled: int = 0  # prompt tokens (all but the last) whose K/V the cache holds
     last_rows: int = 1  # rows it had in its last decode forward (fed token + drafts)
@@ -183,6 +188,12 @@ class Sequence:
         """Ends the sequence early ("cancelled" or "error") unless it already ended."""
         if self.finish_reason is None:
             self.finish_reason = reason
+
+    def complete(self) -> None:
+        """Ends the sequence as complete ("stop"): its grammar is, even where that token also spent the budget
+        (its answer is whole, not cut); an end-of-sequence token or a stop string keeps its reason."""
+        if self.finish_reason in (None, "length"):
+            self.finish_reason = "stop"
 
     def output(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Output:
         """The :class:`Output` of a step that appended ``tokens`` (with their ``logprobs``, if asked): the newly

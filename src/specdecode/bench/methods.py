@@ -21,6 +21,7 @@ import torch
 from specdecode.control import StepRecord
 from specdecode.drafters import TREE_WIDTH, Needs, make_drafter, registry
 from specdecode.engine import Engine, SpeculativeConfig
+from specdecode.grammar import Grammar
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import LoadedModel
 from specdecode.models.config import ModelConfig
@@ -58,6 +59,7 @@ class Output:
     stats: dict[str, Any] | None = None
     finish: str = ""
     steps: list[StepRecord] = field(default_factory=list)
+    text: str | None = None  # the answer's text (ours: what a prompt's schema is checked against)
 
 
 @dataclass
@@ -67,7 +69,8 @@ class Method:
     Args:
         name: e.g. ``none``, ``ngram:g4``, ``ngram:agreement``, ``hf-lookup``.
         family: one of FAMILIES.
-        run: ``(prompt_ids, seed) -> Output``; ``(prompt_ids, seed, prediction) -> Output`` with ``predicts``.
+        run: ``(prompt_ids, seed) -> Output``; with ``predicts`` also ``prediction=``, with ``constrains`` also
+            ``schema=`` (a JSON schema's text the answer must follow).
         gamma: the draft length (int), a controller name, or None for methods that do not draft.
         params: settings worth recording in the JSON (draft sizes, peer options).
         memory: bytes the configuration holds (weights and KV caches by part), for our engine.
@@ -81,6 +84,7 @@ class Method:
         weight_bytes: the target's resident weight bytes (ours; packed copies included).
         draft_weights: the separate draft model's weight formats, else None.
         predicts: it is handed each prompt's prediction (the ``prediction`` family).
+        constrains: it decodes under each prompt's JSON schema (our engine).
         learns: its drafter keeps what earlier requests generated (``DrafterSpec.learns``), so its timed runs see
             the outputs of the prompts before them (and of earlier repeats).
         close: releases what the method holds outside this process (a peer's server), or None.
@@ -101,6 +105,7 @@ class Method:
     weight_bytes: int | None = None
     draft_weights: str | None = None
     predicts: bool = False
+    constrains: bool = False
     learns: bool = False
     close: Callable[[], None] | None = None
 
@@ -158,13 +163,15 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
                     cache=cache)
     engine.warmup()  # as `specdecode generate` does: one-time costs out of the timings, row padding tuned
 
-    def run(prompt_ids: list[int], seed: int, prediction: str | None = None) -> Output:
+    def run(prompt_ids: list[int], seed: int, prediction: str | None = None, schema: str | None = None) -> Output:
         params = replace(sampling, seed=seed)
+        grammar = Grammar.json_schema(schema) if schema is not None else None  # (compiled once: the engine keeps it)
         steps.clear()
         start = time.perf_counter()
-        result = engine.generate(prompt_ids, params, max_new_tokens, prediction=prediction)
+        result = engine.generate(prompt_ids, params, max_new_tokens, prediction=prediction, grammar=grammar)
         seconds = time.perf_counter() - start
-        return Output(result.token_ids, seconds, result.stats.to_dict(), result.finish_reason, list(steps))
+        return Output(result.token_ids, seconds, result.stats.to_dict(), result.finish_reason, list(steps),
+                      result.text)
 
     params: dict[str, Any] = {}
     drafter_spec = registry.spec(family)
@@ -191,7 +198,8 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
                   draft_kernel=drafts_with.backend.name if drafts_with else None,
                   draft_dtype=dtype_name(drafts_with.dtype) if drafts_with else None,
                   weights=target.model.weight_format, weight_bytes=target.model.weight_nbytes,
-                  draft_weights=drafts_with.weight_format if drafts_with else None, learns=drafter_spec.learns)
+                  draft_weights=drafts_with.weight_format if drafts_with else None, learns=drafter_spec.learns,
+                  constrains=True)
 
 
 # ----------------------------------------------------------------------------------------------

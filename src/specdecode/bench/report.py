@@ -69,7 +69,8 @@ def empty_figures() -> dict[str, Any]:
     keys += ["mean_accepted_length", "acceptance_rate", "acceptance_by_position", "accepted_length_by_budget",
              "tree_steps", "mean_gamma", "predicted_speedup",
              "draft_ms_per_token", "draft_cost", "control_share", "identical_to_none", "compared_to_none", "kv_bytes", "kv_bytes_per_token",
-             "draft_kv_bytes_per_token"]
+             "draft_kv_bytes_per_token", "valid_outputs", "checked_outputs", "forced_acceptance", "mask_ms_per_step",
+             "mask_share"]
     out: dict[str, Any] = {k: None for k in keys}
     out.update(prompts=0, samples=0, tokens=0, seconds=0.0)
     return out
@@ -138,6 +139,17 @@ def figures(samples: Sequence[Any], tps: dict[str, float], baselines: dict[str, 
                    kv_bytes=max(st["kv_bytes"] for st in stats),
                    kv_bytes_per_token=_r(_median([st["kv_bytes_per_token"] for st in stats])),
                    draft_kv_bytes_per_token=_r(_median([st["draft_kv_bytes_per_token"] for st in stats])))
+        forced = sum(st.get("forced_drafted", 0) for st in stats)
+        mask_s = sum(st.get("grammar_s", 0.0) for st in stats)
+        if mask_s:  # decoded under a grammar: the masks' cost, per step and of a plain step
+            per_step = mask_s / forwards if forwards else None
+            out.update(mask_ms_per_step=_r(per_step * 1000) if per_step else None,
+                       mask_share=_r(per_step / step) if per_step and step else None,
+                       forced_acceptance=_r(sum(st.get("forced_accepted", 0) for st in stats) / forced)
+                       if forced else None)
+    checked = [s.valid for s in samples if getattr(s, "valid", None) is not None]
+    if checked:
+        out.update(valid_outputs=sum(checked), checked_outputs=len(checked))
     if reference is not None:
         out["identical_to_none"], out["compared_to_none"] = _identity(samples, reference)
     return out
@@ -286,6 +298,7 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
                    "first_difference": mm.first_difference} for mm in result.identity_mismatches]
     samples = [{"method": s.method, "prompt_id": s.prompt_id, "category": s.category, "repeat": s.repeat,
                 "tokens": s.tokens, "seconds": _r(s.seconds), "tokens_per_s": _r(s.tokens_per_s), "finish": s.finish,
+                "valid": s.valid,
                 "mean_accepted_length": _r(s.stats["mean_accepted_length"]) if s.stats else None,
                 "acceptance_rate": _r(s.stats["acceptance_rate"]) if s.stats and s.stats["drafted_tokens"] else None,
                 "predicted_speedup": _r(s.stats["predicted_speedup"]) if s.stats else None,
@@ -378,15 +391,17 @@ def cost_curve_line(curve: dict[str, Any]) -> str:
 def format_table(doc: dict[str, Any]) -> str:
     """The human summary printed on stdout."""
     llama = any(e["overall"].get("speedup_vs_llamacpp") is not None for e in doc["methods"])
+    checked = any(e["overall"].get("checked_outputs") for e in doc["methods"])
     rows = [("method", "tok/s", "vs hf (min-max)", "vs none (min-max)", *(("vs llamacpp (min-max)",) if llama else ()),
-             "tau", "accept", "pred", "same", "KV B/tok", "mem MB", "RSS MB")]
+             "tau", "accept", "pred", "same", *(("valid", "mask") if checked else ()), "KV B/tok", "mem MB", "RSS MB")]
     for e in doc["methods"]:
         f = e["overall"]
         name = e["name"] + (" [FAILED]" if e["status"] == "failed" else "")
         rows.append((name, _x(f["tokens_per_s"]), _range(f, "speedup_vs_hf"), _range(f, "speedup_vs_none"),
                      *((_range(f, "speedup_vs_llamacpp"),) if llama else ()),
                      _x(f["mean_accepted_length"]), _x(f["acceptance_rate"]), _x(f["predicted_speedup"]),
-                     _identity_cell(e), _x(f["kv_bytes_per_token"], 0), _x(memory_total(e), 0), _x(e["rss_mb"], 0)))
+                     _identity_cell(e), *((_valid_cell(f), _x(f["mask_share"])) if checked else ()),
+                     _x(f["kv_bytes_per_token"], 0), _x(memory_total(e), 0), _x(e["rss_mb"], 0)))
     lines = [_columns(rows), ""]
     cats = doc["prompts"]["categories"]
     grid = [("speedup vs none", *cats, "overall")]
@@ -410,6 +425,11 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(cost_curve_line(curve))
     lines += [f"note: {n}" for n in doc["notes"]]  # skipped methods are among the notes
     return "\n".join(lines)
+
+
+def _valid_cell(f: dict[str, Any]) -> str:
+    """Answers that follow their prompt's JSON schema, of those checked."""
+    return f"{f['valid_outputs']}/{f['checked_outputs']}" if f.get("checked_outputs") else "-"
 
 
 def _columns(rows: Sequence[Sequence[str]]) -> str:

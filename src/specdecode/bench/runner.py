@@ -162,6 +162,7 @@ class Sample:
     stats: dict[str, Any] | None
     finish: str
     token_ids: list[int] = field(default_factory=list, repr=False)
+    valid: bool | None = None  # the answer follows its prompt's JSON schema (None: the prompt has none)
 
     @property
     def tokens_per_s(self) -> float:
@@ -316,13 +317,14 @@ def _skip_layers(config: BenchConfig, target: LoadedModel, log: Log) -> tuple[in
     return resolve_skip_set(target, config.dtype, config.skip_layers, progress=log)
 
 
-def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int, log: Log, has_predictions: bool = False
-                  ) -> tuple[list[Method], list[tuple[str, str]], dict[str, str], list[str]]:
+def build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int, log: Log, has_predictions: bool = False,
+                  has_schemas: bool = False) -> tuple[list[Method], list[tuple[str, str]], dict[str, str], list[str]]:
     """Every method the configuration asks for, in display order; plus skipped ones, failed ones and notes.
-    What failing here leaves running (a peer's server) is stopped."""
+    Peers are skipped when prompts ask for JSON schemas (they would answer unconstrained). What failing here
+    leaves running (a peer's server) is stopped."""
     built: list[Method] = []
     try:
-        return _build_methods(config, loaded, budget_ctx, log, has_predictions, built)
+        return _build_methods(config, loaded, budget_ctx, log, has_predictions, has_schemas, built)
     except BaseException:
         close_methods(built)
         raise
@@ -339,7 +341,8 @@ def close_methods(methods: Sequence[Method]) -> None:
 
 
 def _build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int, log: Log, has_predictions: bool,
-                   methods: list[Method]) -> tuple[list[Method], list[tuple[str, str]], dict[str, str], list[str]]:
+                   has_schemas: bool, methods: list[Method]
+                   ) -> tuple[list[Method], list[tuple[str, str]], dict[str, str], list[str]]:
     target = loaded.target
     sampling = SamplingParams(config.temperature)
     eos = target.tokenizer.eos_token_ids
@@ -350,6 +353,9 @@ def _build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int, log: L
     lookup_k = max(config.int_gammas, default=8)
 
     for family in fams:
+        if has_schemas and family not in OUR_FAMILIES:
+            skipped.append((family, "the prompts ask for JSON schemas, which the peers are not run under here"))
+            continue
         if family == PREDICTION_FAMILY:
             if not has_predictions:
                 skipped.append((family, "no prompt has a prediction (the edit suite has)"))
@@ -438,6 +444,17 @@ def _build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int, log: L
 # ----------------------------------------------------------------------------------------------
 # the run
 
+def follows(text: str | None, schema: str) -> bool:
+    """Whether ``text`` is JSON valid under ``schema`` (a JSON schema's text; checked by ``jsonschema``)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text or ""), json.loads(schema))
+    except (json.JSONDecodeError, jsonschema.ValidationError, jsonschema.SchemaError):
+        return False
+    return True
+
+
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -475,7 +492,10 @@ class _Calls:
     def __call__(self, method: Method, prompt: Prompt, seed: int) -> Output | None:
         try:
             ids = self.rendered[prompt.id]
-            out = method.run(ids, seed, prompt.prediction) if method.predicts else method.run(ids, seed)
+            asks = {"prediction": prompt.prediction} if method.predicts else {}
+            if method.constrains and prompt.schema is not None:
+                asks["schema"] = prompt.schema
+            out = method.run(ids, seed, **asks)
         except Exception as exc:  # reported, never hidden; the method is dropped from the rest of the run
             self.failed[method.name] = f"{type(exc).__name__}: {exc}"
             self.bar.message(f"!! {method.name} FAILED on {prompt.id}: {self.failed[method.name]}")
@@ -542,8 +562,9 @@ def _timed_runs(config: BenchConfig, prompts: list[Prompt], methods: list[Method
                     if out is None:
                         continue
                     outputs[method.name] = out
+                    valid = follows(out.text, prompt.schema) if prompt.schema is not None else None
                     samples.append(Sample(method.name, prompt.id, prompt.category, repeat, len(out.token_ids),
-                                          out.seconds, out.stats, out.finish, list(out.token_ids)))
+                                          out.seconds, out.stats, out.finish, list(out.token_ids), valid))
                     if records:
                         _write_steps(records, out, method, prompt, repeat, config.model)
                 if config.greedy:
@@ -569,6 +590,12 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
     log = log or (lambda m: print(m, file=stream, flush=True))
     if not prompts:
         raise ValueError("no prompts to run")
+    if any(p.schema for p in prompts):
+        try:
+            import jsonschema  # noqa: F401  (the answers are checked against their schemas)
+        except ImportError:
+            raise ValueError("prompts with a JSON schema need jsonschema to check the answers: "
+                             "pip install 'specdecode[bench]'") from None
     try:
         import transformers
 
@@ -583,7 +610,7 @@ def run_bench(config: BenchConfig, prompts: list[Prompt], log: Log | None = None
     budget_ctx = -(-(len(rendered[longest.id]) + config.max_new_tokens + 2 * max(config.int_gammas, default=8) + 16)
                    // 256) * 256
     methods, skipped, failed, notes = build_methods(config, loaded, budget_ctx, log,
-                                                    any(p.prediction for p in prompts))
+                                                    any(p.prediction for p in prompts), any(p.schema for p in prompts))
     try:
         return _run_methods(config, prompts, loaded, rendered, longest, methods, skipped, failed, notes,
                             time.perf_counter() - t_load, log, stream, progress)

@@ -61,6 +61,8 @@ class StepRecord:
         verify_s: seconds of the verification forward.
         signals: per drafted token, the drafter's confidence signals (see ``Drafter.signal_names``).
         others_rows: rows other sequences had in the verification forward (a batch's).
+        forced, forced_accepted: tokens a grammar forced ahead of the draft (``drafters/forced.py``), and those
+            kept; not counted in ``requested``/``drafted``/``accepted``, which are the drafter's.
     """
 
     ctx: StepContext
@@ -71,6 +73,8 @@ class StepRecord:
     verify_s: float
     signals: Sequence[Signal] = ()
     others_rows: int = 0
+    forced: int = 0
+    forced_accepted: int = 0
 
 
 class GammaController(Protocol):

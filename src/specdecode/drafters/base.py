@@ -36,16 +36,18 @@ class Draft:
         q: ``[len(tokens), V]`` the distributions the tokens were drawn from, processed like the
             target's (same temperature/top-k/top-p); None when the drafter is deterministic (one-hot q).
         signals: per token, the drafter's confidence signals (named by ``Drafter.signal_names``);
-            filled only when ``propose`` was given a stop rule.
+            filled only when ``propose`` was given a stop rule; the forced tokens have none.
         parents: a token tree (``tree.py``): each token's parent, an earlier token or -1 for the sequence's
             last token; None for a chain. A stochastic tree's ``q[i]`` is the distribution token i and its
             siblings were drawn from, without replacement.
+        forced: how many of the first tokens a grammar forced (``drafters/forced.py``), not the drafter's choice.
     """
 
     tokens: list[int]
     q: torch.Tensor | None = None
     signals: list[Signal] = field(default_factory=list)
     parents: list[int] | None = None
+    forced: int = 0
 
     def check(self, budget: int, drafter: str) -> "Draft":
         """Itself, once checked against the ``budget`` the drafter was given and, for a tree, its shape.
@@ -135,6 +137,9 @@ class DrafterBase:
     no target features wanted, no weights or KV cache of its own."""
 
     feature_layers: tuple[int, ...] = ()
+    # It may be asked to draft after tokens not yet verified (a grammar's forced tokens, ``drafters/forced.py``):
+    # true of drafters that read only the tokens they are handed and roll back whatever they fed in ``commit``.
+    drafts_past_unverified: bool = False
 
     def observe(self, position: int, features: torch.Tensor) -> None:
         """Features ``[T, F]`` of the target's verified positions position..position+T-1 (only called for

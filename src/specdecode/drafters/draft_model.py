@@ -80,6 +80,7 @@ class DraftModelDrafter(OwnCache):
         self.tree_width = tree_width
         self.name = "draft-tree" if tree_width else "draft"
         self.signal_names = () if tree_width else MODEL_SIGNALS  # a tree has no per-token stop
+        self.drafts_past_unverified = True  # it feeds what it has not seen and trims back in commit
 
     @property
     def weight_nbytes(self) -> int:

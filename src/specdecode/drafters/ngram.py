@@ -39,6 +39,7 @@ class NgramDrafter(DrafterBase):
     max_ngram: int = 3
     min_ngram: int = 1
     name: str = "ngram"
+    drafts_past_unverified = True  # stateless: it reads only the sequence it is handed
     signal_names = NGRAM_SIGNALS
 
     def __post_init__(self) -> None:

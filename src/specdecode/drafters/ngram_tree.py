@@ -40,6 +40,7 @@ class NgramTreeDrafter(DrafterBase):
     min_ngram: int = 1
     occurrences: int = TREE_OCCURRENCES
     name: str = "ngram-tree"
+    drafts_past_unverified = True  # stateless: it reads only the sequence it is handed
     signal_names = ()
 
     def __post_init__(self) -> None:

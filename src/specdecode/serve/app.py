@@ -29,13 +29,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.batch.scheduler import QueueFullError
 from specdecode.batch.sequence import Output, Sequence
+from specdecode.grammar import GrammarError
 from specdecode.logprobs import TokenLogprob
 from specdecode.models.tokenizer import ChatTemplateError
 from specdecode.sampling import SamplingParams
-from specdecode.serve.fields import check_extra_fields, unencodable_text
+from specdecode.serve.fields import TEXT_FIELDS, check_extra_fields, unencodable_text
 from specdecode.serve.guard import Guard, HttpPolicy, error_body
 from specdecode.serve.loop import EngineLoop
 from specdecode.serve.metrics import ServeMetrics
+from specdecode.serve.structured import FieldError, ResponseFormat, StructuredOutputs, grammar_of
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 RETRY_AFTER_S = 1
@@ -91,6 +93,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     prediction: PredictedOutput | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: json, regex, choice
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, max(0, self.top_k), self.top_p, self.seed)
@@ -292,13 +296,20 @@ class ServedModel:
             self._relay = OutputRelay(running)
         handle = _Handle(self._relay, body.stream)
         prediction = joined(body.prediction.content) if body.prediction is not None else None
+        try:
+            structured = grammar_of(body.response_format, body.structured_outputs)
+        except FieldError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        grammar, grammar_field = structured if structured is not None else (None, None)
         future = self.loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(),
                                   max_new_tokens=self.budget(body, len(ids)), stop=body.stops(), prediction=prediction,
-                                  logprobs=body.top_logprobs_asked())
+                                  logprobs=body.top_logprobs_asked(), grammar=grammar)
         try:
             handle.seq = await asyncio.wrap_future(future)
         except QueueFullError as exc:
             raise APIError(429, str(exc), kind="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        except GrammarError as exc:
+            raise APIError(400, str(exc), grammar_field)
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt")
         return handle
@@ -488,7 +499,7 @@ def _check_fields(body: _Sampling) -> None:
     refused = check_extra_fields(body.model_extra or {})
     if refused is not None:
         raise APIError(400, refused[1], refused[0])
-    bad = unencodable_text(body.model_dump(exclude_none=True, include={"prompt", "messages", "stop", "prediction"}))
+    bad = unencodable_text(body.model_dump(exclude_none=True, by_alias=True, include=set(TEXT_FIELDS)))
     if bad is not None:
         raise APIError(400, f"{bad}: the text is not valid Unicode (a lone surrogate)", bad)
 

@@ -1,10 +1,10 @@
 """Which request fields the server honours, refuses or ignores, and text it cannot encode.
 
-OpenAI's request fields that change what a completion is but are not implemented here (tools, response
-formats, penalties, ...) are refused with a 400 naming the field whenever they ask for something
-other than their default; fields that do not change the completion (``user``, ``metadata``, ``store``, ...)
-are accepted and ignored; any other unknown field is ignored too and logged once per name, since a client
-library may send fields newer than this server. Text fields holding a lone surrogate (``"\\udfff"``, valid
+OpenAI's request fields that change what a completion is but are not implemented here (tools, penalties,
+...) are refused with a 400 naming the field whenever they ask for something other than their default;
+fields that do not change the completion (``user``, ``metadata``, ``store``, ...) are accepted and ignored;
+any other unknown field is ignored too and logged once per name, since a client library may send fields
+newer than this server. Text fields holding a lone surrogate (``"\\udfff"``, valid
 JSON but not Unicode) are a 400 naming the field.
 
 It does not parse requests (``app.py``'s models do) nor check their values' ranges.
@@ -22,7 +22,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "top_logprobs": (None, 0),  # reaches here from completions only, whose count is `logprobs`
-    "response_format": (None, {"type": "text"}),
     "audio": (None,), "modalities": (None, ["text"]),
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
@@ -31,7 +30,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "ignore_eos": (None, False),
     "stop_token_ids": (None, []), "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,),
 }
 # Accepted and ignored: they do not change the completion.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
@@ -61,10 +59,14 @@ def check_extra_fields(extra: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+TEXT_FIELDS = ("prompt", "messages", "stop", "prediction", "response_format", "structured_outputs")
+
+
 def unencodable_text(body: dict[str, Any]) -> str | None:
-    """The dotted path of the first text in what reaches the tokenizer (``prompt``, ``messages``' contents,
-    ``stop``, ``prediction``) that is not valid Unicode, or None; token-id prompts are not walked."""
-    for name in ("prompt", "messages", "stop", "prediction"):
+    """The dotted path of the first text in what reaches the tokenizer or the grammar compiler (TEXT_FIELDS:
+    ``messages``' contents, a schema's strings, ...) that is not valid Unicode, or None; token-id prompts are not
+    walked."""
+    for name in TEXT_FIELDS:
         value = body.get(name)
         if name == "prompt" and isinstance(value, list) and not all(isinstance(v, str) for v in value):
             continue  # token ids

@@ -46,6 +46,10 @@ class ServeMetrics:
         self._accepted_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted draft tokens by draft position (0-based).", labels + ["position"],
                                      registry=r)
+        self._forced = Counter("specdecode:forced_draft_tokens", "Tokens a grammar forced, drafted ahead of the "
+                               "drafter's (not in vllm:spec_decode_num_draft_tokens).", labels, registry=r)
+        self._forced_accepted = Counter("specdecode:forced_accepted_tokens", "Forced draft tokens accepted.", labels,
+                                        registry=r)
         self._running = Gauge("vllm:num_requests_running", "Requests being decoded.", labels, registry=r)
         self._waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a KV slot.", labels, registry=r)
         self._kv = Gauge("vllm:kv_cache_usage_perc", "Share of the KV cache's token room in use (0..1).", labels,
@@ -77,6 +81,9 @@ class ServeMetrics:
             self._accepted.labels(**label).inc(record.accepted)
             for position in range(record.accepted):
                 self._accepted_pos.labels(position=str(position), **label).inc()
+        if record.forced:
+            self._forced.labels(**label).inc(record.forced)
+            self._forced_accepted.labels(**label).inc(record.forced_accepted)
         if emitted:
             self._generated.labels(**label).inc(emitted)
             previous = self._last.get(seq.id)
