@@ -3,7 +3,8 @@
 Other threads (the HTTP server's event loop) never touch the engine: :meth:`EngineLoop.submit` and
 :meth:`EngineLoop.cancel` post commands that the loop thread runs between steps, and outputs come back
 through each request's callback, called on the loop thread. A step that raises fails the requests it
-was serving (each gets an ``error`` output naming the exception) and the loop goes on serving.
+was serving (each gets an ``error`` output naming the exception) and the loop goes on serving; a command
+that raises is logged and the loop goes on too.
 
 It does not speak HTTP or format responses (``app.py``).
 """
@@ -90,10 +91,14 @@ class EngineLoop:
             ran = 0
             while True:
                 try:
-                    self._commands.get_nowait()()
-                    ran += 1
+                    command = self._commands.get_nowait()
                 except queue.Empty:
                     break
+                try:
+                    command()
+                except Exception:  # one command's failure (a cancel, ...) must not stop the thread serving all
+                    log.exception("engine command failed")
+                ran += 1
             if ran and self._on_step is not None:  # a cancel may have freed a slot with no step to follow
                 self._on_step(self.engine)
             if self._stop.is_set():
