@@ -18,7 +18,10 @@ from specdecode.drafters import forced as forced_module
 from specdecode.drafters.base import Draft
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.grammar import Grammar
+from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
+from kernel_paths import NATIVE_PATHS, path_params, require_path
+from tiny_models import random_hf_tensors, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,8 +98,9 @@ def test_negative_control_cutting_a_sampled_draft_before_its_refused_token_is_de
 GREEDY_PATTERNS = ["[a-g]b[c-j]([a-e]c)+", "(abc|abd|bcd)+", "[a-o]{3}b[a-o]{2}b[a-o]*"]
 
 
-@pytest.mark.parametrize("kind", ["ngram", "ngram-tree", "draft", "draft-tree"])
-def test_constrained_greedy_output_is_plain_constrained_greedy_output_in_any_batch(target, tokenizer, kind):
+def _check_greedy_identity(target, tokenizer, kind: str) -> None:
+    """Constrained greedy output with ``kind`` drafting, alone and batched beside an unconstrained request, equals
+    constrained plain decoding's; complete answers match their grammar; forced tokens were drafted and kept."""
     plain = Engine(target, tokenizer)
     spec = Engine(target, tokenizer, _drafter(kind), SpeculativeConfig(gamma=4))
     batch = BatchEngine(target, tokenizer, lambda: _drafter(kind), SpeculativeConfig(gamma=4),
@@ -116,6 +120,23 @@ def test_constrained_greedy_output_is_plain_constrained_greedy_output_in_any_bat
         if "grammar" in request and alone.finish_reason == "stop":  # complete: the text matches the grammar
             assert re.fullmatch(patterns[id(request["grammar"])], alone.text), alone.text
     assert forced > 0
+
+
+@pytest.mark.parametrize("kind", ["ngram", "ngram-tree", "draft", "draft-tree"])
+def test_constrained_greedy_output_is_plain_constrained_greedy_output_in_any_batch(target, tokenizer, kind):
+    _check_greedy_identity(target, tokenizer, kind)
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
+def test_constrained_greedy_identity_on_each_of_our_kernel_paths(tokenizer, path):
+    """The same on a bf16 target packed for each of our kernels (forced, skipped with the reason where this CPU
+    cannot run it): masks go on the logits whatever computed them."""
+    require_path(path)
+    config = tiny_config("llama", vocab_size=VOCAB)
+    target = Transformer.from_hf_tensors(config, random_hf_tensors(config, 7, scale=0.2), dtype=torch.bfloat16)
+    target.pack_weights(path)
+    for kind in ("ngram", "draft"):
+        _check_greedy_identity(target, tokenizer, kind)
 
 
 def test_constrained_sampled_tokens_depend_only_on_the_seed_in_any_batch(target, tokenizer):

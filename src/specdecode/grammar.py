@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -65,7 +65,7 @@ class Grammar:
     @classmethod
     def json_object(cls) -> Grammar:
         """Any JSON object (OpenAI's ``json_object`` response format)."""
-        return cls.json_schema({"type": "object"}).with_kind("json_object")
+        return replace(cls.json_schema({"type": "object"}), kind="json_object")
 
     @classmethod
     def regex(cls, pattern: str) -> Grammar:
@@ -83,9 +83,6 @@ class Grammar:
         lark = "start: " + " | ".join(json.dumps(o) for o in options)
         with _refused("choice"):
             return cls(llguidance.LLMatcher.grammar_from_lark(lark), "choice")
-
-    def with_kind(self, kind: str) -> Grammar:
-        return Grammar(self.source, kind)
 
 
 @contextmanager

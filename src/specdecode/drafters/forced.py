@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from specdecode import tree
 from specdecode.drafters.base import Draft, Drafter, DrafterBase, StopRule
 from specdecode.grammar import Constraint
 from specdecode.kv.cache import Cache
@@ -107,7 +108,7 @@ def _joined(forced: list[int], rest: Draft) -> Draft:
         q = torch.cat([one_hot, q])
     parents = None
     if rest.parents is not None:
-        parents = list(range(-1, f - 1)) + [p + f if p >= 0 else f - 1 for p in rest.parents]
+        parents = tree.chain_parents(f) + [p + f if p >= 0 else f - 1 for p in rest.parents]
     return Draft(forced + rest.tokens, q, list(rest.signals), parents, forced=f)
 
 
