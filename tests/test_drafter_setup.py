@@ -103,3 +103,21 @@ def test_tree_drafters_are_refused_on_a_model_with_mixed_windows(tmp_path):
         drafter_factory(DrafterConfig(kind="ngram-tree"), target_config, target, CacheConfig(), lambda line: None)
     assert drafter_factory(DrafterConfig(kind="ngram"), target_config, target, CacheConfig(),
                            lambda line: None)() is not None  # the chain form is fine
+
+
+def test_a_draft_models_draft_vocabulary_holds_the_first_ids_and_the_targets_end_ids_once_for_every_slot(tmp_path):
+    target_config = TargetConfig(str(write_tiny_hf_model(tmp_path / "t")), dtype="float32", device="cpu")
+    target = target_config.load()
+    draft = str(write_tiny_hf_model(tmp_path / "d", seed=1))
+    new = drafter_factory(DrafterConfig(kind="draft", draft_model=draft, draft_vocab=10), target_config, target,
+                          CacheConfig(), lambda line: None)
+    first, second = new(), new()
+    assert first.vocab is second.vocab  # one draft vocabulary's head, shared
+    eos = sorted(target.tokenizer.eos_token_ids)
+    rest = [i for i in range(target.model.config.vocab_size) if i not in eos][:10 - len(eos)]
+    assert eos and first.vocab.ids.tolist() == sorted(eos + rest)
+    whole = drafter_factory(DrafterConfig(kind="draft", draft_model=draft, draft_vocab=0), target_config, target,
+                            CacheConfig(), lambda line: None)()
+    assert whole.vocab is None
+    with pytest.raises(ValueError, match=re.escape("--draft-vocab is only used by --drafter draft|draft-tree|eagle")):
+        DrafterConfig(kind="ngram", draft_vocab=10)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specdecode.drafters import DraftModelDrafter
-from specdecode.drafters.draft_model import check_same_vocabulary
+from specdecode.drafters.draft_model import check_same_vocabulary, draft_vocabulary
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import load_model
@@ -42,13 +42,15 @@ def top2_gap(model, ids: list[int]) -> tuple[float, float]:
     return top[0], top[0] - top[1]
 
 
-def test_draft_pair_greedy_matches_plain(pair):
+@pytest.mark.parametrize("draft_vocab", [0, None], ids=["whole-vocabulary", "default-draft-vocabulary"])
+def test_draft_pair_greedy_matches_plain(pair, draft_vocab):
     target, draft = pair
     check_same_vocabulary(target.tokenizer.vocab(), draft.tokenizer.vocab(),
                           target.model.config.vocab_size, draft.model.config.vocab_size)
     tok = target.tokenizer
     plain = Engine(target.model, tok)
-    spec = Engine(target.model, tok, DraftModelDrafter(draft.model), SpeculativeConfig(gamma=4))
+    vocab = draft_vocabulary(draft.model, draft_vocab, tuple(tok.eos_token_ids))
+    spec = Engine(target.model, tok, DraftModelDrafter(draft.model, vocab=vocab), SpeculativeConfig(gamma=4))
     identical, accepted = 0, 0
     for text in ALL:
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))

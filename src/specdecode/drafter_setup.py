@@ -34,7 +34,8 @@ class DrafterConfig:
         draft_weights: the draft model's weight format (``--draft-weights``): "cheapest" (``build.draft_format``)
             or one of WEIGHT_FORMATS.
         head: head file of ``eagle``, ``eagle-tree`` and ``medusa``; None = the one shipped for the target.
-        draft_vocab: their draft vocabulary size (0 = all tokens); None = as trained.
+        draft_vocab: the draft vocabulary size of a head or draft model (0 = all tokens); None = as a head was
+            trained, ``draft_model.DRAFT_VOCAB`` for a draft model.
         ngram: (min, max) n-gram sizes of ``ngram`` and ``ngram-tree``.
         tree_width: children per expanded node of ``draft-tree`` and ``eagle-tree``; None = ``TREE_WIDTH``.
         skip_layers: ``layerskip``'s skip set: a layer list such as "4,6,8-12", or "auto" (the stored
@@ -121,8 +122,9 @@ def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: 
         if head is None:
             raise ValueError(no_head_message(spec.head_kind, target_config.model) + " with --head FILE")
     # One set of inputs for every slot's drafter: what they share (DrafterInputs.shared) is the engine's.
+    eos_ids = tuple(target.tokenizer.eos_token_ids)
     inputs = DrafterInputs(target.model, draft_model, tuple(skip_layers) if skip_layers else None, config.ngram,
-                           draft_cache, head, config.draft_vocab, config.tree_width or TREE_WIDTH)
+                           draft_cache, head, config.draft_vocab, eos_ids, config.tree_width or TREE_WIDTH)
     if "--suffix-cache-mb" in spec.flags:  # the cache the engine's suffix drafters share, as the flags bound it
         inputs.shared["suffix"] = SuffixCache(config.suffix_cache_requests, config.suffix_cache_mb << 20,
                                               config.suffix_cache)

@@ -9,7 +9,7 @@ tested by registering it, with no change here:
 - the spec tells the truth: a drafter keeps a cache of its own exactly when its spec says so.
 
 Head drafters read random head files written for the tiny target; the draft model is the target truncated
-(greedy) or another small model (sampling); layerskip skips layer 1.
+(greedy) or another small model (sampling), drafting over half the vocabulary; layerskip skips layer 1.
 """
 
 from __future__ import annotations
@@ -38,13 +38,17 @@ DRAFTERS = [name for name in registry.names() if name != "none"]
 
 def _inputs(name: str, target: Transformer, draft_model: Transformer, cache: CacheConfig, folder: Path,
             head_vocab: list[int] | None = None, tree_width: int = 2) -> DrafterInputs:
-    """Everything any drafter may need; each reads what its spec names."""
+    """Everything any drafter may need; each reads what its spec names. A draft model drafts over the first
+    half of the vocabulary and the last id (as the target's end-of-sequence id), as its default draft
+    vocabulary does on a large vocabulary."""
     spec = registry.spec(name)
     head = None
     if spec.needs & Needs.HEAD:
         head = write_head_file(folder / f"{spec.head_kind}.safetensors", spec.head_kind, target, head_vocab, seed=3)
+    vocab_size = target.config.vocab_size
     return DrafterInputs(target, draft_model, skip_layers=(1,), ngram_sizes=(1, 3), draft_cache=cache, head=head,
-                         tree_width=tree_width)
+                         draft_vocab=vocab_size // 2 if spec.needs & Needs.DRAFT_MODEL else None,
+                         eos_ids=(vocab_size - 1,), tree_width=tree_width)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +91,9 @@ def test_greedy_tokens_are_plain_decodings_alone_and_batched(target, draft_model
     solo = Engine(target, drafter=registry.build(name, inputs), spec=SpeculativeConfig(gamma=4), cache=cache)
     assert [solo.generate(**r).token_ids for r in requests()] == want, (name, setting, "alone")
     assert (solo.drafter.own_cache is not None) == registry.spec(name).owns_cache
+    if registry.spec(name).needs & Needs.DRAFT_MODEL:
+        ids = solo.drafter.vocab.ids.tolist()  # its draft vocabulary: the end id, then the first ids
+        assert len(ids) == target.config.vocab_size // 2 and ids[-1] == target.config.vocab_size - 1
     engine = BatchEngine(target, new_drafter=lambda: registry.build(name, inputs), spec=SpeculativeConfig(gamma=4),
                          cache=cache, scheduler=SchedulerConfig(max_running=3), max_len=96)
     for _ in range(2):  # the second round reuses the slots (and the prefix cache)

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from specdecode.drafters import make_drafter
-from specdecode.drafters.draft_model import DraftModelDrafter, VocabularyMismatchError, check_same_vocabulary
+from specdecode.drafters.draft_model import (DraftModelDrafter, VocabularyMismatchError, check_same_vocabulary,
+                                             draft_vocabulary)
+from specdecode.heads.vocab import VocabHead
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
@@ -228,3 +230,51 @@ def test_draft_cache_follows_its_own_settings_and_commits_what_the_target_verifi
     assert drafter.cache.committed[0] == drafter.cache.lengths[0] == 31
     drafter.reset(KVCacheStub(64), [1, 2], KVMemory())  # another engine's memory: a cache of its own there
     assert drafter.cache.lengths == [1]
+
+
+# --------------------------------------------------------------------------- draft vocabulary
+
+
+def test_draft_vocabulary_is_the_first_ids_with_the_end_ids_or_none_for_all(draft_model):
+    v = draft_model.config.vocab_size
+    vocab = draft_vocabulary(draft_model, 10, always=[v - 1])
+    assert vocab.ids.tolist() == [*range(9), v - 1]
+    assert draft_vocabulary(draft_model, 0) is None and draft_vocabulary(draft_model, v) is None
+    assert draft_vocabulary(draft_model, None) is None  # DRAFT_VOCAB is above the tiny vocabulary
+    with pytest.raises(ValueError, match="--draft-vocab must be >= 0"):
+        draft_vocabulary(draft_model, -1)
+
+
+def _restricted(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    out = torch.full_like(logits, float("-inf"))
+    out[ids] = logits[ids]
+    return out
+
+
+@pytest.mark.parametrize("tree_width", [0, 2], ids=["chain", "tree"])
+def test_a_draft_vocabulary_drafts_the_models_greedy_pick_among_its_ids(draft_model, tree_width):
+    ids = [*range(0, 97, 3), 50]  # every third id and one more: picks outside are likely without the cut
+    drafter = DraftModelDrafter(draft_model, tree_width=tree_width, vocab=VocabHead(draft_model, torch.tensor(ids)))
+    drafter.reset(KVCacheStub(64))
+    seq = [3, 1, 4, 1, 5, 9, 2, 6]
+    draft = drafter.propose(seq, 4, GREEDY, torch.Generator())
+    want, s = [], list(seq)
+    for _ in range(4 if not tree_width else 1):  # a tree's first node is the first pick
+        want.append(int(_restricted(_reference_next_logits(draft_model, s), ids).argmax()))
+        s.append(want[-1])
+    assert draft.tokens[:len(want)] == want and set(draft.tokens) <= set(ids)
+    unrestricted = DraftModelDrafter(draft_model, tree_width=tree_width)
+    unrestricted.reset(KVCacheStub(64))
+    assert unrestricted.propose(seq, 4, GREEDY, torch.Generator()).tokens != draft.tokens  # the cut changed a pick
+
+
+def test_a_draft_vocabularys_q_is_the_processed_distribution_over_its_ids_only(draft_model):
+    ids = list(range(0, 97, 2))
+    drafter = DraftModelDrafter(draft_model, vocab=VocabHead(draft_model, torch.tensor(ids)))
+    drafter.reset(KVCacheStub(64))
+    seq = [11, 12, 13]
+    params = SamplingParams(temperature=0.7, top_p=0.95)
+    draft = drafter.propose(seq, 1, params, torch.Generator().manual_seed(3))
+    want = probs_from_logits(_restricted(_reference_next_logits(draft_model, seq), ids), params)
+    torch.testing.assert_close(draft.q[0], want, atol=1e-4, rtol=0)
+    assert draft.q[0, 1::2].sum() == 0 and draft.tokens[0] in ids

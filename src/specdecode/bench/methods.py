@@ -156,7 +156,7 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
     """
     drafter = make_drafter(family, target.model, draft_model.model if draft_model else None, skip_layers,
                            ngram_sizes=ngram_sizes, draft_cache=draft_cache, head=head, draft_vocab=draft_vocab,
-                           tree_width=tree_width)
+                           tree_width=tree_width, eos_ids=target.tokenizer.eos_token_ids)
     spec = SpeculativeConfig(gamma if gamma is not None else 0, gamma_max, controller_file)
     steps: list[StepRecord] = []
     engine = Engine(target.model, target.tokenizer, drafter, spec, on_step=steps.append if record else None,
@@ -186,7 +186,8 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         params["draft_model"] = draft_model.source
     if head is not None:
         params["head"] = str(head)
-        params["draft_vocab"] = int(drafter.vocab.ids.numel())
+    if head is not None or uses_draft_model:
+        params["draft_vocab"] = int(drafter.vocab.ids.numel()) if drafter.vocab is not None else 0
     if isinstance(gamma, str):
         params["gamma_max"] = gamma_max
     if gamma in ("confidence", "adaptive"):

@@ -28,7 +28,8 @@ from specdecode.models.transformer import Transformer
 def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None = None,
                  skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
                  draft_cache: CacheConfig = CacheConfig(), head: str | Path | None = None,
-                 draft_vocab: int | None = None, tree_width: int = TREE_WIDTH) -> Drafter | None:
+                 draft_vocab: int | None = None, tree_width: int = TREE_WIDTH,
+                 eos_ids: Sequence[int] = ()) -> Drafter | None:
     """Builds the registered drafter ``kind`` (None for "none"); what it needs but lacks raises ValueError.
 
     Args:
@@ -39,11 +40,13 @@ def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None
         ngram_sizes: (min, max) tail lengths the n-gram drafters match.
         draft_cache: the draft model's (or EAGLE head's) cache settings.
         head: the head file (``Needs.HEAD``; its kind must match).
-        draft_vocab: a head's draft vocabulary size (0 = all tokens); None = the one it was trained with.
+        draft_vocab: draft vocabulary size (0 = all tokens); None = as a head was trained, ``DRAFT_VOCAB``
+            for a draft model.
         tree_width: children per expanded node of the model tree drafters (``drafters/tree_search.py``).
+        eos_ids: the target's end-of-sequence ids, kept in a draft model's draft vocabulary.
     """
     inputs = DrafterInputs(target, draft_model, tuple(skip_layers) if skip_layers else None, ngram_sizes,
-                           draft_cache, head, draft_vocab, tree_width)
+                           draft_cache, head, draft_vocab, tuple(eos_ids), tree_width)
     return registry.build(kind, inputs)
 
 

@@ -251,7 +251,8 @@ def chain_draft(logits: torch.Tensor, advance: Callable[[int], torch.Tensor], k:
 
 
 def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingParams,
-                generator: torch.Generator, layers=None, stop: StopRule | None = None, slot: int = 0) -> Draft:
+                generator: torch.Generator, layers=None, stop: StopRule | None = None, slot: int = 0,
+                vocab: VocabHead | None = None) -> Draft:
     """Autoregressive drafting with a transformer over its cache.
 
     Args:
@@ -264,12 +265,15 @@ def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingP
         layers: layers to run (None = all).
         stop: the early-stop rule (see ``Drafter.propose``); signals are MODEL_SIGNALS.
         slot: the sequence's slot in ``cache``.
+        vocab: a draft vocabulary whose output head scores the drafts instead of the model's whole head.
     """
     device, slots = model.device, (slot,)
 
-    def advance(token: int) -> torch.Tensor:
-        out = model(torch.tensor([[token]], device=device), cache, slots, layers=layers, logits=LogitRows.LAST)
-        return out.logits[0, -1]
+    def logits_after(tokens: list[int]) -> torch.Tensor:  # [V], or [Vd] over ``vocab``'s ids
+        x = torch.tensor([tokens], device=device)
+        if vocab is None:
+            return model(x, cache, slots, layers=layers, logits=LogitRows.LAST).logits[0, -1]
+        state = model(x, cache, slots, layers=layers, logits=LogitRows.NONE, features=(model.config.num_layers,))
+        return vocab(state.features[0, -1])
 
-    logits = model(torch.tensor([fed], device=device), cache, slots, layers=layers, logits=LogitRows.LAST).logits[0, -1]
-    return chain_draft(logits, advance, k, sampling, generator, stop)
+    return chain_draft(logits_after(fed), lambda token: logits_after([token]), k, sampling, generator, stop, vocab)

@@ -16,12 +16,19 @@ import torch
 from specdecode.drafters.base import MODEL_SIGNALS, Draft, OwnCache, StopRule, model_draft
 from specdecode.drafters.registry import DrafterInputs, DrafterSpec, Needs, register
 from specdecode.drafters.tree_search import grow_tree
+from specdecode.heads.vocab import VocabHead, draft_ids, id_ranking
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.models.prefill import prefill
 from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
+
+
+# Token ids a draft model drafts over by default (its head's first rows; ``draft_vocabulary``). On Qwen2.5-Coder's
+# pair it cut a drafted token's cost from 0.35 to 0.27-0.29 of a target step for 1-4% of first-token acceptance;
+# 32768 cut it to 0.25 for 7% (BENCHMARKS.md X-9).
+DRAFT_VOCAB = 65536
 
 
 class VocabularyMismatchError(ValueError):
@@ -65,10 +72,12 @@ class DraftModelDrafter(OwnCache):
             (token-level vocabulary checks need the tokenizers: see :func:`check_draft_pair`).
         cache: the draft cache's settings (kv dtype, window, sinks); its size follows the target's cache.
         tree_width: children per expanded node (0: draft chains).
+        vocab: a draft vocabulary (``heads/vocab.py``) scoring the drafts with that share of the model's output
+            head; None scores the whole vocabulary.
     """
 
     def __init__(self, model: Transformer, target: Transformer | None = None,
-                 cache: CacheConfig = CacheConfig(), tree_width: int = 0) -> None:
+                 cache: CacheConfig = CacheConfig(), tree_width: int = 0, vocab: VocabHead | None = None) -> None:
         if target is not None and target.config.vocab_size != model.config.vocab_size:
             raise VocabularyMismatchError(
                 f"draft output head has {model.config.vocab_size} rows but the target's has "
@@ -78,13 +87,14 @@ class DraftModelDrafter(OwnCache):
         self.model = model
         self.cache_config = cache
         self.tree_width = tree_width
+        self.vocab = vocab
         self.name = "draft-tree" if tree_width else "draft"
         self.signal_names = () if tree_width else MODEL_SIGNALS  # a tree has no per-token stop
         self.drafts_past_unverified = True  # it feeds what it has not seen and trims back in commit
 
     @property
     def weight_nbytes(self) -> int:
-        return self.model.weight_nbytes
+        return self.model.weight_nbytes + (self.vocab.nbytes if self.vocab is not None else 0)
 
     def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
               slot: int = 0) -> None:
@@ -97,18 +107,23 @@ class DraftModelDrafter(OwnCache):
         # Feed whatever the draft has not seen: the whole prompt first time, then 1-2 tokens a step.
         fed = seq[self.cache.lengths[0]:]
         if not self.tree_width:
-            return model_draft(self.model, self.cache, fed, k, sampling, generator, stop=stop)
-        device = self.model.device
-        first = self.model.forward_rows(torch.tensor(fed, device=device), self.cache, (0,), (len(fed),),
-                                        logits=LogitRows.LAST).logits
+            return model_draft(self.model, self.cache, fed, k, sampling, generator, stop=stop, vocab=self.vocab)
+        first = self._logits(fed, None, last=True)[-1]
         held = self.cache.lengths[0]
-
-        def run(tokens: list[int], parents: list[int]) -> torch.Tensor:
-            return self.model.forward_rows(torch.tensor(tokens, device=device), self.cache, (0,), (len(tokens),),
-                                           parents=[parents]).logits
-        draft = grow_tree(first[-1], run, k, self.tree_width, sampling, generator)
+        draft = grow_tree(first, self._logits, k, self.tree_width, sampling, generator)
         self.cache.trim(0, held)  # the tree's rows; the accepted ones are fed again next step
         return draft
+
+    def _logits(self, tokens: list[int], parents: list[int] | None, last: bool = False) -> torch.Tensor:
+        """``[T, V]`` logits of the rows ``tokens`` (a tree level with ``parents``; ``last``: ``[1, V]`` of the
+        last row only), -inf outside the draft vocabulary."""
+        rows, counts = torch.tensor(tokens, device=self.model.device), (len(tokens),)
+        if self.vocab is None:
+            return self.model.forward_rows(rows, self.cache, (0,), counts, parents=[parents],
+                                           logits=LogitRows.LAST if last else LogitRows.ALL).logits
+        state = self.model.forward_rows(rows, self.cache, (0,), counts, parents=[parents], logits=LogitRows.NONE,
+                                        features=(self.model.config.num_layers,)).features  # [T, hidden]
+        return self.vocab.full(self.vocab(state[-1:] if last else state))
 
     def commit(self, seq: list[int]) -> None:
         # Cached entries past len(seq) - 1 are rejected drafts (or the token still to be fed): drop them.
@@ -117,13 +132,32 @@ class DraftModelDrafter(OwnCache):
         self.cache.commit(0, self.cache.lengths[0])
 
 
+def draft_vocabulary(model: Transformer, size: int | None, always: Sequence[int] = ()) -> VocabHead | None:
+    """The output head over a draft model's first ``size`` token ids (``heads.vocab.id_ranking``, ``always``
+    among them), or None for the whole vocabulary (``size`` 0 or at least the vocabulary; None =
+    ``DRAFT_VOCAB``).
+
+    Raises:
+        ValueError: a negative size.
+    """
+    size = DRAFT_VOCAB if size is None else size
+    if size < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0 = all tokens), got {size}")
+    if size == 0 or size >= model.config.vocab_size:
+        return None
+    return VocabHead(model, draft_ids(id_ranking(model.config.vocab_size, always), size))
+
+
 def _build(inputs: DrafterInputs, name: str, tree_width: int) -> DraftModelDrafter:
     if inputs.draft_model is None:
         raise ValueError(f"drafter {name!r} needs a draft model (--draft-model NAME|PATH)")
-    return DraftModelDrafter(inputs.draft_model, inputs.target, inputs.draft_cache, tree_width)
+    shared = inputs.shared  # one draft vocabulary's head for every slot's drafter
+    if "draft-vocab" not in shared:
+        shared["draft-vocab"] = draft_vocabulary(inputs.draft_model, inputs.draft_vocab, inputs.eos_ids)
+    return DraftModelDrafter(inputs.draft_model, inputs.target, inputs.draft_cache, tree_width, shared["draft-vocab"])
 
 
-_MODEL_FLAGS = ("--draft-model", "--draft-quant", "--draft-weights")
+_MODEL_FLAGS = ("--draft-model", "--draft-quant", "--draft-weights", "--draft-vocab")
 register(DrafterSpec("draft", lambda i: _build(i, "draft", 0), "a smaller model with the target's vocabulary",
                      Needs.DRAFT_MODEL, owns_cache=True, flags=_MODEL_FLAGS))
 register(DrafterSpec("draft-tree", lambda i: _build(i, "draft-tree", i.tree_width), "a draft model searching a token tree",

@@ -41,7 +41,9 @@ class DrafterInputs:
         ngram_sizes: (min, max) tail lengths the n-gram drafters match.
         draft_cache: the drafter's own cache settings (``DrafterSpec.owns_cache``).
         head: the head file (``Needs.HEAD``).
-        draft_vocab: a head's draft vocabulary size (0 = all tokens); None = as trained.
+        draft_vocab: draft vocabulary size (0 = all tokens); None = as a head was trained, ``DRAFT_VOCAB`` for a
+            draft model (``drafters/draft_model.py``).
+        eos_ids: the target's end-of-sequence ids, in every draft vocabulary of a draft model.
         tree_width: children per expanded node of a tree drafter.
         shared: state the drafters built from these inputs share (one engine's slots), e.g. the suffix
             drafter's cache of finished requests; keyed by the drafter's name.
@@ -54,6 +56,7 @@ class DrafterInputs:
     draft_cache: CacheConfig = CacheConfig()
     head: str | Path | None = None
     draft_vocab: int | None = None
+    eos_ids: tuple[int, ...] = ()
     tree_width: int = TREE_WIDTH
     shared: dict[str, object] = field(default_factory=dict, compare=False)
 

@@ -30,6 +30,16 @@ def frequency_ranking(counts: torch.Tensor, always: Iterable[int] = ()) -> torch
     return torch.tensor(order, dtype=torch.int64)
 
 
+def id_ranking(vocab_size: int, always: Iterable[int] = ()) -> torch.Tensor:
+    """Every token id in id order, ``always`` first: the ranking of a model without counts (a draft model). A
+    BPE vocabulary lists its tokens in merge order (SentencePiece's by score), which is roughly most frequent
+    first: the first 32768 of Qwen2.5's 151936 ids hold 93% of the bench suites' prompt tokens."""
+    first = torch.tensor(sorted(set(always)), dtype=torch.int64)
+    rest = torch.ones(vocab_size, dtype=torch.bool)
+    rest[first] = False
+    return torch.cat([first, torch.arange(vocab_size)[rest]])
+
+
 def draft_ids(ranking: torch.Tensor, size: int) -> torch.Tensor:
     """The draft vocabulary of ``size`` tokens (0, or at least the vocabulary: all of them), sorted by id."""
     if size <= 0 or size >= ranking.numel():
