@@ -116,8 +116,8 @@ def test_a_draft_models_draft_vocabulary_holds_the_first_ids_and_the_targets_end
     eos = sorted(target.tokenizer.eos_token_ids)
     rest = [i for i in range(target.model.config.vocab_size) if i not in eos][:10 - len(eos)]
     assert eos and first.vocab.ids.tolist() == sorted(eos + rest)
-    whole = drafter_factory(DrafterConfig(kind="draft", draft_model=draft, draft_vocab=0), target_config, target,
-                            CacheConfig(), lambda line: None)()
-    assert whole.vocab is None
+    for whole in (None, 0):  # the default: all
+        assert drafter_factory(DrafterConfig(kind="draft", draft_model=draft, draft_vocab=whole), target_config,
+                               target, CacheConfig(), lambda line: None)().vocab is None
     with pytest.raises(ValueError, match=re.escape("--draft-vocab is only used by --drafter draft|draft-tree|eagle")):
         DrafterConfig(kind="ngram", draft_vocab=10)

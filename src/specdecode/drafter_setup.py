@@ -35,7 +35,7 @@ class DrafterConfig:
             or one of WEIGHT_FORMATS.
         head: head file of ``eagle``, ``eagle-tree`` and ``medusa``; None = the one shipped for the target.
         draft_vocab: the draft vocabulary size of a head or draft model (0 = all tokens); None = as a head was
-            trained, ``draft_model.DRAFT_VOCAB`` for a draft model.
+            trained, all for a draft model.
         ngram: (min, max) n-gram sizes of ``ngram`` and ``ngram-tree``.
         tree_width: children per expanded node of ``draft-tree`` and ``eagle-tree``; None = ``TREE_WIDTH``.
         skip_layers: ``layerskip``'s skip set: a layer list such as "4,6,8-12", or "auto" (the stored

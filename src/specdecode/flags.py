@@ -13,7 +13,6 @@ from specdecode.argtypes import byte_size, ngram_sizes, nonnegative_int, on_off,
 from specdecode.control import GAMMA_POLICIES
 from specdecode.drafter_setup import DrafterConfig
 from specdecode.drafters import TREE_WIDTH, registry
-from specdecode.drafters.draft_model import DRAFT_VOCAB
 from specdecode.kv.cache import KV_DTYPES, CacheConfig
 from specdecode.models.build import CHEAPEST, DEVICES, DRAFT_QUANT, DRAFT_WEIGHTS
 from specdecode.models.backends import LINEAR_CHOICES
@@ -103,8 +102,8 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"head file for --drafter {_users('--head')} (default: the head shipped for --model, if any)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help=f"--drafter {_users('--draft-vocab')}: draft over the N most frequent tokens (0 = all; "
-                        f"default: a head's as trained, a draft model's first {DRAFT_VOCAB} ids, which a BPE "
-                        "vocabulary orders roughly by frequency)")
+                        "default: a head's as trained; a draft model's all, and with N its end-of-sequence ids "
+                        "and first ids: cheaper drafts where the text's tokens are among them, English and code)")
     p.add_argument("--ngram", type=ngram_sizes, default=(1, 3),
                    help=f"--drafter {_users('--ngram')}: min,max n-gram sizes to look up (default 1,3)")
     p.add_argument("--tree-width", type=positive_int, default=None, metavar="W",

@@ -235,14 +235,16 @@ def test_draft_cache_follows_its_own_settings_and_commits_what_the_target_verifi
 # --------------------------------------------------------------------------- draft vocabulary
 
 
-def test_draft_vocabulary_is_the_first_ids_with_the_end_ids_or_none_for_all(draft_model):
+def test_draft_vocabulary_is_the_end_ids_and_the_first_ids_or_none_for_all(draft_model):
     v = draft_model.config.vocab_size
     vocab = draft_vocabulary(draft_model, 10, always=[v - 1])
     assert vocab.ids.tolist() == [*range(9), v - 1]
     assert draft_vocabulary(draft_model, 0) is None and draft_vocabulary(draft_model, v) is None
-    assert draft_vocabulary(draft_model, None) is None  # DRAFT_VOCAB is above the tiny vocabulary
     with pytest.raises(ValueError, match="--draft-vocab must be >= 0"):
         draft_vocabulary(draft_model, -1)
+    for wrong in (v, -1):
+        with pytest.raises(ValueError, match=rf"must lie in 0..{v - 1}, got \[{wrong}\]"):
+            draft_vocabulary(draft_model, 10, always=[wrong])
 
 
 def _restricted(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:

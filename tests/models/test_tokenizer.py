@@ -397,3 +397,28 @@ def test_encode_prompt_puts_one_bos_first_where_the_model_asks_for_it() -> None:
     assert tok.encode_prompt("hi") == [bos, *tok.encode("hi")]
     assert tok.encode_prompt("<|im_start|>hi") == [bos, *tok.encode("hi")]  # a template that writes it: not twice
     assert tiny().encode_prompt("hi") == tiny().encode("hi")  # add_bos_token false: none
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "byte-level-in-a-sequence", "sentencepiece"])
+def test_token_bytes_join_to_the_texts_utf8_where_tokens_split_a_character(kind: str) -> None:
+    tok = spm() if kind == "sentencepiece" else tiny()
+    if kind == "byte-level-in-a-sequence":  # as a tokenizer.json may wrap it
+        from tokenizers import decoders
+
+        tok.backend.decoder = decoders.Sequence([decoders.ByteLevel()])
+        tok = Tokenizer(tok.backend, tok.bos_token_id, tok.eos_token_id)
+    text = "aé日 b" if kind == "sentencepiece" else "naïve 日本語 🤖 the"
+    ids = tok.encode(text)
+    alone = [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert any("\ufffd" in a for a in alone)  # some token holds part of a character
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    end = tok.eos_token_id
+    assert tok.token_bytes(end) == tok.backend.id_to_token(end).encode()  # an added token: its text
+
+
+def test_token_bytes_keep_the_space_prefix_that_decoding_drops() -> None:
+    meta = spm_metadata()
+    del meta["tokenizer.ggml.add_space_prefix"]  # llama.cpp's default: a "▁" before the text
+    tok = Tokenizer.from_gguf_metadata(meta)
+    ids = tok.encode("the a")
+    assert tok.decode(ids) == "the a" and b"".join(tok.token_bytes(i) for i in ids) == b" the a"

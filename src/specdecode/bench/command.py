@@ -20,7 +20,6 @@ from specdecode.bench.runner import BenchConfig
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.config import MAX_GAMMA
 from specdecode.drafters import TREE_WIDTH, Needs, registry
-from specdecode.drafters.draft_model import DRAFT_VOCAB
 from specdecode.flags import add_kv_arguments, add_model_arguments, cache_configs, gamma
 from specdecode.models.build import CHEAPEST, DRAFT_QUANT, DRAFT_WEIGHTS
 
@@ -86,8 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--medusa-head", default=None, metavar="FILE",
                    help="head file of the medusa methods (default: the one shipped for --model, if any)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="draft vocabulary of the eagle, medusa and draft methods: the N most frequent tokens (0 = "
-                        f"all; default: as each head was trained, a draft model's first {DRAFT_VOCAB} ids)")
+                   help="draft vocabulary of the eagle, medusa, draft and draft-tree methods: a head's N most "
+                        "frequent tokens, a draft model's end-of-sequence and first ids, N in all (0 = all; "
+                        "default: as each head was trained, a draft model's all)")
     p.add_argument("--ngram", type=ngram_sizes, default=(1, 3),
                    help="min,max n-gram sizes of the ngram drafter; max is also hf-lookup's (default 1,3)")
     p.add_argument("--tree-width", type=positive_int, default=TREE_WIDTH, metavar="W",

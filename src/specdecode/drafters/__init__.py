@@ -7,7 +7,7 @@ registers its ``DrafterSpec``, plus its import here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from specdecode.drafters import registry
 from specdecode.drafters.base import Draft, Drafter
@@ -29,7 +29,7 @@ def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None
                  skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
                  draft_cache: CacheConfig = CacheConfig(), head: str | Path | None = None,
                  draft_vocab: int | None = None, tree_width: int = TREE_WIDTH,
-                 eos_ids: Sequence[int] = ()) -> Drafter | None:
+                 eos_ids: Iterable[int] = ()) -> Drafter | None:
     """Builds the registered drafter ``kind`` (None for "none"); what it needs but lacks raises ValueError.
 
     Args:
@@ -40,8 +40,8 @@ def make_drafter(kind: str, target: Transformer, draft_model: Transformer | None
         ngram_sizes: (min, max) tail lengths the n-gram drafters match.
         draft_cache: the draft model's (or EAGLE head's) cache settings.
         head: the head file (``Needs.HEAD``; its kind must match).
-        draft_vocab: draft vocabulary size (0 = all tokens); None = as a head was trained, ``DRAFT_VOCAB``
-            for a draft model.
+        draft_vocab: draft vocabulary size (0 = all tokens); None = as a head was trained, all for a draft
+            model.
         tree_width: children per expanded node of the model tree drafters (``drafters/tree_search.py``).
         eos_ids: the target's end-of-sequence ids, kept in a draft model's draft vocabulary.
     """

@@ -25,12 +25,6 @@ from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 
 
-# Token ids a draft model drafts over by default (its head's first rows; ``draft_vocabulary``). On Qwen2.5-Coder's
-# pair it cut a drafted token's cost from 0.35 to 0.27-0.29 of a target step for 1-4% of first-token acceptance;
-# 32768 cut it to 0.25 for 7% (BENCHMARKS.md X-9).
-DRAFT_VOCAB = 65536
-
-
 class VocabularyMismatchError(ValueError):
     """Draft and target tokenizers disagree, so draft token ids would mean other tokens to the target."""
 
@@ -132,15 +126,16 @@ class DraftModelDrafter(OwnCache):
         self.cache.commit(0, self.cache.lengths[0])
 
 
-def draft_vocabulary(model: Transformer, size: int | None, always: Sequence[int] = ()) -> VocabHead | None:
-    """The output head over a draft model's first ``size`` token ids (``heads.vocab.id_ranking``, ``always``
-    among them), or None for the whole vocabulary (``size`` 0 or at least the vocabulary; None =
-    ``DRAFT_VOCAB``).
+def draft_vocabulary(model: Transformer, size: int, always: Sequence[int] = ()) -> VocabHead | None:
+    """The output head over ``size`` token ids of a draft model: ``always`` (the target's end-of-sequence ids),
+    then its first ids (``heads.vocab.id_ranking``); None for the whole vocabulary (``size`` 0 or at least the
+    vocabulary), the default: id order is no frequency ranking for every language (the first 65536 of Qwen2.5's
+    ids hold 98% of the English and code suites' tokens but half of a Chinese or Japanese text's; BENCHMARKS.md
+    X-9).
 
     Raises:
-        ValueError: a negative size.
+        ValueError: a negative size, or ``always`` outside the vocabulary.
     """
-    size = DRAFT_VOCAB if size is None else size
     if size < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = all tokens), got {size}")
     if size == 0 or size >= model.config.vocab_size:
@@ -153,7 +148,7 @@ def _build(inputs: DrafterInputs, name: str, tree_width: int) -> DraftModelDraft
         raise ValueError(f"drafter {name!r} needs a draft model (--draft-model NAME|PATH)")
     shared = inputs.shared  # one draft vocabulary's head for every slot's drafter
     if "draft-vocab" not in shared:
-        shared["draft-vocab"] = draft_vocabulary(inputs.draft_model, inputs.draft_vocab, inputs.eos_ids)
+        shared["draft-vocab"] = draft_vocabulary(inputs.draft_model, inputs.draft_vocab or 0, inputs.eos_ids)
     return DraftModelDrafter(inputs.draft_model, inputs.target, inputs.draft_cache, tree_width, shared["draft-vocab"])
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -49,6 +50,7 @@ _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
 
 # SentencePiece's visible space: the vocabulary spells " the" as "▁the".
 _SPM_SPACE = "\u2581"
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback token
 
 
 class ChatTemplateError(ValueError):
@@ -68,6 +70,17 @@ def _byte_alphabet() -> dict[int, str]:
             chars.append(256 + n)
             n += 1
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def _has_byte_level(decoder: Mapping[str, Any]) -> bool:
+    """Whether a decoder (its JSON form) maps byte-level BPE characters back to bytes, alone or in a sequence."""
+    return decoder.get("type") == "ByteLevel" or any(_has_byte_level(d) for d in decoder.get("decoders") or [])
+
+
+@lru_cache(maxsize=1)
+def _byte_values() -> dict[str, int]:
+    """The byte alphabet read backwards: printable character -> byte."""
+    return {c: b for b, c in _byte_alphabet().items()}
 
 
 def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -201,6 +214,8 @@ class Tokenizer:
             stops.add(eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(stops)
         self.chat_template = chat_template
+        self._added = {i: t.content.encode() for i, t in backend.get_added_tokens_decoder().items()}
+        self._byte_level = _has_byte_level(json.loads(backend.decoder.__getstate__())) if backend.decoder else False
 
     @property
     def vocab_size(self) -> int:
@@ -253,6 +268,24 @@ class Tokenizer:
             skip_special_tokens: drop special tokens such as ``<|im_end|>`` from the text.
         """
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for: a piece of a multi-byte character has its own bytes, where decoding
+        the token alone shows U+FFFD (OpenAI's logprobs ``bytes``). A byte-level BPE token's characters map
+        back through the byte alphabet; a SentencePiece byte token ``<0xNN>`` is that byte and its "▁" a space;
+        an added token is its text."""
+        piece = self.backend.id_to_token(token)
+        if piece is None:
+            return b""
+        if token in self._added:
+            return self._added[token]
+        values = _byte_values()
+        if self._byte_level and all(c in values for c in piece):
+            return bytes(values[c] for c in piece)
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace(_SPM_SPACE, " ").encode()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

@@ -447,8 +447,7 @@ class _Reply:
         name = self._token_text
         if self.chat:
             def entry(token: int, logprob: float) -> dict[str, Any]:
-                text = name(token)
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+                return {"token": name(token), "logprob": logprob, "bytes": self._token_bytes(token)}
             return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                                 for lp in entries], "refusal": None}
         offsets = []
@@ -459,8 +458,11 @@ class _Reply:
                 "top_logprobs": [{name(t): v for t, v in lp.top} for lp in entries], "text_offset": offsets}
 
     def _token_text(self, token: int) -> str:
-        # One token alone: a piece of a multi-byte character shows as U+FFFD (its bytes too).
+        # One token alone: a piece of a multi-byte character shows as U+FFFD (``bytes`` has its own bytes).
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)
+
+    def _token_bytes(self, token: int) -> list[int]:
+        return list(self.tokenizer.token_bytes(token) if self.tokenizer is not None else str(token).encode())
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self.base, "object": self.chunk_kind, "choices": [], "usage": usage}
