@@ -3,9 +3,9 @@ scores them.
 
 A head drafts over a subset of the target's vocabulary (the most frequent tokens of its training data), a
 draft model with ``--draft-vocab`` over its first ids, which makes each draft token's output head that much
-cheaper. Verification still scores the full
-vocabulary, so this stays lossless: the draft distribution q is zero outside the subset and the
-residual max(0, p - q) keeps the target's mass there. This module does not train or draft.
+cheaper. Verification still scores the full vocabulary, so this stays lossless: the draft distribution q is
+zero outside the subset and the residual max(0, p - q) keeps the target's mass there. This module does not
+train or draft.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def draft_ids(ranking: torch.Tensor, size: int) -> torch.Tensor:
 
 
 class VocabHead(nn.Module):
-    """The target's output head restricted to ``ids``: ``[..., h]`` -> ``[..., Vd]`` logits in float32.
+    """A model's output head restricted to ``ids``: ``[..., h]`` -> ``[..., Vd]`` logits in float32.
 
     Args:
         target: the ``Transformer`` whose output head it restricts: the target for a trained head, the draft
