@@ -69,3 +69,13 @@ def test_threads_default_to_the_usable_cores_and_the_flag_overrides(monkeypatch)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(10)))
     assert serve_flags(["--model", "some.gguf"]).kernel_threads == 9
     assert serve_flags(["--model", "some.gguf", "--threads", "6"]).kernel_threads == 6
+
+
+def test_a_server_open_to_others_without_a_key_is_warned_about_on_either_path():
+    from specdecode.serve.command import open_port_warning
+
+    for ray in ([], ["--ray"]):
+        warning = open_port_warning(serve_flags(["--model", "x", "--host", "0.0.0.0", *ray]))
+        assert warning is not None and "0.0.0.0 without an API key" in warning
+        assert open_port_warning(serve_flags(["--model", "x", "--host", "0.0.0.0", "--api-key", "k", *ray])) is None
+        assert open_port_warning(serve_flags(["--model", "x", *ray])) is None  # the default host: loopback

@@ -28,12 +28,23 @@ async def _lifespan(app):
     served.loop.stop(timeout=SHUTDOWN_GRACE_S)
 
 
+def open_port_warning(config: ServeConfig) -> str | None:
+    """The warning a server gets that anyone who reaches its port may use (no API key, not on loopback)."""
+    if config.http.api_key is not None or config.host in LOOPBACK:
+        return None
+    return (f"warning: listening on {config.host} without an API key: anyone who reaches the port can use the "
+            "server (--api-key)")
+
+
 def run_command(config: ServeConfig, log: Callable[[str], None]) -> int:
     """Serves until SIGINT or SIGTERM; exit status 0.
 
     Raises:
         ValueError: the serve (or ray) extra is missing, or the server cannot be built.
     """
+    warning = open_port_warning(config)
+    if warning is not None:
+        log(warning)
     if config.ray is not None:
         from specdecode.serve.ray_command import run_ray
 
@@ -48,9 +59,6 @@ def run_command(config: ServeConfig, log: Callable[[str], None]) -> int:
     gc.freeze()  # the model and engine live as long as the server: keep them out of every collection's scan
     log(f"serving {served.name} on http://{config.host}:{config.port}/v1 (drafter {served.kind}, "
         f"gamma {config.speculation.gamma}, {config.kernel_threads} kernel thread(s))")
-    if config.http.api_key is None and config.host not in LOOPBACK:
-        log(f"warning: listening on {config.host} without an API key: anyone who reaches the port can use the "
-            "server (--api-key)")
     uvicorn.run(served.app, host=config.host, port=config.port, log_level=config.log_level,
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0
