@@ -254,29 +254,42 @@ def _restricted(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tree_width", [0, 2], ids=["chain", "tree"])
-def test_a_draft_vocabulary_drafts_the_models_greedy_pick_among_its_ids(draft_model, tree_width):
+def test_a_draft_vocabulary_drafts_the_models_greedy_pick_among_its_ids_and_the_requests(draft_model, tree_width):
     ids = [*range(0, 97, 3), 50]  # every third id and one more: picks outside are likely without the cut
     drafter = DraftModelDrafter(draft_model, tree_width=tree_width, vocab=VocabHead(draft_model, torch.tensor(ids)))
     drafter.reset(KVCacheStub(64))
     seq = [3, 1, 4, 1, 5, 9, 2, 6]
+    allowed = sorted({*ids, *seq})  # the request's own tokens are draftable too
     draft = drafter.propose(seq, 4, GREEDY, torch.Generator())
     want, s = [], list(seq)
     for _ in range(4 if not tree_width else 1):  # a tree's first node is the first pick
-        want.append(int(_restricted(_reference_next_logits(draft_model, s), ids).argmax()))
+        want.append(int(_restricted(_reference_next_logits(draft_model, s), allowed).argmax()))
         s.append(want[-1])
-    assert draft.tokens[:len(want)] == want and set(draft.tokens) <= set(ids)
+    assert draft.tokens[:len(want)] == want and set(draft.tokens) <= set(allowed)
     unrestricted = DraftModelDrafter(draft_model, tree_width=tree_width)
     unrestricted.reset(KVCacheStub(64))
     assert unrestricted.propose(seq, 4, GREEDY, torch.Generator()).tokens != draft.tokens  # the cut changed a pick
 
 
-def test_a_draft_vocabularys_q_is_the_processed_distribution_over_its_ids_only(draft_model):
+def test_a_token_of_the_request_outside_the_draft_vocabulary_can_be_drafted(draft_model):
+    seq = [7, 8, 9, 10, 11]
+    while (best := int(_reference_next_logits(draft_model, seq).argmax())) not in seq:  # greedy until a repeat
+        seq.append(best)
+    base = VocabHead(draft_model, torch.tensor([i for i in range(97) if i not in seq][:20]))  # none of seq's
+    drafter = DraftModelDrafter(draft_model, vocab=base)
+    drafter.reset(KVCacheStub(64), seq)
+    assert drafter.propose(seq, 1, GREEDY, torch.Generator()).tokens == [best]  # drafted as the request's own
+
+
+def test_a_draft_vocabularys_q_is_the_processed_distribution_over_its_ids_and_the_requests(draft_model):
     ids = list(range(0, 97, 2))
     drafter = DraftModelDrafter(draft_model, vocab=VocabHead(draft_model, torch.tensor(ids)))
-    drafter.reset(KVCacheStub(64))
     seq = [11, 12, 13]
-    params = SamplingParams(temperature=0.7, top_p=0.95)
+    drafter.reset(KVCacheStub(64), seq)
+    params = SamplingParams(temperature=0.9)
     draft = drafter.propose(seq, 1, params, torch.Generator().manual_seed(3))
-    want = probs_from_logits(_restricted(_reference_next_logits(draft_model, seq), ids), params)
+    allowed = sorted({*ids, *seq})
+    want = probs_from_logits(_restricted(_reference_next_logits(draft_model, seq), allowed), params)
     torch.testing.assert_close(draft.q[0], want, atol=1e-4, rtol=0)
-    assert draft.q[0, 1::2].sum() == 0 and draft.tokens[0] in ids
+    outside = [i for i in range(97) if i not in allowed]
+    assert draft.q[0, outside].sum() == 0 and draft.q[0, [11, 13]].sum() > 0 and draft.tokens[0] in allowed

@@ -131,6 +131,19 @@ def test_k_quants_as_stored_are_close_to_float64_and_row_invariant(path, fmt, ou
 
 
 @pytest.mark.parametrize("fmt", [*BLOCK_FORMATS, *STORED_ONLY, *SUPER_FORMATS])
+def test_rows_read_from_their_tiles_equal_the_whole_weights_rows(fmt):
+    runnable = [p for p in NATIVE_PATHS if path_problem(p) is None]
+    if not runnable:
+        pytest.skip("none of our kernels runs here")
+    g = torch.Generator().manual_seed(4)
+    blocks = _stored_k_quant(fmt, 70, 512) if fmt in SUPER_FORMATS else _blocks(torch.randn(70, 96, generator=g), fmt)
+    layer = QuantLinear(blocks, None, runnable[0])
+    rows = torch.tensor([69, 0, 33, 34, 5, 69])  # out of order, repeated, the last (padded) tile's
+    assert torch.equal(layer.weight_rows(rows), blocks.rows(rows).dequantize())
+    assert torch.equal(layer.weight_rows(rows), layer.blocks().rows(rows).dequantize())
+
+
+@pytest.mark.parametrize("fmt", [*BLOCK_FORMATS, *STORED_ONLY, *SUPER_FORMATS])
 def test_the_block_kernels_of_every_build_agree_bitwise(fmt):
     """Integer block sums (VNNI or AVX2's vpmaddubsw) and the same fp32 steps: one answer on every build."""
     runnable = [p for p in NATIVE_PATHS if path_problem(p) is None]

@@ -5,9 +5,10 @@ This module does not run models.
 The standard suites (CATEGORIES, one per category) are the default run. The extra suites (EXTRA_SUITES)
 are packaged but run only when asked for: ``edit`` (small edits of a given text, each with the original
 as its ``prediction``), ``agentic`` (sequences of requests that repeat one structure, as agents and
-pipelines send them; ids ``agentic-<sequence>-NN``, file order is replay order) and ``structured`` (requests
+pipelines send them; ids ``agentic-<sequence>-NN``, file order is replay order), ``structured`` (requests
 for JSON, each with the JSON schema its answer must follow: extraction from the prompt, and answers of the
-model's own).
+model's own) and ``multilingual`` (chat in Chinese, Japanese, Korean, Russian and French: where a draft
+vocabulary of a BPE vocabulary's first ids falls short).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from specdecode.prompts import Prompt, parse_prompts
 # The packaged categories, in display order: Spec-Bench's six plus code. The default run.
 CATEGORIES = ("multi_turn", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
 # Packaged suites not run by default (each suite's prompts have its name as category).
-EXTRA_SUITES = ("edit", "agentic", "structured")
+EXTRA_SUITES = ("edit", "agentic", "structured", "multilingual")
 
 
 def packaged_prompts(suites: Iterable[str]) -> list[Prompt]:

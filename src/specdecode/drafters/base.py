@@ -19,7 +19,7 @@ from specdecode.models.rows import LogitRows
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 
 if TYPE_CHECKING:
-    from specdecode.heads.vocab import VocabHead
+    from specdecode.heads.vocab import DraftVocab
 
 Signal = tuple[float, ...]
 # Called after each drafted token with its position (0-based) and signal; True ends the draft there.
@@ -198,12 +198,12 @@ class OwnCache(DrafterBase):
 
 
 def draw(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
-         subset: VocabHead | None = None) -> tuple[int, torch.Tensor | None]:
+         subset: DraftVocab | None = None) -> tuple[int, torch.Tensor | None]:
     """Picks one draft token from ``logits [V]``: argmax when greedy (q is one-hot, returned as None),
     else a sample from the same processed distribution the target uses, returned as q ``[V]``.
 
-    ``subset`` (a ``heads.vocab.VocabHead``: ``ids`` sorted, and ``full``) means ``logits`` cover only its ids:
-    a greedy pick never builds the whole row (the first maximum is the same token), a sample does.
+    ``subset`` (a ``heads.vocab.DraftVocab``) means ``logits`` cover only its ids: a greedy pick never builds the
+    whole row (over a ``VocabHead``'s sorted ids the first maximum is the same token), a sample does.
     """
     if sampling.greedy:
         i = int(logits.argmax())
@@ -222,7 +222,7 @@ def confidence(logits: torch.Tensor) -> Signal:
 
 
 def chain_draft(logits: torch.Tensor, advance: Callable[[int], torch.Tensor], k: int, sampling: SamplingParams,
-                generator: torch.Generator, stop: StopRule | None = None, subset: VocabHead | None = None) -> Draft:
+                generator: torch.Generator, stop: StopRule | None = None, subset: DraftVocab | None = None) -> Draft:
     """Draws up to ``k`` tokens one after another: from ``logits [V]``, then from ``advance(token)``, the
     drafter's logits after it has taken the token just drawn (called only while more tokens are due).
 
@@ -252,7 +252,7 @@ def chain_draft(logits: torch.Tensor, advance: Callable[[int], torch.Tensor], k:
 
 def model_draft(model, cache: Cache, fed: list[int], k: int, sampling: SamplingParams,
                 generator: torch.Generator, layers=None, stop: StopRule | None = None, slot: int = 0,
-                vocab: VocabHead | None = None) -> Draft:
+                vocab: DraftVocab | None = None) -> Draft:
     """Autoregressive drafting with a transformer over its cache.
 
     Args:

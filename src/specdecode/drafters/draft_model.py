@@ -16,7 +16,7 @@ import torch
 from specdecode.drafters.base import MODEL_SIGNALS, Draft, OwnCache, StopRule, model_draft
 from specdecode.drafters.registry import DrafterInputs, DrafterSpec, Needs, register
 from specdecode.drafters.tree_search import grow_tree
-from specdecode.heads.vocab import VocabHead, draft_ids, id_ranking
+from specdecode.heads.vocab import RequestVocab, VocabHead, draft_ids, id_ranking
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.models.prefill import prefill
@@ -67,7 +67,7 @@ class DraftModelDrafter(OwnCache):
         cache: the draft cache's settings (kv dtype, window, sinks); its size follows the target's cache.
         tree_width: children per expanded node (0: draft chains).
         vocab: a draft vocabulary (``heads/vocab.py``) scoring the drafts with that share of the model's output
-            head; None scores the whole vocabulary.
+            head, widened by each request's own tokens (``RequestVocab``); None scores the whole vocabulary.
     """
 
     def __init__(self, model: Transformer, target: Transformer | None = None,
@@ -82,6 +82,7 @@ class DraftModelDrafter(OwnCache):
         self.cache_config = cache
         self.tree_width = tree_width
         self.vocab = vocab
+        self._request_vocab: RequestVocab | None = None  # ``vocab`` and this request's tokens
         self.name = "draft-tree" if tree_width else "draft"
         self.signal_names = () if tree_width else MODEL_SIGNALS  # a tree has no per-token stop
         self.drafts_past_unverified = True  # it feeds what it has not seen and trims back in commit
@@ -95,13 +96,19 @@ class DraftModelDrafter(OwnCache):
         memory = self._claim_cache(self.model, target_cache, memory)
         # Prefill here, so that drafting time counts drafting only.
         prefill(self.cache, 0, list(prompt[:-1]), self.model, memory.prefix_for(self.model, self.cache.config))
+        self._request_vocab = RequestVocab(self.vocab, self.model) if self.vocab is not None else None
+        if self._request_vocab is not None:
+            self._request_vocab.add(prompt)
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
         # Feed whatever the draft has not seen: the whole prompt first time, then 1-2 tokens a step.
         fed = seq[self.cache.lengths[0]:]
+        vocab = self._request_vocab
+        if vocab is not None:
+            vocab.add(fed)  # the tokens the request gained since the last step
         if not self.tree_width:
-            return model_draft(self.model, self.cache, fed, k, sampling, generator, stop=stop, vocab=self.vocab)
+            return model_draft(self.model, self.cache, fed, k, sampling, generator, stop=stop, vocab=vocab)
         first = self._logits(fed, None, last=True)[-1]
         held = self.cache.lengths[0]
         draft = grow_tree(first, self._logits, k, self.tree_width, sampling, generator)
@@ -111,13 +118,13 @@ class DraftModelDrafter(OwnCache):
     def _logits(self, tokens: list[int], parents: list[int] | None, last: bool = False) -> torch.Tensor:
         """``[T, V]`` logits of the rows ``tokens`` (a tree level with ``parents``; ``last``: ``[1, V]`` of the
         last row only), -inf outside the draft vocabulary."""
-        rows, counts = torch.tensor(tokens, device=self.model.device), (len(tokens),)
-        if self.vocab is None:
+        rows, counts, vocab = torch.tensor(tokens, device=self.model.device), (len(tokens),), self._request_vocab
+        if vocab is None:
             return self.model.forward_rows(rows, self.cache, (0,), counts, parents=[parents],
                                            logits=LogitRows.LAST if last else LogitRows.ALL).logits
         state = self.model.forward_rows(rows, self.cache, (0,), counts, parents=[parents], logits=LogitRows.NONE,
                                         features=(self.model.config.num_layers,)).features  # [T, hidden]
-        return self.vocab.full(self.vocab(state[-1:] if last else state))
+        return vocab.full(vocab(state[-1:] if last else state))
 
     def commit(self, seq: list[int]) -> None:
         # Cached entries past len(seq) - 1 are rejected drafts (or the token still to be fed): drop them.
@@ -130,8 +137,8 @@ def draft_vocabulary(model: Transformer, size: int, always: Sequence[int] = ()) 
     """The output head over ``size`` token ids of a draft model: ``always`` (the target's end-of-sequence ids),
     then its first ids (``heads.vocab.id_ranking``); None for the whole vocabulary (``size`` 0 or at least the
     vocabulary), the default: id order is no frequency ranking for every language (the first 65536 of Qwen2.5's
-    ids hold 98% of the English and code suites' tokens but half of a Chinese or Japanese text's; BENCHMARKS.md
-    X-9).
+    ids hold 98% of the English and code suites' tokens but half of a Chinese or Japanese text's; each request's
+    own tokens join it, which wins back only part of that: BENCHMARKS.md X-9).
 
     Raises:
         ValueError: a negative size, or ``always`` outside the vocabulary.

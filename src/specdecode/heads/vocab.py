@@ -10,12 +10,23 @@ train or draft.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import torch
 from torch import nn
 
 from specdecode.models import packing
+
+
+class DraftVocab(Protocol):
+    """What drafting reads of a draft vocabulary (``VocabHead``, ``RequestVocab``): its ids, its logits over
+    them, and those logits spread over the whole vocabulary."""
+
+    ids: torch.Tensor  # [Vd] token ids, one per logit
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...  # [..., h] -> [..., Vd] float32
+
+    def full(self, logits: torch.Tensor) -> torch.Tensor: ...  # [..., Vd] -> [..., V], -inf outside
 
 
 def frequency_ranking(counts: torch.Tensor, always: Iterable[int] = ()) -> torch.Tensor:
@@ -69,7 +80,7 @@ class VocabHead(nn.Module):
         self.vocab_size = target.config.vocab_size
         backend = target.backend
         if packing.block_weights(target):
-            self.linear = backend.block_linear(target.head_layer.blocks().rows(self.ids.cpu()), None)
+            self.linear = backend.block_linear(target.head_layer.block_rows(self.ids.cpu()), None)
         else:
             self.linear = backend.linear(target.output_rows(self.ids), None)  # rows [Vd, h]
 
@@ -85,3 +96,47 @@ class VocabHead(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self.linear.parameters(), *self.linear.buffers()])
+
+
+class RequestVocab:
+    """A shared draft vocabulary widened by one request's own tokens: the ids its prompt and output hold outside
+    ``base`` are scored too, with ``model``'s own output rows (in float32). A draft model's first ids rank
+    English and code well and other languages poorly; the request's text names the tokens it is made of.
+
+    Its ``ids`` are ``base``'s, then the request's in the order they came (not sorted: a tie picks the earlier).
+    It has ``VocabHead``'s interface for drafting (``__call__``, ``ids``, ``full``).
+
+    Args:
+        base: the shared draft vocabulary's head.
+        model: the ``Transformer`` whose output rows score the request's ids (the one ``base`` restricts).
+    """
+
+    def __init__(self, base: VocabHead, model) -> None:
+        self.base, self.model, self.vocab_size = base, model, base.vocab_size
+        self.ids = base.ids
+        self._held = torch.zeros(base.vocab_size, dtype=torch.bool, device=base.ids.device)
+        self._held[base.ids] = True
+        self._rows = torch.empty(0, model.config.hidden_size, device=base.ids.device)  # [k, h] float32
+
+    def add(self, tokens: Iterable[int]) -> None:
+        """Makes ``tokens`` (ids of the request's text) draftable where they are not yet."""
+        new = torch.tensor(sorted(set(tokens)), dtype=torch.int64, device=self.ids.device)
+        new = new[~self._held[new]] if new.numel() else new
+        if not new.numel():
+            return
+        self._held[new] = True
+        self._rows = torch.cat([self._rows, self.model.output_rows(new).float()])
+        self.ids = torch.cat([self.ids, new])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., h]`` -> ``[..., len(ids)]`` float32 logits."""
+        logits = self.base(x)
+        if not self._rows.numel():
+            return logits
+        return torch.cat([logits, x.float() @ self._rows.T], dim=-1)
+
+    def full(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., len(ids)]`` draft logits -> ``[..., V]`` with -inf outside."""
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.ids] = logits
+        return out

@@ -165,9 +165,17 @@ class QuantLinear(nn.Module):
         """The weight in its block format, as packed."""
         return unpack_blocks(self.packed, self.fmt, self.out_features, self.in_features, native.BUILDS[self.path].quant_tile)
 
+    def block_rows(self, rows: torch.Tensor) -> Blocks:
+        """The weight rows ``rows`` in their block format, unpacked from the tiles that hold them only (a
+        151936-row head unpacks whole in 0.3 s)."""
+        tile = native.BUILDS[self.path].quant_tile
+        tiles = torch.unique(rows // tile)  # sorted
+        part = unpack_blocks(self.packed[tiles], self.fmt, len(tiles) * tile, self.in_features, tile)
+        return part.rows(torch.searchsorted(tiles, rows // tile) * tile + rows % tile)
+
     def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The weight rows ``[len(rows), in_features]`` as the kernel computes with them, in float32."""
-        return self.blocks().rows(rows).dequantize()
+        return self.block_rows(rows).dequantize()
 
     @property
     def weight_format(self) -> str:
