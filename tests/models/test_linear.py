@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+from specdecode.drafters.draft_model import draft_vocabulary
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.models.linear import Int8Linear, NativeLinear, PackedLinear, QuantLinear, can_pack
 from specdecode.models.super_blocks import SUPER_FORMATS, SUPER_QTYPES, from_gguf
@@ -157,16 +158,19 @@ def test_the_block_kernels_of_every_build_agree_bitwise(fmt):
 
 
 @pytest.mark.parametrize("path", OURS)
-@pytest.mark.parametrize("kind", ["ngram", "layerskip", "draft"])
+@pytest.mark.parametrize("kind", ["ngram", "layerskip", "draft", "draft-vocab"])
 @pytest.mark.parametrize("weights", ["bf16", *BLOCK_FORMATS])
 def test_greedy_speculation_is_exact_on_our_kernels(path, kind, weights):
+    """``draft-vocab``: the draft model over half its ids and the request's (its head rows read from the packed
+    tiles)."""
     target = varied_model(0, dtype=torch.bfloat16)
     assert target.pack_weights(path, weights=weights).name == path and target.pack_weights().name == path  # idempotent
     assert target.weight_format == (weights if weights in ("bf16", "q8_0") else f"{weights}, head q8_0")
     draft = varied_model(0, keep_layers=[0, 1], dtype=torch.bfloat16)
     draft.pack_weights(path, weights=weights)
-    drafter = {"ngram": NgramDrafter(max_ngram=3, min_ngram=1), "layerskip": LayerSkipDrafter(target, [1]),
-               "draft": DraftModelDrafter(draft)}[kind]
+    drafter = {"ngram": lambda: NgramDrafter(max_ngram=3, min_ngram=1),
+               "layerskip": lambda: LayerSkipDrafter(target, [1]), "draft": lambda: DraftModelDrafter(draft),
+               "draft-vocab": lambda: DraftModelDrafter(draft, vocab=draft_vocabulary(draft, 48))}[kind]()
     prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9], [90, 3, 17, 44, 2, 60]]
     plain = [Engine(target).generate(p, max_new_tokens=24).token_ids for p in prompts]
     drafted = accepted = 0

@@ -56,6 +56,13 @@ def id_ranking(vocab_size: int, always: Iterable[int] = ()) -> torch.Tensor:
     return torch.cat([first, torch.arange(vocab_size)[rest]])
 
 
+def spread(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[..., Vd]`` logits of ``ids`` -> ``[..., vocab_size]`` with -inf at every other id."""
+    out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    out[..., ids] = logits
+    return out
+
+
 def draft_ids(ranking: torch.Tensor, size: int) -> torch.Tensor:
     """The draft vocabulary of ``size`` tokens (0, or at least the vocabulary: all of them), sorted by id."""
     if size <= 0 or size >= ranking.numel():
@@ -89,9 +96,7 @@ class VocabHead(nn.Module):
 
     def full(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., Vd]`` draft logits -> ``[..., V]`` with -inf outside the draft vocabulary."""
-        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        out[..., self.ids] = logits
-        return out
+        return spread(logits, self.ids, self.vocab_size)
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +142,4 @@ class RequestVocab:
 
     def full(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., len(ids)]`` draft logits -> ``[..., V]`` with -inf outside."""
-        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        out[..., self.ids] = logits
-        return out
+        return spread(logits, self.ids, self.vocab_size)

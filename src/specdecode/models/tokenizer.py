@@ -208,13 +208,14 @@ class Tokenizer:
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
-        special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        added = backend.get_added_tokens_decoder()
+        special = {t.content for t in added.values() if t.special}
         stops = set(eos_token_ids) | {backend.token_to_id(t) for t in END_OF_TURN_TOKENS if t in special}
         if eos_token_id is not None:
             stops.add(eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(stops)
         self.chat_template = chat_template
-        self._added = {i: t.content.encode() for i, t in backend.get_added_tokens_decoder().items()}
+        self._added = {i: t.content.encode() for i, t in added.items()}  # token_bytes of added tokens
         self._byte_level = _has_byte_level(json.loads(backend.decoder.__getstate__())) if backend.decoder else False
 
     @property
