@@ -15,7 +15,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import torch
+from specdecode.cores import bound_openmp_spin
+
+bound_openmp_spin()  # before torch loads libgomp, which reads its spin count once
+import torch  # noqa: E402
 
 from specdecode.argtypes import positive_int
 from specdecode.bench.child_server import ServerFailed

@@ -1,7 +1,7 @@
 """How many cores this process may use, and how many kernel threads a server takes of them.
 
-Both ``specdecode serve`` and ``bench-serve``'s peers go by it. It does not set any thread count
-(``serve/kernel_team.py`` does).
+Both ``specdecode serve`` and ``bench-serve``'s peers go by it, and the command line bounds how long libgomp's
+threads spin here. It does not set any thread count (``serve/kernel_team.py`` does).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 KEEP_HTTP_CORE_FROM = 8  # cores from which a server leaves one to its HTTP side
+SPIN_COUNT = "10000"  # libgomp's spins at a barrier before its thread sleeps (its own default: 300,000)
 
 
 def server_threads(cores: int | None = None) -> int:
@@ -28,3 +29,17 @@ def server_threads(cores: int | None = None) -> int:
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def bound_openmp_spin(environ: dict[str, str] | None = None) -> None:
+    """Bounds libgomp's spinning at ``SPIN_COUNT`` unless the user chose a spin count or wait policy.
+
+    libgomp reads it once, when torch loads it, so this runs before ``import torch``. Its default spin (~16 ms
+    on a Xeon) keeps the kernels fast on cores of their own, but where another process also spins on the same
+    cores, each of a forward's ~100 barriers can wait out a time slice: a 64-token answer of SmolLM2 took 20-35
+    s beside a 2-thread torch loop, 2.2 s at this count, 0.2 s alone either way (docs/benchmarks/history.md,
+    "Bounded spinning").
+    """
+    environ = os.environ if environ is None else environ
+    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
+        environ["GOMP_SPINCOUNT"] = SPIN_COUNT

@@ -58,3 +58,16 @@ def test_more_replicas_than_free_cpus_are_refused_and_the_cluster_is_shut_down()
     with pytest.raises(ValueError, match=r"replica\(s\) of 1 CPU need \d+ CPUs; the Ray cluster has \d+ free"):
         run_ray(config, print)
     assert not ray.is_initialized()
+
+
+def test_the_replicas_spin_as_the_command_line_bounded_it(monkeypatch):
+    pytest.importorskip("ray.serve")
+    from specdecode.serve.ray_app import build_application
+
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1234")
+    app = build_application(serve_config(build_parser().parse_args(["serve", "--ray", "--api-key", "k"])),
+                            replicas=1, cpus_per_replica=0.5)
+    deployments = {d.name: d for d in (getattr(a, "_bound_deployment", None) for a in app._bound_deployment.init_args)
+                   if d is not None}
+    env = deployments["EngineServer"].ray_actor_options["runtime_env"]["env_vars"]
+    assert env["GOMP_SPINCOUNT"] == "1234" and env["OMP_NUM_THREADS"] == "1"

@@ -22,6 +22,7 @@ cluster nor run the command (``ray_command.py``).
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import replace
@@ -277,7 +278,10 @@ def build_application(config: ServeConfig, replicas: int = 1, cpus_per_replica: 
             request_router_kwargs={"imbalance": max(1, scheduler.max_running // 2)})}
     hub = serve.deployment(MetricsHub, name="MetricsHub", ray_actor_options={"num_cpus": 0},
                            logging_config={"enable_access_log": False}).bind()  # a push per replica per second
-    actor = {"num_cpus": ray.cpus_per_replica, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
+    env = {"OMP_NUM_THREADS": str(threads)}
+    if "GOMP_SPINCOUNT" in os.environ:  # the replicas spin as the command line bounded it (cores.bound_openmp_spin)
+        env["GOMP_SPINCOUNT"] = os.environ["GOMP_SPINCOUNT"]
+    actor = {"num_cpus": ray.cpus_per_replica, "runtime_env": {"env_vars": env}}
     if ray.memory_per_replica:
         actor["memory"] = ray.memory_per_replica
     engine = serve.deployment(
