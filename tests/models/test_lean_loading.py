@@ -94,12 +94,16 @@ def k_quant_only_model(tmp_path, arch: str):
 
 @pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])  # gemma3: windows of 8 that 36 tokens pass
-def test_k_quants_as_stored_speculate_exactly_and_rows_are_invariant(tmp_path, path, arch):
-    ckpt = k_quant_only_model(tmp_path, arch)
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-format-each", "parts-in-formats-of-their-own"])
+def test_k_quants_as_stored_speculate_exactly_and_rows_are_invariant(tmp_path, path, arch, mixed):
+    ckpt = (k_quant_model if mixed else k_quant_only_model)(tmp_path, arch)
     target = Transformer.packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
                                      resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
-    assert target.weight_format == "q4_k+q5_k+q6_k, head q6_k"
-    prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9], [90, 3, 17, 44, 2, 60]]
+    if mixed:  # every part as stored: Q4_K q and k beside Q6_K v, Q4_K gate beside Q4_1 up
+        assert target.layers[0].wqkv.formats == ["q4_k", "q6_k"] and target.layers[0].w_gate_up.formats == ["q4_k", "q4_1"]
+    else:
+        assert target.weight_format == "q4_k+q5_k+q6_k, head q6_k"
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9], [90, 3, 17, 44, 2, 60], [90, 3, 90, 4, 90, 5, 90, 6]]
     plain = [Engine(target).generate(p, max_new_tokens=24).token_ids for p in prompts]
     drafted = accepted = 0
     for gamma in (2, 7):  # verifications of 3 and 8 rows: q6_k's one-row and unpacked paths both

@@ -15,7 +15,8 @@ from torch import nn
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
 from specdecode.drafters.draft_model import draft_vocabulary
 from specdecode.engine import Engine, SpeculativeConfig
-from specdecode.models.linear import Int8Linear, NativeLinear, PackedLinear, QuantLinear, can_pack
+from specdecode.models import native
+from specdecode.models.linear import Int8Linear, NativeLinear, PackedLinear, QuantLinear, SplitLinear, can_pack
 from specdecode.models.super_blocks import SUPER_FORMATS, SUPER_QTYPES, from_gguf
 from specdecode.models.weights import BLOCK_FORMATS, BlockWeight, convert, quantize
 from kernel_paths import NATIVE_PATHS, block_activations, path_params, path_problem
@@ -106,6 +107,29 @@ def test_block_formats_are_close_to_float64_and_row_invariant(path, fmt, out_fea
 
 def _stored_k_quant(fmt: str, n: int, k: int, seed: int = 0):
     return from_gguf(k_quant_blocks(SUPER_QTYPES[fmt], (n, k), seed), SUPER_QTYPES[fmt], (n, k))
+
+
+@pytest.mark.parametrize("path", OURS)
+def test_a_split_projection_computes_each_part_as_it_is_alone(path):
+    """A GGUF's q and k in Q4_K beside v in Q6_K (and a q8_0 part): the parts' outputs in order, bitwise, through
+    the layer and through the fused layer's one Proj of parts; widths off the tile size put parts mid-tile."""
+    g = torch.Generator().manual_seed(3)
+    weights = [_stored_k_quant("q4_k", 48, 512), _stored_k_quant("q6_k", 20, 512, seed=1),
+               quantize(torch.randn(40, 512, generator=g), "q8_0")]
+    parts = [QuantLinear(w, torch.randn(w.shape[0], generator=g), path) for w in weights]
+    split = SplitLinear(parts)
+    x = torch.randn(9, 512, generator=g)
+    with torch.inference_mode():
+        want = torch.cat([part(x) for part in parts], dim=-1)
+        assert split.out_features == 108 and torch.equal(split(x), want)
+        assert torch.equal(native.kernel(path).project_rows(split.proj(), x), want)
+        for rows in (1, 4, 9):  # rows stay bitwise what they are alone
+            assert torch.equal(native.kernel(path).project_rows(split.proj(), x[:rows]), want[:rows])
+    bf16 = NativeLinear(torch.randn(16, 512, dtype=torch.bfloat16), None, path)
+    with pytest.raises(RuntimeError, match="a projection's parts must be block formats over the same 512 inputs"):
+        native.kernel(path).Proj([parts[0].proj(), bf16.proj()])
+    with pytest.raises(ValueError, match="read the same inputs"):
+        SplitLinear([parts[0], QuantLinear(_stored_k_quant("q4_k", 16, 256), None, path)])
 
 
 @pytest.mark.parametrize("path", OURS)

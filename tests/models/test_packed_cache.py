@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from tiny_gguf import random_tensors, tiny_config, write_gguf
@@ -13,6 +14,7 @@ from tiny_gguf import random_tensors, tiny_config, write_gguf
 from specdecode.kv.cache import CacheConfig
 from specdecode.models import packed_cache
 from specdecode.models.build import load_model
+from specdecode.models.linear import SplitLinear
 from specdecode.models.transformer import Transformer
 
 
@@ -152,3 +154,20 @@ def test_a_bad_budget_is_refused_by_name_before_packing(gguf_file, monkeypatch, 
     with pytest.raises(ValueError, match="SPECDECODE_PACKED_CACHE_GB=.*a number >= 0"):
         load(gguf_file)
     assert entries() == []
+
+
+def test_a_projection_of_parts_in_formats_of_their_own_is_read_back(tmp_path, monkeypatch):
+    """A Q4_K_M-like file: Q4_K q and k beside a Q6_K v make one projection of two parts (``SplitLinear``)."""
+    config = tiny_config("qwen2", num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                         head_dim=64)
+    q4_k, q6_k = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+    qtypes = {f"model.layers.{i}.self_attn.{n}_proj.weight": q6_k if n == "v" else q4_k
+              for i in range(config.num_layers) for n in "qkv"}
+    path = write_gguf(tmp_path / "split.gguf", config, random_tensors(config, seed=4), qtypes=qtypes)
+    first, _ = load(path)
+    assert isinstance(first.layers[0].wqkv, SplitLinear) and first.layers[0].wqkv.formats == ["q4_k", "q6_k"]
+    refuse_packing(monkeypatch)
+    second, said = load(path)
+    assert not any("packing" in line for line in said)
+    assert isinstance(second.layers[1].wqkv, SplitLinear) and second.layers[1].wqkv.formats == ["q4_k", "q6_k"]
+    assert torch.equal(logits(second), logits(first))

@@ -11,7 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from tiny_gguf import k_quant_blocks
 
 from specdecode.models.super_blocks import SUPER_FORMATS, SUPER_QTYPES, SuperBlockWeight, from_gguf
-from specdecode.models.weights import choose_format, concat, convert, pack, unpack
+from specdecode.models.weights import choose_formats, concat, convert, pack, unpack
 
 
 def _stored(fmt: str, n: int = 5, k: int = 512, seed: int = 0) -> tuple[np.ndarray, SuperBlockWeight]:
@@ -67,14 +67,14 @@ def test_a_k_quant_comes_only_from_its_own_tensors():
     assert q41.fmt == "q4_1" and torch.equal(q41.codes, from_gguf(raw, QT.Q4_K, (4, 256)).codes)
 
 
-def test_auto_keeps_a_shared_k_quant_and_widens_mixed_parts():
-    assert choose_format("auto", ["q4_k", "q4_k", "q4_k"]) == "q4_k"
-    assert choose_format("auto", ["q6_k"], head=True) == "q6_k"
-    assert choose_format("auto", ["q4_k", "q4_k", "q6_k"]) == "q8_0"  # q6_k's stand-in: nothing converts into a K-quant
-    assert choose_format("auto", ["q4_k", "q4_1"]) == "q4_1"
-    assert choose_format("auto", ["q4_k", "q4_0"]) == "q4_1"
-    assert choose_format("auto", ["q5_k", "q5_k"]) == "q5_k" and choose_format("auto", ["q4_k", "q5_k"]) == "q8_0"
-    assert choose_format("q4_1", ["q6_k"]) == "q4_1"
+def test_auto_keeps_every_parts_k_quant_as_stored():
+    assert choose_formats("auto", ["q4_k", "q4_k", "q4_k"]) == ["q4_k"] * 3
+    assert choose_formats("auto", ["q6_k"], head=True) == ["q6_k"]
+    assert choose_formats("auto", ["q4_k", "q4_k", "q6_k"]) == ["q4_k", "q4_k", "q6_k"]  # a Q4_K_M file's q, k, v
+    assert choose_formats("auto", ["q4_k", "q4_1"]) == ["q4_k", "q4_1"]
+    assert choose_formats("auto", ["q5_k", "q5_k"]) == ["q5_k"] * 2
+    assert choose_formats("q4_1", ["q6_k"]) == ["q4_1"]
     # "blocks": every K-quant in the 32-weight format that holds it, shared or not
-    assert choose_format("blocks", ["q4_k", "q4_k"]) == "q4_1" and choose_format("blocks", ["q6_k"], head=True) == "q8_0"
-    assert choose_format("blocks", ["q5_k"]) == "q8_0"
+    assert choose_formats("blocks", ["q4_k", "q4_k"]) == ["q4_1"] * 2
+    assert choose_formats("blocks", ["q6_k"], head=True) == ["q8_0"]
+    assert choose_formats("blocks", ["q4_k", "q4_k", "q6_k"]) == ["q4_1", "q4_1", "q8_0"]

@@ -9,7 +9,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from specdecode.models.weights import (BLOCK_FORMATS, BlockWeight, choose_format, concat, convert, from_gguf, pack,
+from specdecode.models.weights import (BLOCK_FORMATS, BlockWeight, choose_formats, concat, convert, from_gguf, pack,
                                        quantize, unpack)
 
 QTYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1}
@@ -121,14 +121,14 @@ def test_q5_formats_come_only_from_their_own_tensors():
     assert convert(q5, QT.Q5_1, (4, 64), "q8_0").fmt == "q8_0"  # "blocks" and mixed projections: requantized
 
 
-def test_choose_format():
-    assert choose_format("auto", ["q5_0"]) == "q5_0" and choose_format("blocks", ["q5_1"]) == "q5_1"
-    assert choose_format("blocks", ["q4_k"]) == "q4_1" and choose_format("blocks", ["q6_k", "q6_k"]) == "q8_0"
-    assert choose_format("auto", ["q5_0", "q5_0", "q8_0"]) == "q8_0"  # Gemma's q, k and v: one format
-    assert choose_format("auto", ["q4_1", "q4_1", "q8_0"]) == "q8_0"  # one format per projection: the widest
-    assert choose_format("auto", ["q4_1"]) == "q4_1" and choose_format("auto", ["bf16", "q4_1"]) == "bf16"
-    assert choose_format("q4_0", ["bf16"]) == "q4_0" and choose_format("q4_1", ["q8_0"], head=True) == "q8_0"
-    assert choose_format("q8_0", ["q4_1"], head=True) == "q8_0" and choose_format("bf16", ["q4_1"]) == "bf16"
+def test_choose_formats():
+    assert choose_formats("auto", ["q5_0"]) == ["q5_0"] and choose_formats("blocks", ["q5_1"]) == ["q5_1"]
+    assert choose_formats("blocks", ["q4_k"]) == ["q4_1"] and choose_formats("blocks", ["q6_k", "q6_k"]) == ["q8_0"] * 2
+    assert choose_formats("auto", ["q5_0", "q5_0", "q8_0"]) == ["q5_0", "q5_0", "q8_0"]  # Gemma's q, k, v as stored
+    assert choose_formats("auto", ["q4_1"]) == ["q4_1"] and choose_formats("auto", ["bf16", "q4_1"]) == ["bf16"] * 2
+    assert choose_formats("q4_0", ["bf16"]) == ["q4_0"] and choose_formats("q4_1", ["q8_0"], head=True) == ["q8_0"]
+    assert choose_formats("q8_0", ["q4_1"], head=True) == ["q8_0"] and choose_formats("bf16", ["q4_1"]) == ["bf16"]
+    assert choose_formats("q4_1", ["q4_k", "q6_k"]) == ["q4_1", "q4_1"]  # an explicit format: every part
 
 
 @pytest.mark.integration

@@ -19,6 +19,9 @@ q5_k / q6_k as stored (``weights.py``, ``super_blocks.py``) and multiplies int8-
 (``kernels/linear_quant.h``, ``linear_kquant.h``): each row's integer block sums are exact,
 so rows are bitwise independent of each other, and every build gives the same bits.
 
+``SplitLinear`` is one projection whose parts (q and k, then v) are ``QuantLinear`` layers in formats of their
+own, as a GGUF stores them.
+
 ``Int8Linear`` stores weights as int8 with one scale per output row and multiplies with torch's
 int8 weight-only kernel: half the bytes of bf16 to stream per step, and different numbers. It is
 meant for draft models, whose output only has to be a good guess (verification keeps the result
@@ -29,6 +32,8 @@ packed layers cannot be saved, moved to another device or trained.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -188,6 +193,41 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self.fmt} on {self.path}")
+
+
+class SplitLinear(nn.Module):
+    """One projection whose parts, its outputs in order, are ``QuantLinear`` layers in formats of their own (a
+    GGUF's Q4_K q and k beside its Q6_K v): ``y = cat([part(x) for part in parts])``, each part computed as it is
+    alone, so rows stay bitwise independent. The fused layer computes every part's tiles in one pass over the
+    same prepared inputs (``kernels/layer.h``, a ``Proj`` of parts).
+
+    Args:
+        parts: layers over the same inputs, on one kernel build.
+    """
+
+    def __init__(self, parts: Sequence[QuantLinear]) -> None:
+        super().__init__()
+        if len({(p.in_features, p.path) for p in parts}) != 1:
+            raise ValueError(f"a split projection's parts read the same inputs on one kernel build, not "
+                             f"{[(p.in_features, p.path) for p in parts]}")
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.path = parts[0].in_features, parts[0].path
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    @property
+    def formats(self) -> list[str]:
+        return [part.fmt for part in self.parts]
+
+    def proj(self):
+        """This layer as the fused layer's projection: one ``Proj`` over the parts' packed weights."""
+        return self.parts[0]._ops.Proj([part.proj() for part in self.parts])
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{'+'.join(self.formats)} on {self.path}")
 
 
 class Int8Linear(nn.Module):

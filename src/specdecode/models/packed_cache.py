@@ -36,7 +36,7 @@ from specdecode.models import native
 from specdecode.models.backends import Backend
 from specdecode.models.config import ModelConfig
 from specdecode.models.fetch import cache_dir
-from specdecode.models.linear import NativeLinear, QuantLinear
+from specdecode.models.linear import NativeLinear, QuantLinear, SplitLinear
 from specdecode.models.packing import PROJECTIONS
 from specdecode.models.transformer import Transformer
 
@@ -184,12 +184,17 @@ def save(key: EntryKey, model: Transformer, say: Callable[[str], None]) -> None:
 
 
 def _layers(model: Transformer) -> dict[str, list[Any]]:
-    """How to rebuild each packed layer: its kind's format, output and input features, and kernel build."""
+    """How to rebuild each packed layer: its format (a split layer's: each part's format and outputs), output and
+    input features, and kernel build."""
     out = {}
     for name, layer in _packed_layers(model):
-        if not isinstance(layer, (NativeLinear, QuantLinear)):
+        if isinstance(layer, SplitLinear):
+            fmt = [[part.fmt, part.out_features] for part in layer.parts]
+        elif isinstance(layer, (NativeLinear, QuantLinear)):
+            fmt = layer.weight_format
+        else:
             raise TypeError(f"{name} is a {type(layer).__name__}; only our kernels' layers are saved")
-        out[name] = [layer.weight_format, layer.out_features, layer.in_features, layer.path]
+        out[name] = [fmt, layer.out_features, layer.in_features, layer.path]
     return out
 
 
@@ -203,9 +208,14 @@ def _rebuild(config: ModelConfig, backend: Backend, weights: str, state: dict[st
     with torch.device("meta"):
         model = Transformer(config)
     for name, (fmt, n, k, path) in layers.items():
-        packed, bias = state[f"{name}.packed"], state.get(f"{name}.bias")
-        layer = (NativeLinear.from_packed(packed, n, k, bias, path) if fmt == "bf16"
-                 else QuantLinear.from_packed(packed, fmt, n, k, bias, path))
+        if isinstance(fmt, list):  # a split layer's parts
+            layer = SplitLinear([QuantLinear.from_packed(state[f"{name}.parts.{i}.packed"], part_fmt, part_n, k,
+                                                         state.get(f"{name}.parts.{i}.bias"), path)
+                                 for i, (part_fmt, part_n) in enumerate(fmt)])
+        elif fmt == "bf16":
+            layer = NativeLinear.from_packed(state[f"{name}.packed"], n, k, state.get(f"{name}.bias"), path)
+        else:
+            layer = QuantLinear.from_packed(state[f"{name}.packed"], fmt, n, k, state.get(f"{name}.bias"), path)
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, attr, layer)
     model.lm_head = None

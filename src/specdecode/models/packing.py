@@ -1,8 +1,8 @@
 """Packing a model's projections for a backend: every fused projection and the output head swapped for the
 backend's packed copy, in bf16, a block format (q8_0, q4_0, q4_1; q5_0, q5_1 as stored) or a K-quant as stored
-(q4_k, q5_k, q6_k), chosen per projection
-(``weights.choose_format``), read from a GGUF's stored blocks where they already are in that format, else
-quantized from the float weights. Also int8 weight-only quantization (draft models) and the description of
+(q4_k, q5_k, q6_k), chosen per part of a projection (``weights.choose_formats``: parts stored in different
+formats, such as q and k beside v, each keep theirs in a ``SplitLinear``), read from a GGUF's stored blocks
+where they already are in that format, else quantized from the float weights. Also int8 weight-only quantization (draft models) and the description of
 a model's weight formats.
 
 A tied output head keeps the embedding table for lookups and gains a packed copy. This module does not choose
@@ -11,15 +11,16 @@ the backend (``backends/resolve_backend``) and does not run anything.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from itertools import groupby
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
 from specdecode.models.backends import AUTO, Backend
 from specdecode.models.hf_import import head_part, projection_parts
-from specdecode.models.linear import Int8Linear, NativeLinear, QuantLinear
-from specdecode.models.weights import WeightSource, choose_format, concat, quantize
+from specdecode.models.linear import Int8Linear, NativeLinear, QuantLinear, SplitLinear
+from specdecode.models.weights import WeightSource, choose_formats, concat, quantize
 
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -57,7 +58,7 @@ def pack_projections(model, backend: Backend, weights: str, source: WeightSource
         backend: where the projections will run.
         weights: "bf16" or a block format for every projection (the output head at least q8_0), or "auto":
             as ``source`` stores them, K-quants included (block formats only where ``backend.block_formats``),
-            or "blocks": as "auto" with the K-quants in 32-weight block formats (``weights.choose_format``).
+            or "blocks": as "auto" with the K-quants in 32-weight block formats (``weights.choose_formats``).
         source: the checkpoint's weights and stored formats, read one projection at a time (the model's own
             projection weights are then not read and may be unfilled, on the meta device); without it, the
             model's own weights are packed.
@@ -65,10 +66,13 @@ def pack_projections(model, backend: Backend, weights: str, source: WeightSource
             and converted into another format).
     """
     def make(layer: nn.Module, parts: list[str], head: bool) -> nn.Module:
-        fmt = choose_format(weights, [source.format(f"{p}.weight") for p in parts] if source else ["bf16"], head)
+        formats = choose_formats(weights, [source.format(f"{p}.weight") for p in parts] if source else ["bf16"], head)
+        fmt = formats[0]
         bias = layer.bias
         if bias is not None and source is not None:  # the checkpoint's fp32 biases, not the bf16 copies
             bias = torch.cat([source.tensors[f"{p}.bias"] for p in parts])
+        if len(set(formats)) > 1:
+            return _split(backend, source, parts, formats, bias)
         if source is None:
             if fmt == "bf16":
                 return backend.linear(layer.weight, bias)
@@ -79,6 +83,19 @@ def pack_projections(model, backend: Backend, weights: str, source: WeightSource
         return backend.block_linear(concat([source.blocks(f"{p}.weight", fmt) for p in parts]), bias)
 
     swap_projections(model, make, log if source is not None else None)
+
+
+def _split(backend: Backend, source: WeightSource, parts: Sequence[str], formats: Sequence[str],
+           bias: torch.Tensor | None) -> SplitLinear:
+    """A projection whose parts keep formats of their own: each run of neighbouring parts in one format (q and k,
+    then v) packed as one layer."""
+    layers, first = [], 0
+    for fmt, run in groupby(zip(parts, formats), key=lambda part: part[1]):
+        blocks = concat([source.blocks(f"{p}.weight", fmt) for p, _ in run])
+        n = blocks.shape[0]
+        layers.append(backend.block_linear(blocks, None if bias is None else bias[first:first + n]))
+        first += n
+    return SplitLinear(layers)
 
 
 def swap_projections(model, make: Callable[[nn.Module, list[str], bool], nn.Module],
@@ -107,13 +124,15 @@ def weight_format(model) -> str:
     differs); "int8" for int8 weight-only copies; the model dtype ("float32", ...) for unpacked weights."""
     dtype = {torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype).replace("torch.", ""))
 
-    def fmt(m: nn.Module | None) -> str:
+    def fmt(m: nn.Module | None) -> list[str]:
         if isinstance(m, Int8Linear):
-            return "int8"
-        return m.weight_format if isinstance(m, (NativeLinear, QuantLinear)) else dtype
+            return ["int8"]
+        if isinstance(m, SplitLinear):
+            return m.formats
+        return [m.weight_format] if isinstance(m, (NativeLinear, QuantLinear)) else [dtype]
 
-    layers = sorted({fmt(getattr(b, n)) for b in model.layers for n in PROJECTIONS})
-    head = fmt(model.head_layer)
+    layers = sorted({f for b in model.layers for n in PROJECTIONS for f in fmt(getattr(b, n))})
+    head = "+".join(fmt(model.head_layer))
     text = "+".join(layers) or head
     return text if layers == [head] or not layers else f"{text}, head {head}"
 

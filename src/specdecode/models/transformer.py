@@ -251,7 +251,7 @@ class Transformer(nn.Module):
             kernel: a ``--linear`` name (``backends.LINEAR_CHOICES``; "auto": see ``resolve_backend``).
             log: told about a first compile of one of our kernels.
             weights: one of WEIGHT_FORMATS: "bf16", a block format for every projection (the output head at
-                least q8_0, see ``weights.choose_format``), "auto": as ``source`` stores them where the
+                least q8_0, see ``weights.choose_formats``), "auto": as ``source`` stores them where the
                 backend computes block formats (the GGUF's own blocks, K-quants included), else bf16, or
                 "blocks": as "auto" with the K-quants in 32-weight block formats.
             source: the checkpoint's float weights and stored formats (``Checkpoint.weights``); without it,

@@ -21,7 +21,7 @@ of a block's scale, against a 4-bit step of 1/15 of its range, while they stay a
 6.1e-5).
 
 This module does not compute products (the kernels do) or choose the format of a model (``Transformer
-.pack_weights`` does, with ``choose_format``).
+.pack_weights`` does, with ``choose_formats``).
 """
 from __future__ import annotations
 
@@ -52,12 +52,10 @@ FORMAT_OF = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_k",
 # The 32-weight block format a GGUF type's blocks become code for code (``from_gguf``), no requantizing.
 _CODE_FOR_CODE = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q4_K: "q4_1", QT.Q5_0: "q5_0",
                   QT.Q5_1: "q5_1"}
-# Where a projection's parts differ (q, k, v), a part stored in a format nothing is quantized to takes the
-# quantizable format that holds it: one projection has one format.
-_STAND_IN = {"q4_k": "q4_1", "q5_k": "q8_0", "q6_k": "q8_0", "q5_0": "q8_0", "q5_1": "q8_0"}
+# The 32-weight block format that holds each K-quant under "blocks" (``choose_formats``).
+_STAND_IN = {"q4_k": "q4_1", "q5_k": "q8_0", "q6_k": "q8_0"}
 _MINIMUM = ("q4_1", "q5_1")  # the formats with an fp16 minimum per block
 _FIFTH_BIT = ("q5_0", "q5_1")  # codes of 5 bits: a q4 nibble plus a fifth bit
-_WIDTH = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "bf16": 3}  # bits per weight, in order: auto's pick where parts differ
 
 
 @dataclass(frozen=True)
@@ -277,24 +275,25 @@ def dequantized(raw: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> torch.Ten
 _TORCH_DECODERS = {QT.Q4_K: (Q4_K_BYTES, q4_k_dequantize), QT.Q6_K: (Q6_K_BYTES, q6_k_dequantize)}
 
 
-def choose_format(requested: str, stored: Sequence[str], head: bool = False) -> str:
-    """The format of one projection (its parts stored as ``stored``, e.g. q, k and v) under ``--weights``.
+def choose_formats(requested: str, stored: Sequence[str], head: bool = False) -> list[str]:
+    """The format of each part of one projection (its parts stored as ``stored``, e.g. q, k and v) under
+    ``--weights``.
 
-    "auto" takes the parts' own formats, K-quants, q5_0 and q5_1 included where all parts share one; where they
-    differ, the widest, such a part counting as the quantizable format that holds it (``_STAND_IN``: one
-    projection has one format). "blocks" takes every K-quant as the block format that holds it (Q4_K's codes as
-    q4_1, Q5_K and Q6_K requantized to q8_0: cheaper verification rows, see ``kernels/linear_kquant.h``). An explicit block format applies as asked, except that the output head (``head``) is kept at least q8_0
-    under q4 formats, as llama.cpp's quantizer keeps it wider.
+    "auto" keeps each part's own format, K-quants, q5_0 and q5_1 included. Parts in different formats (a Q4_K_M
+    file's Q4_K q and k beside a Q6_K v) are then each computed in their own (``linear.SplitLinear``), as
+    llama.cpp computes them; where a part is stored unquantized, every part is bf16. "blocks" takes every K-quant
+    as the block format that holds it (``_STAND_IN``: Q4_K's codes as q4_1, Q5_K and Q6_K requantized to q8_0:
+    cheaper verification rows, see ``kernels/linear_kquant.h``). An explicit block format applies to every part as
+    asked, except that the output head (``head``) is kept at least q8_0 under q4 formats, as llama.cpp's quantizer
+    keeps it wider.
     """
     if requested == "blocks":  # the K-quants as 32-weight formats; the rest as "auto" takes them
         stored = [_STAND_IN[s] if s in SUPER_FORMATS else s for s in stored]
-    if requested in ("auto", "blocks") and len(set(stored)) == 1:
-        return stored[0]
     if requested in ("auto", "blocks"):
-        return max((_STAND_IN.get(s, s) for s in stored), key=_WIDTH.__getitem__)
+        return ["bf16"] * len(stored) if "bf16" in stored else list(stored)
     if requested in ("q4_0", "q4_1") and head:
-        return "q8_0"
-    return requested
+        return ["q8_0"] * len(stored)
+    return [requested] * len(stored)
 
 
 def pack(weight: Blocks, tile: int, chunk: int = 1 << 22) -> torch.Tensor:

@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_indexed", &attention_indexed, free);
   pybind11::class_<Proj>(m, "Proj", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>>())
+      .def(pybind11::init<std::vector<Proj>>())
       .def_readonly("fmt", &Proj::fmt)
       .def_readonly("n_out", &Proj::n_out)
       .def_readonly("k_in", &Proj::k_in);

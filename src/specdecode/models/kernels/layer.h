@@ -26,12 +26,14 @@
 namespace sd {
 
 constexpr int64_t kBF16 = 3;  // a projection's format code beside the block formats' (linear_quant.h)
+constexpr int64_t kParts = -1;  // the format code of a projection made of parts in formats of their own
 
 // One projection: its packed weight (this build's bf16 layout, or a quantized one), shapes and fp32 bias.
 struct Proj {
   torch::Tensor packed;
   int64_t fmt, n_out, k_in;
   torch::Tensor bias;  // fp32 [n_out], or undefined
+  std::vector<Proj> parts;  // where fmt is kParts: its outputs in order, each part in a block format of its own
 
   Proj(torch::Tensor packed_, int64_t fmt_, int64_t n_out_, int64_t k_in_, c10::optional<torch::Tensor> bias_)
       : packed(std::move(packed_)), fmt(fmt_), n_out(n_out_), k_in(k_in_) {
@@ -48,6 +50,16 @@ struct Proj {
       TORCH_CHECK(bias_->scalar_type() == at::kFloat && bias_->is_contiguous() && bias_->numel() == n_out,
                   "bias must be a contiguous fp32 vector of ", n_out);
       bias = *bias_;
+    }
+  }
+
+  // One projection over parts that read the same inputs, each in its block format as a GGUF stores it (q and k
+  // in Q4_K beside v in Q6_K): its outputs are theirs in order, each computed as the part alone computes it.
+  explicit Proj(std::vector<Proj> parts_) : fmt(kParts), n_out(0), k_in(parts_.at(0).k_in), parts(std::move(parts_)) {
+    for (const Proj& p : parts) {
+      TORCH_CHECK(p.fmt != kBF16 && p.fmt != kParts && p.k_in == k_in,
+                  "a projection's parts must be block formats over the same ", k_in, " inputs");
+      n_out += p.n_out;
     }
   }
 };
@@ -79,47 +91,85 @@ inline void prepare(const Proj& p, const float* x, int64_t ldx, int64_t rows, Pr
 #endif
 }
 
-// Output tiles t0..t1 of y [rows, n_out] fp32 = prepared x W^T + b, on the calling thread.
-inline void project_tiles(const Proj& p, const Prepared& in, float* y, int64_t t0, int64_t t1) {
+inline int64_t tiles_of(const Proj& p) {
+  if (p.fmt != kParts) return p.packed.size(0);
+  int64_t tiles = 0;
+  for (const Proj& part : p.parts) tiles += tiles_of(part);
+  return tiles;
+}
+
+// Output tiles t0..t1 of y [rows, n_out] fp32 (rows ldy apart) = prepared x W^T + b, on the calling thread; a
+// projection of parts numbers its tiles part after part.
+inline void project_tiles(const Proj& p, const Prepared& in, float* y, int64_t ldy, int64_t t0, int64_t t1) {
+  if (p.fmt == kParts) {
+    int64_t first_tile = 0, first_out = 0;
+    for (const Proj& part : p.parts) {
+      const int64_t n = tiles_of(part), a = std::max(t0, first_tile), b = std::min(t1, first_tile + n);
+      if (a < b) project_tiles(part, in, y + first_out, ldy, a - first_tile, b - first_tile);
+      first_tile += n;
+      first_out += part.n_out;
+    }
+    return;
+  }
   const float* bias = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
   if (p.fmt != kBF16) {
     const uint8_t* w = p.packed.data_ptr<uint8_t>();
     const int64_t stride = tile_bytes(p.fmt, in.quant.blocks);
-    for (int64_t t = t0; t < t1; ++t) block_tile(p.fmt, in.quant, w, stride, t, bias, y, p.n_out);
+    for (int64_t t = t0; t < t1; ++t) block_tile(p.fmt, in.quant, w, stride, t, bias, y, ldy, p.n_out);
     return;
   }
   const int64_t pairs = p.packed.size(1), k2 = 2 * pairs;
   const uint16_t* w = bf16_ptr(p.packed);
 #ifdef SPECDECODE_TILED
   for (int64_t t = t0; t < t1; ++t)
-    tiled_tile(in.halves.data(), k2, in.rows, w + t * pairs * 2 * kTiledTile, pairs, nullptr, y, p.n_out, p.n_out,
+    tiled_tile(in.halves.data(), k2, in.rows, w + t * pairs * 2 * kTiledTile, pairs, nullptr, y, ldy, p.n_out,
                t * kTiledTile);
   const int64_t tile = kTiledTile;
 #else
   for (int64_t t = t0; t < t1; ++t)
-    widened_tile(in.rounded.data(), k2, in.rows, w + t * pairs * 2 * kTile, pairs, nullptr, y, p.n_out, p.n_out, t * kTile);
+    widened_tile(in.rounded.data(), k2, in.rows, w + t * pairs * 2 * kTile, pairs, nullptr, y, ldy, p.n_out, t * kTile);
   const int64_t tile = kTile;
 #endif
   if (bias) {  // fp32 adds, as the kernels add a bias before rounding
     const int64_t n0 = t0 * tile, n1 = std::min(p.n_out, t1 * tile);
     for (int64_t r = 0; r < in.rows; ++r)
-      for (int64_t n = n0; n < n1; ++n) y[r * p.n_out + n] += bias[n];
+      for (int64_t n = n0; n < n1; ++n) y[r * ldy + n] += bias[n];
   }
 }
-
-inline int64_t tiles_of(const Proj& p) { return p.packed.size(0); }
 
 // y [rows, n_out] fp32 = x [rows, k_in] fp32 (row stride ldx) W^T + b, tiles split across threads.
 inline void project(const Proj& p, const float* x, int64_t ldx, int64_t rows, float* y) {
   Prepared in;
   prepare(p, x, ldx, rows, in);
-  at::parallel_for(0, tiles_of(p), 1, [&](int64_t t0, int64_t t1) { project_tiles(p, in, y, t0, t1); });
+  at::parallel_for(0, tiles_of(p), 1, [&](int64_t t0, int64_t t1) { project_tiles(p, in, y, p.n_out, t0, t1); });
 }
 
 // The share [a, b) of n work items that thread tid of nt takes.
 inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
   a = n * tid / nt;
   b = n * (tid + 1) / nt;
+}
+
+// The share [a, b) of p's tiles that thread tid of nt takes: equal counts, or for a projection of parts equal
+// bytes (a Q6_K tile streams 1.4x a Q4_K tile's bytes and takes about as much longer).
+inline void share_tiles(const Proj& p, int tid, int nt, int64_t& a, int64_t& b) {
+  if (p.fmt != kParts) return share(tiles_of(p), tid, nt, a, b);
+  const auto tile_bytes_of = [](const Proj& part) { return part.packed.size(1) * part.packed.size(2); };
+  int64_t total = 0;
+  for (const Proj& part : p.parts) total += tiles_of(part) * tile_bytes_of(part);
+  const auto boundary = [&](int64_t k) {  // the first tile that starts at or past byte total * k / nt
+    const int64_t target = total * k / nt;
+    int64_t tile = 0, bytes = 0;
+    for (const Proj& part : p.parts) {
+      const int64_t n = tiles_of(part), per = tile_bytes_of(part);
+      if (bytes + n * per >= target) return tile + (target - bytes + per - 1) / per;
+      tile += n;
+      bytes += n * per;
+    }
+    return tile;
+  };
+  a = boundary(tid);
+  b = boundary(tid + 1);
 }
 
 // out[i] = x[i] / rms(x) * w[i] over one row of h features.
@@ -292,8 +342,8 @@ inline void qkv_part(const Layer& L, const float* x, int64_t n, const float* cos
   for (int64_t r = 0; r < n; ++r) rms_norm_row(x + r * h, L.ln1.data(), h, L.eps, tb.normed.data() + r * h);
   prepare(L.qkv, tb.normed.data(), h, n, tb.in);
   int64_t a, b;
-  share(tiles_of(L.qkv), tid, nt, a, b);
-  project_tiles(L.qkv, tb.in, proj, a, b);
+  share_tiles(L.qkv, tid, nt, a, b);
+  project_tiles(L.qkv, tb.in, proj, L.qkv.n_out, a, b);
 #pragma omp barrier
   share(n * (L.heads + 2 * L.kv_heads), tid, nt, a, b);
   rope_units(L, proj, n, cos, sin, pos, q, k, v, a, b);
@@ -306,8 +356,8 @@ inline void finish_part(const Layer& L, const float* x, const float* attn, int64
   const int64_t h = L.hidden, inter = L.inter;
   int64_t a, b;
   prepare(L.o, attn, L.heads * L.head_dim, n, tb.in);
-  share(tiles_of(L.o), tid, nt, a, b);
-  project_tiles(L.o, tb.in, o_out, a, b);
+  share_tiles(L.o, tid, nt, a, b);
+  project_tiles(L.o, tb.in, o_out, L.o.n_out, a, b);
 #pragma omp barrier
   tb.mid.resize(n * h);
   tb.normed.resize(n * h);
@@ -319,16 +369,16 @@ inline void finish_part(const Layer& L, const float* x, const float* attn, int64
   }
   for (int64_t r = 0; r < n; ++r) rms_norm_row(tb.mid.data() + r * h, L.ln2.data(), h, L.eps, tb.normed.data() + r * h);
   prepare(L.gate_up, tb.normed.data(), h, n, tb.in);
-  share(tiles_of(L.gate_up), tid, nt, a, b);
-  project_tiles(L.gate_up, tb.in, gu_out, a, b);
+  share_tiles(L.gate_up, tid, nt, a, b);
+  project_tiles(L.gate_up, tb.in, gu_out, L.gate_up.n_out, a, b);
 #pragma omp barrier
   tb.act.resize(n * inter);
   for (int64_t r = 0; r < n; ++r)
     (L.activation == kGeluTanh ? gelu_mul : silu_mul)(gu_out + r * 2 * inter, gu_out + r * 2 * inter + inter, inter,
                                                       tb.act.data() + r * inter);
   prepare(L.down, tb.act.data(), inter, n, tb.in);
-  share(tiles_of(L.down), tid, nt, a, b);
-  project_tiles(L.down, tb.in, down_out, a, b);
+  share_tiles(L.down, tid, nt, a, b);
+  project_tiles(L.down, tb.in, down_out, L.down.n_out, a, b);
 #pragma omp barrier
   if (!L.post_mlp.empty()) {  // whole rows per thread: a norm needs its row
     share(n, tid, nt, a, b);

@@ -17,21 +17,22 @@ constexpr int64_t record_bytes(int64_t fmt) { return is_super(fmt) ? k_record_by
 // Bytes of one packed tile over `blocks` blocks of 32 inputs.
 inline int64_t tile_bytes(int64_t fmt, int64_t blocks) { return blocks * kQBlock / record_weights(fmt) * record_bytes(fmt); }
 
-// Every row of a against tile t of weights w (tiles of `stride` bytes, back to back), on the calling thread.
+// Every row of a against tile t of weights w (tiles of `stride` bytes, back to back), on the calling thread;
+// y's rows are ldy apart and n_out wide.
 template <typename Out>
 void block_tile(int64_t fmt, const QuantRows& a, const uint8_t* w, int64_t stride, int64_t t, const float* bias, Out* y,
-                int64_t n_out) {
+                int64_t ldy, int64_t n_out) {
   const uint8_t* wt = w + t * stride;
   const int64_t n0 = t * kQTile;
   switch (fmt) {
-    case kQ8_0: return q_tile<kQ8_0>(a, wt, stride, bias, y, n_out, n0);
-    case kQ4_0: return q_tile<kQ4_0>(a, wt, stride, bias, y, n_out, n0);
-    case kQ4_1: return q_tile<kQ4_1>(a, wt, stride, bias, y, n_out, n0);
-    case kQ5_0: return q_tile<kQ5_0>(a, wt, stride, bias, y, n_out, n0);
-    case kQ5_1: return q_tile<kQ5_1>(a, wt, stride, bias, y, n_out, n0);
-    case kQ4_K: return k_tile<kQ4_K>(a, wt, stride, bias, y, n_out, n0);
-    case kQ5_K: return k_tile<kQ5_K>(a, wt, stride, bias, y, n_out, n0);
-    default: return k_tile<kQ6_K>(a, wt, stride, bias, y, n_out, n0);
+    case kQ8_0: return q_tile<kQ8_0>(a, wt, stride, bias, y, ldy, n_out, n0);
+    case kQ4_0: return q_tile<kQ4_0>(a, wt, stride, bias, y, ldy, n_out, n0);
+    case kQ4_1: return q_tile<kQ4_1>(a, wt, stride, bias, y, ldy, n_out, n0);
+    case kQ5_0: return q_tile<kQ5_0>(a, wt, stride, bias, y, ldy, n_out, n0);
+    case kQ5_1: return q_tile<kQ5_1>(a, wt, stride, bias, y, ldy, n_out, n0);
+    case kQ4_K: return k_tile<kQ4_K>(a, wt, stride, bias, y, ldy, n_out, n0);
+    case kQ5_K: return k_tile<kQ5_K>(a, wt, stride, bias, y, ldy, n_out, n0);
+    default: return k_tile<kQ6_K>(a, wt, stride, bias, y, ldy, n_out, n0);
   }
 }
 
@@ -41,7 +42,7 @@ void quant_rows(const QuantRows& a, const uint8_t* w, int64_t fmt, int64_t tiles
                 int64_t n_out) {
   const int64_t stride = tile_bytes(fmt, a.blocks);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) block_tile(fmt, a, w, stride, t, bias, y, n_out);
+    for (int64_t t = t0; t < t1; ++t) block_tile(fmt, a, w, stride, t, bias, y, n_out, n_out);
   });
 }
 

@@ -200,16 +200,18 @@ void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* codes, cons
 }
 
 // Every row against one K-quant tile, in passes of up to kQRows rows (q6_k up to 8 rows: 2, its two sums per
-// row). Past 8 rows, q6_k's codes are unpacked once per tile rather than in every pass.
+// row); y's rows are ldy apart and n_out wide. Past 8 rows, q6_k's codes are unpacked once per tile rather than in
+// every pass.
 template <int64_t F, typename Out>
-void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t n_out, int64_t n0) {
+void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t ldy, int64_t n_out,
+            int64_t n0) {
   if constexpr (F == kQ6_K) {
     // Passes of 2 rows unpacking in registers, each tile pass but the first from cache; unpacking to memory
     // once pays past 8 rows (measured on Zen 4: 6 rows 0.96x of q8_0's time against 1.25x, 16 rows 1.44x
     // against 1.39x).
     if (a.rows <= 8) {
       row_blocks<2>(a.rows, [&](auto r, int64_t m) {
-        k_pass<decltype(r)::value, F>(a, m, w, bias, y + m * n_out, n_out, n_out, n0, w + stride);
+        k_pass<decltype(r)::value, F>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, w + stride);
       });
       return;
     }
@@ -217,11 +219,11 @@ void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* b
     scratch.resize(a.blocks * kQBlock * kQTile);
     q6_unpack(w, a.blocks / kSuperBlocks, scratch.data(), w + stride);
     row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
-      q6_unpacked_pass<decltype(r)::value>(a, m, scratch.data(), w, bias, y + m * n_out, n_out, n_out, n0);
+      q6_unpacked_pass<decltype(r)::value>(a, m, scratch.data(), w, bias, y + m * ldy, ldy, n_out, n0);
     });
   } else {
     row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
-      k_pass<decltype(r)::value, F>(a, m, w, bias, y + m * n_out, n_out, n_out, n0, w + stride);
+      k_pass<decltype(r)::value, F>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, w + stride);
     });
   }
 }

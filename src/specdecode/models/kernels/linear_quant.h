@@ -261,11 +261,13 @@ void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
   store_tile<R>(facc, bias, y, ldy, n_out, n0);
 }
 
-// Every row against one tile (stride bytes long; the next tile follows it), in passes of up to kQRows rows.
+// Every row against one tile (stride bytes long; the next tile follows it), in passes of up to kQRows rows;
+// y's rows are ldy apart and n_out wide.
 template <int64_t F, typename Out>
-void q_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t n_out, int64_t n0) {
+void q_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t ldy, int64_t n_out,
+            int64_t n0) {
   row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {  // every pass fetches the next tile ahead
-    q_pass<decltype(r)::value, F>(a, m, w, bias, y + m * n_out, n_out, n_out, n0, w + stride);
+    q_pass<decltype(r)::value, F>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, w + stride);
   });
 }
 
