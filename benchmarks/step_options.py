@@ -28,6 +28,7 @@ import torch
 
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.block import Block
+from specdecode.models.linear import SplitLinear
 from specdecode.models.loader import load_checkpoint
 from specdecode.models.native import cpu_model
 from specdecode.models.rows import LogitRows
@@ -63,11 +64,23 @@ class _Op(torch.nn.Module):
         return _linear(x, self.layer.packed, self.layer.out_features, self.layer.bias, self.fmt, self.layer.path)
 
 
+class _Parts(torch.nn.Module):
+    """A projection of parts in formats of their own (``SplitLinear``) as its parts' custom-op calls, joined."""
+
+    def __init__(self, layer) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(_Op(part) for part in layer.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 def _compile_glue(model) -> None:
     """Swaps each block's projections for custom-op calls and compiles its qkv and finish steps."""
     for block in model.layers:
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-            setattr(block, name, _Op(getattr(block, name)))
+            layer = getattr(block, name)
+            setattr(block, name, _Parts(layer) if isinstance(layer, SplitLinear) else _Op(layer))
         block.qkv = torch.compile(Block.qkv.__get__(block), dynamic=True, fullgraph=True)
         block.finish = torch.compile(Block.finish.__get__(block), dynamic=True, fullgraph=True)
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from specdecode import cores
 from specdecode.cores import SPIN_COUNT, bound_openmp_spin, server_threads, usable_cores
 
 
@@ -30,9 +31,24 @@ def test_openmp_spinning_is_bounded_unless_the_user_chose(environ, spin):
 
 def test_the_command_line_bounds_spinning_before_torch_loads_libgomp():
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    # libgomp reads GOMP_SPINCOUNT once, when torch loads it: torch must not be loaded before cli.py sets it.
-    code = ("import sys, specdecode.cores; assert 'torch' not in sys.modules, 'torch loaded before the bound'; "
-            "import os, specdecode.cli; print(os.environ['GOMP_SPINCOUNT'])")
+    # libgomp reads GOMP_SPINCOUNT once, when torch loads it: cli.py must set it before anything imports torch.
+    code = ("import os, sys, specdecode.cores as cores\n"
+            "seen, bound = [], cores.bound_openmp_spin\n"
+            "cores.bound_openmp_spin = lambda environ=None: (seen.append('torch' in sys.modules), bound(environ))\n"
+            "import specdecode.cli\n"
+            "print(seen, os.environ['GOMP_SPINCOUNT'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == SPIN_COUNT
+    assert out.stdout.strip() == f"[False] {SPIN_COUNT}"  # called once, torch not yet loaded
+
+
+def test_peers_get_libgomps_own_spinning_unless_the_user_chose(monkeypatch):
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cores, "_bound_here", False)
+    cores.bound_openmp_spin()
+    assert os.environ["GOMP_SPINCOUNT"] == SPIN_COUNT and "GOMP_SPINCOUNT" not in cores.peer_environ()
+    monkeypatch.setattr(cores, "_bound_here", False)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    cores.bound_openmp_spin()
+    assert cores.peer_environ()["GOMP_SPINCOUNT"] == "7"

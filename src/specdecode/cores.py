@@ -10,6 +10,7 @@ import os
 
 KEEP_HTTP_CORE_FROM = 8  # cores from which a server leaves one to its HTTP side
 SPIN_COUNT = "10000"  # libgomp's spins at a barrier before its thread sleeps (its own default: 300,000)
+_bound_here = False  # whether bound_openmp_spin set this process's GOMP_SPINCOUNT
 
 
 def server_threads(cores: int | None = None) -> int:
@@ -40,6 +41,15 @@ def bound_openmp_spin(environ: dict[str, str] | None = None) -> None:
     s beside a 2-thread torch loop, 2.2 s at this count, 0.2 s alone either way (docs/benchmarks/history.md,
     "Bounded spinning").
     """
+    global _bound_here
+    own = environ is None
     environ = os.environ if environ is None else environ
     if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
         environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+        _bound_here = _bound_here or own
+
+
+def peer_environ() -> dict[str, str]:
+    """This process's environment for another program (llama.cpp's tools, measured as their users run them):
+    without the spin count ``bound_openmp_spin`` set here; one the user set stays."""
+    return {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT" or not _bound_here}

@@ -79,6 +79,30 @@ def test_k_quants_are_read_as_stored_and_blocks_maps_them_like_the_reference(tmp
     assert torch.equal(source.blocks(down, "q8_0").dequantize(), quantize(ckpt.tensors[down], "q8_0").dequantize())
 
 
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
+def test_parts_in_formats_of_their_own_keep_their_values_and_give_the_same_bits_on_one_and_two_threads(tmp_path, path):
+    """q/k/v as a Q4_K_M file stores them (Q4_K q and k, Q6_K v): the split projection's biases are the
+    checkpoint's, part by part, and a fused forward whose tiles are shared between threads by bytes gives the
+    bits of one thread on two (the q/k/v boundary falls inside the Q4_K part: 12 tiles of 148-byte records
+    before 4 of 210 at 32 outputs a tile)."""
+    ckpt = k_quant_model(tmp_path, "qwen2")
+    target = Transformer.packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
+                                     resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
+    wqkv = target.layers[1].wqkv
+    want = torch.cat([ckpt.weights.tensors[f"model.layers.1.self_attn.{n}_proj.bias"] for n in "qkv"])
+    assert torch.equal(torch.cat([part.bias for part in wqkv.parts]), want.float())
+    tokens = torch.randint(0, VOCAB_SIZE, (13,), generator=torch.Generator().manual_seed(2))
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                outs.append(target.forward_rows(tokens, target.new_cache(CacheConfig(max_len=16)), (0,), (13,)).logits)
+    finally:
+        torch.set_num_threads(1)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
 def k_quant_only_model(tmp_path, arch: str):
     """A GGUF whose every projection is one K-quant (attention and gate/up Q4_K, o Q5_K, down and head Q6_K)."""
     config = tiny_config(arch, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,

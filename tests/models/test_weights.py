@@ -118,7 +118,7 @@ def test_q5_formats_come_only_from_their_own_tensors():
         convert(raw, QT.Q4_0, (4, 64), "q5_0")
     q5 = gguf_quantize(_weight(4, 64).numpy(), QT.Q5_1)
     assert convert(q5, QT.Q5_1, (4, 64), "q5_1").fmt == "q5_1"
-    assert convert(q5, QT.Q5_1, (4, 64), "q8_0").fmt == "q8_0"  # "blocks" and mixed projections: requantized
+    assert convert(q5, QT.Q5_1, (4, 64), "q8_0").fmt == "q8_0"  # an explicit q8_0: requantized
 
 
 def test_choose_formats():

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from specdecode.cli import build_parser, main
+from specdecode.cores import SPIN_COUNT
 from specdecode.serve.flags import serve_config
 from specdecode.serve.ray_command import run_ray
 
@@ -60,14 +61,20 @@ def test_more_replicas_than_free_cpus_are_refused_and_the_cluster_is_shut_down()
     assert not ray.is_initialized()
 
 
-def test_the_replicas_spin_as_the_command_line_bounded_it(monkeypatch):
+@pytest.mark.parametrize("driver, replica", [({}, {"GOMP_SPINCOUNT": SPIN_COUNT}),
+                                             ({"GOMP_SPINCOUNT": "1234"}, {"GOMP_SPINCOUNT": "1234"}),
+                                             ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"})])
+def test_the_replicas_spin_bounded_unless_the_user_chose(monkeypatch, driver, replica):
     pytest.importorskip("ray.serve")
     from specdecode.serve.ray_app import build_application
 
-    monkeypatch.setenv("GOMP_SPINCOUNT", "1234")
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in driver.items():
+        monkeypatch.setenv(name, value)
     app = build_application(serve_config(build_parser().parse_args(["serve", "--ray", "--api-key", "k"])),
                             replicas=1, cpus_per_replica=0.5)
     deployments = {d.name: d for d in (getattr(a, "_bound_deployment", None) for a in app._bound_deployment.init_args)
                    if d is not None}
     env = deployments["EngineServer"].ray_actor_options["runtime_env"]["env_vars"]
-    assert env["GOMP_SPINCOUNT"] == "1234" and env["OMP_NUM_THREADS"] == "1"
+    assert env == {"OMP_NUM_THREADS": "1", **replica}

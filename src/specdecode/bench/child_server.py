@@ -16,6 +16,8 @@ import tempfile
 import time
 import urllib.request
 
+from specdecode.cores import peer_environ
+
 
 def free_port() -> int:
     """A loopback port that nothing listens on now (the system picks it)."""
@@ -45,8 +47,10 @@ class Server:
         self.log = tempfile.TemporaryFile("w+")
         argv = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), *flags] if command is None \
             else [a.replace("{port}", str(self.port)) for a in command]
-        # Our clients send no key: a $SPECDECODE_API_KEY exported here must not lock them out of our server.
-        env = {k: v for k, v in os.environ.items() if k != "SPECDECODE_API_KEY" or "--api-key" in flags}
+        # Our clients send no key: a $SPECDECODE_API_KEY exported here must not lock them out of our server. A peer
+        # runs with libgomp's own spinning, unless the user chose one (cores.peer_environ).
+        base = os.environ if command is None else peer_environ()
+        env = {k: v for k, v in base.items() if k != "SPECDECODE_API_KEY" or "--api-key" in flags}
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
 
     def output(self) -> str:

@@ -40,7 +40,7 @@ from specdecode.models.linear import NativeLinear, QuantLinear, SplitLinear
 from specdecode.models.packing import PROJECTIONS
 from specdecode.models.transformer import Transformer
 
-LAYOUT = 1  # bumped whenever what is saved, or how a layer is rebuilt from it, changes
+LAYOUT = 2  # bumped whenever what is saved, or how a layer is rebuilt from it, changes
 SWITCH_ENV, BUDGET_ENV = "SPECDECODE_PACKED_CACHE", "SPECDECODE_PACKED_CACHE_GB"
 _CRC_SPAN = 16 << 20  # bytes per crc32: spans checked in parallel (zlib releases the GIL)
 _HASH_SPAN = 16 << 20

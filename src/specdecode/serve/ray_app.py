@@ -37,6 +37,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from specdecode.argtypes import byte_size
+from specdecode.cores import bound_openmp_spin
 from specdecode.serve.config import RayConfig, ServeConfig
 from specdecode.serve.flags import serve_flags
 from specdecode.serve.guard import UNAUTHORIZED, HttpPolicy, error_body
@@ -278,10 +279,11 @@ def build_application(config: ServeConfig, replicas: int = 1, cpus_per_replica: 
             request_router_kwargs={"imbalance": max(1, scheduler.max_running // 2)})}
     hub = serve.deployment(MetricsHub, name="MetricsHub", ray_actor_options={"num_cpus": 0},
                            logging_config={"enable_access_log": False}).bind()  # a push per replica per second
-    env = {"OMP_NUM_THREADS": str(threads)}
-    if "GOMP_SPINCOUNT" in os.environ:  # the replicas spin as the command line bounded it (cores.bound_openmp_spin)
-        env["GOMP_SPINCOUNT"] = os.environ["GOMP_SPINCOUNT"]
-    actor = {"num_cpus": ray.cpus_per_replica, "runtime_env": {"env_vars": env}}
+    # The replicas spin as the command line bounds it (a user's own spin count or wait policy kept), also where
+    # this application is built without the command line (Ray's `serve run`) or runs on a remote cluster.
+    spin = {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ}
+    bound_openmp_spin(spin)
+    actor = {"num_cpus": ray.cpus_per_replica, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads), **spin}}}
     if ray.memory_per_replica:
         actor["memory"] = ray.memory_per_replica
     engine = serve.deployment(

@@ -1,5 +1,5 @@
 """Our compiled CPU kernels as a backend (``models/native.py`` builds them): bf16 or block-format projections
-(``linear.NativeLinear``, ``linear.QuantLinear``), our row-invariant attention, and each layer of a forward as
+(``linear.NativeLinear``, ``linear.QuantLinear``, ``linear.SplitLinear`` of parts in formats of their own), our row-invariant attention, and each layer of a forward as
 one fused C++ call (``kernels/layer.h``: RMSNorm, projections, RoPE, the cache write, attention and the MLP,
 with an fp32 residual stream).
 
@@ -77,7 +77,8 @@ class FusedLayers:
 
     Args:
         ops: the build's compiled module.
-        blocks: the layers, their projections packed as ``NativeLinear`` or ``QuantLinear`` of that build.
+        blocks: the layers, their projections packed as ``NativeLinear``, ``QuantLinear`` or ``SplitLinear`` of that
+            build.
         rope: the model's RoPE tables.
         output: the model's output end (its head packed likewise), or None.
     """
