@@ -37,9 +37,9 @@ def bound_openmp_spin(environ: dict[str, str] | None = None) -> None:
 
     libgomp reads it once, when torch loads it, so this runs before ``import torch``. Its default spin (~16 ms
     on a Xeon) keeps the kernels fast on cores of their own, but where another process also spins on the same
-    cores, each of a forward's ~100 barriers can wait out a time slice: a 64-token answer of SmolLM2 took 20-35
-    s beside a 2-thread torch loop, 2.2 s at this count, 0.2 s alone either way (docs/benchmarks/history.md,
-    "Bounded spinning").
+    cores, each of a forward's ~100 barriers can wait out a time slice: a 64-token answer of SmolLM2 took
+    20-35 s beside a 2-thread torch loop, 2.2 s at this count, 0.2 s alone either way
+    (docs/benchmarks/history.md, "Bounded spinning").
     """
     global _bound_here
     own = environ is None

@@ -2,8 +2,8 @@
 backend's packed copy, in bf16, a block format (q8_0, q4_0, q4_1; q5_0, q5_1 as stored) or a K-quant as stored
 (q4_k, q5_k, q6_k), chosen per part of a projection (``weights.choose_formats``: parts stored in different
 formats, such as q and k beside v, each keep theirs in a ``SplitLinear``), read from a GGUF's stored blocks
-where they already are in that format, else quantized from the float weights. Also int8 weight-only quantization (draft models) and the description of
-a model's weight formats.
+where they already are in that format, else quantized from the float weights. Also int8 weight-only
+quantization (draft models) and the description of a model's weight formats.
 
 A tied output head keeps the embedding table for lookups and gains a packed copy. This module does not choose
 the backend (``backends/resolve_backend``) and does not run anything.
