@@ -23,8 +23,6 @@ from specdecode.bench.child_server import Server
 from specdecode.bench.prompts import default_prompts, select
 from specdecode.engine import Engine
 from specdecode.models.build import load_model
-from specdecode.models.fetch import fetch
-from specdecode.models.registry import UnknownModelError, get
 from specdecode.prompts import render
 
 
@@ -55,7 +53,7 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a registered name or a .gguf path")
     p.add_argument("--weights", default="auto")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--limit", type=int, default=1, help="prompts per bench category")
@@ -65,11 +63,8 @@ def main() -> None:
     from specdecode.models.native import cpu_model
 
     torch.set_num_threads(args.threads)
-    try:
-        gguf = str(fetch(get(args.model)))
-    except UnknownModelError:
-        gguf = args.model
-    loaded = load_model(gguf, weights=args.weights)
+    loaded = load_model(args.model, weights=args.weights)
+    gguf = loaded.source  # the GGUF file a registered name resolves to
     prompts = select(default_prompts(), limit=args.limit)
     ids = [render(prompt, loaded.tokenizer) for prompt in prompts]
     engine = Engine(loaded.model, loaded.tokenizer)
