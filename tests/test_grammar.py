@@ -3,9 +3,12 @@ grammar down chains and trees, forced tokens and the cut of drafts the grammar r
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
+import specdecode.grammar as grammar_module
 from distribution_check import LETTERS, small_vocab_tokenizer
 from specdecode.drafters.base import Draft, DrafterBase
 from specdecode.drafters.forced import ForcedDrafter, within
@@ -56,6 +59,21 @@ def test_compiled_grammars_are_kept_and_each_request_gets_its_own_place(compiler
     first.advance(ids("a"))
     assert first.forced() == ids("b") and second.forced() == ids("ab")
     assert sum(source == grammar.source for source in compiler._compiled) == 1
+
+
+def test_threads_compiling_at_once_each_get_their_own_grammar_and_the_cache_stays_bounded(monkeypatch):
+    monkeypatch.setattr(grammar_module, "COMPILED_KEPT", 4)
+    tokenizer = small_vocab_tokenizer()
+    compiler = GrammarCompiler(tokenizer.backend.to_str(), V, tokenizer.eos_token_ids)
+    words = ["".join(LETTERS[(i + j) % 8] for j in range(3)) + LETTERS[i % 5] for i in range(24)]
+
+    def compile_all(offset: int) -> list[list[int]]:
+        return [compiler.start(Grammar.choice([w])).forced() for w in words[offset:] + words[:offset]]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(compile_all, [0, 6, 12, 18] * 4))
+    for offset, forced in zip([0, 6, 12, 18] * 4, results):
+        assert forced == [ids(w) for w in words[offset:] + words[:offset]]
+    assert len(compiler._compiled) == 4
 
 
 def test_chain_masks_follow_the_draft_and_rows_past_a_refused_token_copy_their_parent(compiler):

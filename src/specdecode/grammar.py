@@ -15,6 +15,7 @@ it) or the HTTP fields (``serve/structured.py``).
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -96,7 +97,8 @@ def _refused(what: str) -> Iterator[None]:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one tokenizer and keeps the compiled ones (COMPILED_KEPT, most recently used).
+    """Compiles grammars for one tokenizer and keeps the compiled ones (COMPILED_KEPT, most recently used). Any
+    thread may compile (the server compiles a request's grammar before the engine's thread takes the request).
 
     Args:
         tokenizer_json: the tokenizer in ``tokenizers``' JSON form (``Tokenizer.backend.to_str()``).
@@ -111,6 +113,7 @@ class GrammarCompiler:
         except Exception as exc:  # llguidance's reasons, as they come (a tokenizer kind it does not read)
             raise GrammarError(f"this model's tokenizer cannot be used with a grammar ({exc})") from None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # guards _compiled; compiling runs outside it
 
     def compile(self, grammar: Grammar) -> llguidance.LLMatcher:
         """A fresh matcher for ``grammar``, at its start.
@@ -118,16 +121,18 @@ class GrammarCompiler:
         Raises:
             GrammarError: the grammar does not compile (llguidance's message).
         """
-        template = self._compiled.get(grammar.source)
+        with self._lock:
+            template = self._compiled.get(grammar.source)
         if template is None:
             with _refused(grammar.kind.replace("_", " ")):
                 template = llguidance.LLMatcher(self._tokenizer, grammar.source, log_level=0)
             if template.is_error():
                 raise GrammarError(f"the {grammar.kind.replace('_', ' ')} does not compile: {template.get_error()}")
+        with self._lock:
             self._compiled[grammar.source] = template
+            self._compiled.move_to_end(grammar.source)
             if len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(grammar.source)
         return template.deep_copy()
 
     def start(self, grammar: Grammar) -> Constraint:

@@ -101,6 +101,11 @@ def test_models_and_health(client, server):
         assert json.loads(r.read()) == {"status": "ok"}
 
 
+def test_structured_outputs_are_made_ready_at_start(server):
+    """llguidance's view of the vocabulary is built before the server listens, not at the first request."""
+    assert "structured outputs ready" in server[0].output()
+
+
 def test_completion_streamed_and_not_equal_a_solo_generate(client, solo):
     want = solo(PROMPTS[0], 48)
     full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=48, temperature=0)

@@ -301,6 +301,11 @@ class ServedModel:
         except FieldError as exc:
             raise APIError(400, str(exc), exc.param) from None
         grammar, grammar_field = structured if structured is not None else (None, None)
+        if grammar is not None:  # compiled here, so that a large schema does not hold up the engine's thread
+            try:
+                await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(grammar))
+            except GrammarError as exc:
+                raise APIError(400, str(exc), grammar_field) from None
         future = self.loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(),
                                   max_new_tokens=self.budget(body, len(ids)), stop=body.stops(), prediction=prediction,
                                   logprobs=body.top_logprobs_asked(), grammar=grammar)
