@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from specdecode import cores
 from specdecode.cores import SPIN_COUNT, bound_openmp_spin, server_threads, usable_cores
@@ -52,3 +53,21 @@ def test_peers_get_libgomps_own_spinning_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "7")
     cores.bound_openmp_spin()
     assert cores.peer_environ()["GOMP_SPINCOUNT"] == "7"
+
+
+def test_more_threads_than_cores_is_warned_about_naming_both():
+    assert cores.oversubscription_warning(2, cores=2) is None
+    warning = cores.oversubscription_warning(3, cores=2)
+    assert "--threads 3" in warning and "2 core(s)" in warning and "at most --threads 2" in warning
+
+
+def test_the_command_line_warns_before_it_loads_anything(capsys, monkeypatch):
+    from specdecode.cli import main
+
+    monkeypatch.setattr(cores, "usable_cores", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this test process keeps its threads
+    assert main(["generate", "--model", "/no/such/model.gguf", "--threads", "3", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "--threads 3 is more than the 2 core(s)" in err and "error" in err
+    assert main(["generate", "--model", "/no/such/model.gguf", "--threads", "2", "hi"]) == 2
+    assert "more than" not in capsys.readouterr().err

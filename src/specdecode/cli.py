@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from specdecode.cores import bound_openmp_spin
+from specdecode.cores import bound_openmp_spin, oversubscription_warning
 
 bound_openmp_spin()  # before torch loads libgomp, which reads its spin count once
 import torch  # noqa: E402
@@ -338,6 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
+        warning = None if getattr(args, "ray", False) else oversubscription_warning(args.threads)  # (Ray: elsewhere)
+        if warning is not None:
+            _log(warning)
     try:
         if getattr(args, "device", None):
             args.device = resolve_device(args.device)  # no GPU for --device cuda: refused before anything loads

@@ -32,6 +32,18 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def oversubscription_warning(threads: int, cores: int | None = None) -> str | None:
+    """The warning a thread count above the usable cores gets (None when it fits): the kernels' threads then
+    wait for each other at every barrier: SmolLM2's plain decoding ran 65 tok/s on 3 threads against 212 on 2, on
+    2 cores (BENCHMARKS.md X-13)."""
+    cores = usable_cores() if cores is None else cores
+    if threads <= cores:
+        return None
+    return (f"warning: --threads {threads} is more than the {cores} core(s) this process may use: the kernels' "
+            "threads will wait on each other at every step (many times slower); use at most "
+            f"--threads {cores}")
+
+
 def bound_openmp_spin(environ: dict[str, str] | None = None) -> None:
     """Bounds libgomp's spinning at ``SPIN_COUNT`` unless the user chose a spin count or wait policy.
 
