@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ import specdecode.grammar as grammar_module
 from distribution_check import LETTERS, small_vocab_tokenizer
 from specdecode.drafters.base import Draft, DrafterBase
 from specdecode.drafters.forced import ForcedDrafter, within
-from specdecode.grammar import Grammar, GrammarCompiler, GrammarError, allowed, mask_rows
+from specdecode.grammar import Grammar, GrammarCompiler, GrammarError, allowed, mask_rows, sole_tokens
 
 V = 16
 
@@ -116,6 +117,17 @@ def test_until_done_cuts_where_the_grammar_completes(compiler):
     assert constraint.done
     with pytest.raises(RuntimeError, match="refused"):
         compiler.start(Grammar.choice(["ab"])).advance(ids("b"))
+
+
+def test_sole_tokens_are_the_rows_that_allow_exactly_one(compiler):
+    constraint = compiler.start(Grammar.regex("ab[c-e]f"))
+    assert sole_tokens(constraint.masks(ids("abd"))) == {0: ids("a")[0], 1: ids("b")[0], 3: ids("f")[0]}
+    masks = np.zeros((5, 4), dtype=np.uint32)
+    masks[0, 2] = 1 << 6  # token 70 alone
+    masks[1, 0] = 0b101  # two tokens in one word
+    masks[2, 1], masks[2, 3] = 1, 1  # one token in each of two words
+    masks[4, 3] = 1 << 31  # token 127 alone: the sign bit of an int32 word
+    assert sole_tokens(masks.view(np.int32)) == {0: 70, 4: 127}
 
 
 def test_mask_rows_sets_minus_infinity_exactly_where_refused(compiler):

@@ -11,6 +11,7 @@ import torch
 
 from distribution_check import (ALPHA, LETTERS, NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_p_value, exact_joint,
                                 sample_counts, small_vocab_model, small_vocab_target, small_vocab_tokenizer)
+from specdecode.batch import executor as executor_module
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.drafters import DraftModelDrafter, NgramDrafter, NgramTreeDrafter
@@ -173,3 +174,62 @@ def test_drafts_past_the_grammars_completion_end_where_plain_decoding_ends(targe
     # Complete on the budget's last token: a whole answer ("stop"), not a cut one ("length").
     assert Engine(target, tokenizer).generate(PROMPT, sampling, 2, eos_token_ids=(), grammar=grammar).finish_reason \
         == "stop"
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft"])
+def test_steps_the_grammar_decides_get_no_head_and_change_nothing(target, tokenizer, kind, monkeypatch):
+    """A step whose grammars leave every row one token skips the output head (those rows' logits: 0 for the token,
+    -inf elsewhere): tokens and finish reasons, greedy and seeded sampling, batched, are those of computing the head
+    at every row; log-probabilities too (to float rounding: torch's head is not row-invariant, so it rounds a row by
+    the rows beside it). Plain decoding skips the head at the forced letters' steps; drafted steps rarely qualify
+    (the row after a draft is seldom forced too)."""
+    skipping, computing = _decided_against_computed(target, tokenizer, kind, monkeypatch, fewer=kind == "none")
+    assert [(tokens, finish) for tokens, finish, _ in skipping] == [(tokens, finish) for tokens, finish, _ in computing]
+    for (_, _, fast), (_, _, full) in zip(skipping, computing):
+        assert [(lp.token, [t for t, _ in lp.top]) for lp in fast] == [(lp.token, [t for t, _ in lp.top]) for lp in full]
+        assert [lp.logprob for lp in fast] == pytest.approx([lp.logprob for lp in full], abs=1e-5)
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
+def test_steps_the_grammar_decides_change_no_bit_on_our_kernels(tokenizer, path, monkeypatch):
+    """The same on a target packed for each of our kernels, whose rows are computed alike in any forward: every
+    token and log-probability bitwise."""
+    require_path(path)
+    config = tiny_config("llama", vocab_size=VOCAB)
+    target = Transformer.from_hf_tensors(config, random_hf_tensors(config, 7, scale=0.2), dtype=torch.bfloat16)
+    target.pack_weights(path)
+    for kind in ("none", "ngram"):
+        skipping, computing = _decided_against_computed(target, tokenizer, kind, monkeypatch, fewer=kind == "none")
+        assert skipping == computing
+
+
+def _decided_against_computed(target, tokenizer, kind: str, monkeypatch, fewer: bool) -> tuple[list, list]:
+    """Constrained requests (greedy and seeded, logprobs 2) run twice by a batch engine: steps the grammars decide
+    without the head (as served; ``fewer``: some were), then the head at every step; (tokens, finish, logprobs) per
+    request, each run."""
+    requests = [dict(prompt=PROMPT[:n], max_new_tokens=24, eos_token_ids=(), grammar=Grammar.regex(pattern),
+                     logprobs=2, sampling=sampling)
+                for n in (3, 8) for pattern in GREEDY_PATTERNS
+                for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=n))]
+    forward_rows, head_rows = target.forward_rows, []
+
+    def counting(*args, logits, **kwargs):
+        head_rows.append(len(logits.index) if logits.wanted else 0)
+        return forward_rows(*args, logits=logits, **kwargs)
+
+    def run() -> tuple[list, int]:
+        head_rows.clear()
+        engine = BatchEngine(target, tokenizer, (lambda: _drafter(kind)) if kind != "none" else None,
+                             SpeculativeConfig(gamma=4), scheduler=SchedulerConfig(max_running=3), max_len=96)
+        logprobs = [[] for _ in requests]
+        results = engine.run([dict(r, on_output=lambda seq, out, i=i: logprobs[i].extend(out.logprobs or []))
+                              for i, r in enumerate(requests)])
+        assert all(len(lp) == len(r.token_ids) for lp, r in zip(logprobs, results))
+        return [(r.token_ids, r.finish_reason, lp) for r, lp in zip(results, logprobs)], sum(head_rows)
+    with monkeypatch.context() as patch:
+        patch.setattr(target, "forward_rows", counting)
+        skipping, skipped_rows = run()
+        patch.setattr(executor_module, "sole_tokens", lambda masks: {})  # every row through the head
+        computing, computed_rows = run()
+    assert skipped_rows < computed_rows if fewer else skipped_rows <= computed_rows
+    return skipping, computing

@@ -239,6 +239,19 @@ def allowed(masks: np.ndarray, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(bits.view(np.bool_))
 
 
+def sole_tokens(masks: np.ndarray) -> dict[int, int]:
+    """{row: token} for the rows of ``[rows, words]`` int32 bitmasks that allow exactly one token: one word set, to a
+    power of two (the bits are never unpacked: this runs every step)."""
+    words = masks.view(np.uint32)
+    sole = {}
+    for row in np.flatnonzero(np.count_nonzero(words, axis=1) == 1):
+        word = int(np.flatnonzero(words[row])[0])
+        bits = int(words[row, word])
+        if bits & (bits - 1) == 0:
+            sole[int(row)] = 32 * word + bits.bit_length() - 1
+    return sole
+
+
 def mask_rows(logits: torch.Tensor, start: int, masks: np.ndarray) -> None:
     """Sets ``logits[start:start + len(masks)]`` ([rows, V], float) to -inf wherever ``masks`` disallow a token."""
     rows = logits[start:start + len(masks)]
