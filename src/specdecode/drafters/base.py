@@ -171,6 +171,62 @@ class DrafterBase:
         return 0, 0
 
 
+class DrafterWrapper(DrafterBase):
+    """A drafter that drafts in front of another (``wrapped``; None: nothing behind it) and hands every other part
+    of the protocol on to it: name, signals, features, weights, cache, ``observe``, ``reset``, ``commit``,
+    ``long_run``, ``finish``, ``learned``. A subclass names what it wraps and overrides ``propose``, and calls
+    ``super()`` where it adds to the rest."""
+
+    alone_name = "none"  # its name when it wraps nothing
+
+    @property
+    def wrapped(self) -> Drafter | None:
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        return self.wrapped.name if self.wrapped is not None else self.alone_name
+
+    @property
+    def signal_names(self) -> tuple[str, ...]:
+        return self.wrapped.signal_names if self.wrapped is not None else ()
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.wrapped.feature_layers if self.wrapped is not None else ()
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.wrapped.weight_nbytes if self.wrapped is not None else 0
+
+    @property
+    def own_cache(self) -> Cache | None:
+        return self.wrapped.own_cache if self.wrapped is not None else None
+
+    def observe(self, position: int, features: torch.Tensor) -> None:
+        if self.wrapped is not None:
+            self.wrapped.observe(position, features)
+
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
+              slot: int = 0) -> None:
+        if self.wrapped is not None:
+            self.wrapped.reset(target_cache, prompt, memory, slot)
+
+    def commit(self, seq: list[int]) -> None:
+        if self.wrapped is not None:
+            self.wrapped.commit(seq)
+
+    def long_run(self) -> int:
+        return self.wrapped.long_run() if self.wrapped is not None else 0
+
+    def finish(self, seq: list[int]) -> None:
+        if self.wrapped is not None:
+            self.wrapped.finish(seq)
+
+    def learned(self) -> tuple[int, int]:
+        return self.wrapped.learned() if self.wrapped is not None else (0, 0)
+
+
 class OwnCache(DrafterBase):
     """For drafters with a KV cache of their own (a draft model, an EAGLE head): ``cache_config`` says its
     kind, and ``_claim_cache`` sizes it like the target's (the draft never holds more tokens than the target

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from specdecode import tree
-from specdecode.drafters.base import Draft, Drafter, DrafterBase, StopRule
+from specdecode.drafters.base import Draft, Drafter, DrafterWrapper, StopRule
 from specdecode.grammar import Constraint
 from specdecode.kv.cache import Cache
 from specdecode.kv.memory import KVMemory
@@ -28,7 +28,7 @@ from specdecode.sampling import SamplingParams
 
 
 @dataclass
-class ForcedDrafter(DrafterBase):
+class ForcedDrafter(DrafterWrapper):
     """Drafts the grammar's forced tokens, then ``inner``'s proposal after them.
 
     Args:
@@ -41,31 +41,12 @@ class ForcedDrafter(DrafterBase):
     _ahead: list[int] | None = None  # the forced tokens at the current place (None: not computed yet)
 
     @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def signal_names(self) -> tuple[str, ...]:
-        return self.inner.signal_names
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.inner.feature_layers
-
-    @property
-    def weight_nbytes(self) -> int:
-        return self.inner.weight_nbytes
-
-    @property
-    def own_cache(self) -> Cache | None:
-        return self.inner.own_cache
-
-    def observe(self, position: int, features: torch.Tensor) -> None:
-        self.inner.observe(position, features)
+    def wrapped(self) -> Drafter:
+        return self.inner
 
     def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
               slot: int = 0) -> None:
-        self.inner.reset(target_cache, prompt, memory, slot)
+        super().reset(target_cache, prompt, memory, slot)
         self._ahead = None
 
     def forced_ahead(self) -> list[int]:
@@ -85,17 +66,8 @@ class ForcedDrafter(DrafterBase):
         return _joined(forced, rest)
 
     def commit(self, seq: list[int]) -> None:
-        self.inner.commit(seq)
+        super().commit(seq)
         self._ahead = None
-
-    def long_run(self) -> int:
-        return self.inner.long_run()
-
-    def finish(self, seq: list[int]) -> None:
-        self.inner.finish(seq)
-
-    def learned(self) -> tuple[int, int]:
-        return self.inner.learned()
 
 
 def _joined(forced: list[int], rest: Draft) -> Draft:

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import Draft, Drafter, DrafterBase, StopRule
+from specdecode.drafters.base import Draft, Drafter, DrafterWrapper, StopRule
 from specdecode.kv.cache import Cache
 from specdecode.kv.prefix import common_prefix
 from specdecode.kv.memory import KVMemory
@@ -80,7 +80,7 @@ class _Place:
 
 
 @dataclass
-class PredictionDrafter(DrafterBase):
+class PredictionDrafter(DrafterWrapper):
     """Drafts the prediction where the output follows it, else asks ``fallback``.
 
     Args:
@@ -100,34 +100,15 @@ class PredictionDrafter(DrafterBase):
     _prompt_len: int = 0
     _proposed: list[int] = field(default_factory=list)
 
-    @property
-    def name(self) -> str:
-        return self.fallback.name if self.fallback is not None else "prediction"
+    alone_name = "prediction"
 
     @property
-    def signal_names(self) -> tuple[str, ...]:
-        return self.fallback.signal_names if self.fallback is not None else ()
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.fallback.feature_layers if self.fallback is not None else ()
-
-    @property
-    def weight_nbytes(self) -> int:
-        return self.fallback.weight_nbytes if self.fallback is not None else 0
-
-    @property
-    def own_cache(self) -> Cache | None:
-        return self.fallback.own_cache if self.fallback is not None else None
-
-    def observe(self, position: int, features: torch.Tensor) -> None:
-        if self.fallback is not None:
-            self.fallback.observe(position, features)
+    def wrapped(self) -> Drafter | None:
+        return self.fallback
 
     def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
               slot: int = 0) -> None:
-        if self.fallback is not None:
-            self.fallback.reset(target_cache, prompt, memory, slot)
+        super().reset(target_cache, prompt, memory, slot)
         # The output is expected to start where the prediction starts.
         self._place = _Place(self.prediction.ids, self.prediction.ends) if self.prediction.ids else None
         self._seen = self._prompt_len = len(prompt)
@@ -136,7 +117,7 @@ class PredictionDrafter(DrafterBase):
 
     def long_run(self) -> int:
         run = len(self._place.ids) - self._place.next if self._place is not None else 0
-        return run or (self.fallback.long_run() if self.fallback is not None else 0)
+        return run or super().long_run()
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
@@ -149,20 +130,12 @@ class PredictionDrafter(DrafterBase):
         return self.fallback.propose(seq, k, sampling, generator, stop) if self.fallback is not None else Draft([])
 
     def commit(self, seq: list[int]) -> None:
-        if self.fallback is not None:
-            self.fallback.commit(seq)
+        super().commit(seq)
         new = seq[self._seen:]
         self._seen = len(seq)
         self.accepted += common_prefix(self._proposed, new)
         self._proposed = []
         self._advance(seq, new)
-
-    def finish(self, seq: list[int]) -> None:
-        if self.fallback is not None:
-            self.fallback.finish(seq)
-
-    def learned(self) -> tuple[int, int]:
-        return self.fallback.learned() if self.fallback is not None else (0, 0)
 
     def _advance(self, seq: list[int], new: list[int]) -> None:
         """Moves along the prediction past ``new`` tokens, or finds the place again where they depart from it."""
