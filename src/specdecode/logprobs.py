@@ -7,7 +7,7 @@ are never listed as alternatives. A draft only decides which rows a forward comp
 forwards give every row the bits it has alone, so a request's log-probabilities are the same with and without
 speculation, batched or not.
 
-It does not choose tokens (``verify.py``) or format answers (``serve/app.py``).
+It does not choose tokens (``verify.py``) or format answers (``serve/replies.py``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ from concurrent.futures import Future
 
 from specdecode.batch.sequence import Request as EngineRequest, Sequence
 from specdecode.grammar import GrammarError
-from specdecode.serve.app import APIError, CompletionRequest, ServedModel
+from specdecode.serve.app import ServedModel
+from specdecode.serve.errors import APIError
+from specdecode.serve.requests import CompletionRequest
 from specdecode.serve.metrics import ServeMetrics
 
 

@@ -7,7 +7,7 @@ import asyncio
 import threading
 
 from specdecode.batch.sequence import Output
-from specdecode.serve.app import OutputRelay
+from specdecode.serve.relay import OutputRelay
 
 
 def _output(text: str, finish: str | None = None) -> Output:

@@ -11,7 +11,9 @@ import pytest
 from starlette.requests import Request
 
 from specdecode.batch.sequence import Request as EngineRequest, Sequence
-from specdecode.serve.app import APIError, CompletionRequest, ServedModel
+from specdecode.serve.app import ServedModel
+from specdecode.serve.errors import APIError
+from specdecode.serve.requests import CompletionRequest
 
 
 class _SilentLoop:
