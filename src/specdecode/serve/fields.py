@@ -7,7 +7,7 @@ any other unknown field is ignored too and logged once per name, since a client 
 newer than this server. Text fields holding a lone surrogate (``"\\udfff"``, valid
 JSON but not Unicode) are a 400 naming the field.
 
-It does not parse requests (``app.py``'s models do) nor check their values' ranges.
+It does not parse requests (``requests.py``'s models do) nor check their values' ranges.
 """
 
 from __future__ import annotations

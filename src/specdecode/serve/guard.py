@@ -6,7 +6,7 @@ with ``--metrics-public``) answers 401 unless the request carries ``Authorizatio
 and llama-server's ``--api-key`` do. A request body over ``--max-body-bytes`` is a 413, whether its length was
 declared or sent in chunks. Errors have OpenAI's body (``{"error": {"message", "type", "param", "code"}}``).
 
-It does not look at what a body says (``fields.py`` and ``app.py`` do) nor limit how many requests come.
+It does not look at what a body says (``fields.py`` and ``requests.py`` do) nor limit how many requests come.
 """
 
 from __future__ import annotations

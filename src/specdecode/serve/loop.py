@@ -6,7 +6,7 @@ through each request's callback, called on the loop thread. A step that raises f
 was serving (each gets an ``error`` output naming the exception) and the loop goes on serving; a command
 that raises is logged and the loop goes on too.
 
-It does not speak HTTP or format responses (``app.py``).
+It does not speak HTTP (``app.py``) or format responses (``replies.py``).
 """
 
 from __future__ import annotations
