@@ -40,7 +40,7 @@ from specdecode.target import TargetConfig
 # A sample's stage: the first of these whose marker is in one of its frames, looked for in this order.
 HTTP_STAGES = (
     ("chat template and tokenization", ("encode_chat", "encode_prompt", "apply_chat_template")),
-    ("response bodies (JSON, SSE)", ("sse (", "_Reply.", "JSONResponse", "render (", "dumps (")),
+    ("response bodies (JSON, SSE)", ("sse (", "Reply.", "JSONResponse", "render (", "dumps (")),
     ("request parsing and validation", ("solve_dependencies", "_validate", "Request.json", "Request.body",
                                         "validate_python", "request_body_to_args", "loads (")),
     ("HTTP protocol (uvicorn)", ("uvicorn/protocols", "h11", "httptools")),

@@ -463,7 +463,8 @@ class BatchEngine:
     def _one_hot(self, tokens: list[int]) -> torch.Tensor:
         """``[len(tokens), V]`` logits of rows whose grammar allows one token: 0 for it, -inf elsewhere (the masked
         row's log-probabilities: 0 for the token, no alternative)."""
-        logits = torch.full((len(tokens), self.target.config.vocab_size), float("-inf"), device=self.target.device)
+        logits = torch.full((len(tokens), self.target.config.vocab_size), float("-inf"), dtype=torch.float32,
+                            device=self.target.device)
         logits[range(len(tokens)), tokens] = 0.0
         return logits
 
