@@ -3,12 +3,12 @@
 Three ways to run the same packed model, each with bf16 weights and with a block format, on the real
 SmolLM2 (or ``--model``), interleaved call by call:
 
-- ``eager``: one torch op per step of each layer (``pack_weights(fuse=False)``), our kernels for the
+- ``eager``: one torch op per step of each layer (``pack_model(fuse=False)``), our kernels for the
   projections and attention;
 - ``compiled``: the same layers with their glue (norms, RoPE, residuals, SiLU) compiled by ``torch.compile``,
   our projection kernels registered as custom ops (``torch.library``) so that inductor can trace around
   them; attention and the cache write stay eager;
-- ``fused``: each layer one C++ call (``kernels/layer.h``), what ``pack_weights`` does by default.
+- ``fused``: each layer one C++ call (``kernels/layer.h``), what ``pack_model`` does by default.
 
 Each row times one forward of ``rows`` new tokens after a 200-token prompt (median of ``--repeats``), at
 ``--threads``. Prints a table, then one JSON line. It is not part of the test suite (timings).
@@ -28,11 +28,11 @@ import torch
 
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.block import Block
+from specdecode.models.build import from_hf_tensors, pack_model
 from specdecode.models.linear import SplitLinear
 from specdecode.models.loader import load_checkpoint
 from specdecode.models.native import cpu_model
 from specdecode.models.rows import LogitRows
-from specdecode.models.transformer import Transformer
 from specdecode.models.weights import FORMAT_CODES
 
 
@@ -99,8 +99,8 @@ def main() -> None:
     models = {}
     for weights in args.weights.split(","):
         for option in options:
-            m = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=torch.bfloat16)
-            m.pack_weights("auto", weights=weights, source=ckpt.weights, fuse=option == "fused")
+            m = from_hf_tensors(ckpt.config, ckpt.tensors, dtype=torch.bfloat16)
+            pack_model(m, "auto", weights=weights, source=ckpt.weights, fuse=option == "fused")
             if option == "compiled":
                 _compile_glue(m)
             cache = m.new_cache(CacheConfig(max_len=512))

@@ -27,6 +27,7 @@ import torch
 from specdecode.bench.prompts import default_prompts, select
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.backends import resolve_backend
 from specdecode.models.build import from_checkpoint
 from specdecode.models.loader import load_checkpoint
 from specdecode.models.native import cpu_model
@@ -100,10 +101,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint(args.model)
     formats = args.formats.split(",")
-    models = {"bf16": from_checkpoint(ckpt, torch.bfloat16, weights="bf16")}
+    backend = resolve_backend("auto", torch.bfloat16, torch.device("cpu"))
+    models = {"bf16": from_checkpoint(ckpt, torch.bfloat16, backend, weights="bf16")}
     for fmt in formats:
         if fmt not in models:
-            models[fmt] = from_checkpoint(ckpt, torch.bfloat16, weights=fmt)
+            models[fmt] = from_checkpoint(ckpt, torch.bfloat16, backend, weights=fmt)
     tokenizer = models["bf16"].tokenizer
     prompts = [render(x, tokenizer, chat=True) for x in select(default_prompts(), None, args.limit)]
     text = held_out_text(tokenizer, args.text_chunks, args.chunk_tokens)

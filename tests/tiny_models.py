@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.base import Draft, DrafterBase
+from specdecode.models.build import from_hf_tensors
 from specdecode.models.config import ModelConfig, expected_tensor_shapes, gemma3_fields
 from specdecode.models.transformer import Transformer
 
@@ -56,7 +57,7 @@ def random_hf_tensors(config: ModelConfig, seed: int = 0, scale: float = 0.08) -
 
 def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Transformer:
     config = tiny_config(arch, **overrides)
-    return Transformer.from_hf_tensors(config, random_hf_tensors(config, seed), dtype=dtype)
+    return from_hf_tensors(config, random_hf_tensors(config, seed), dtype=dtype)
 
 
 WORDS = ("the a cat dog sat on mat and ran to park big small red blue green one two three four five six "
@@ -104,12 +105,12 @@ def varied_model(seed: int = 0, keep_layers: list[int] | None = None, num_layers
     if keep_layers is not None and arch != "llama":
         raise ValueError("varied_model: keep_layers makes llama drafts only")
     if keep_layers is None:
-        return Transformer.from_hf_tensors(config, tensors, dtype=dtype)
+        return from_hf_tensors(config, tensors, dtype=dtype)
     kept = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
     for j, i in enumerate(keep_layers):
         prefix = f"model.layers.{i}."
         kept.update({f"model.layers.{j}." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
-    return Transformer.from_hf_tensors(tiny_config("llama", num_layers=len(keep_layers)), kept, dtype=dtype)
+    return from_hf_tensors(tiny_config("llama", num_layers=len(keep_layers)), kept, dtype=dtype)
 
 
 

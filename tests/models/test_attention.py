@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdecode.models.attention import batch_mask
+from specdecode.models.build import pack_model
 from kernel_paths import NATIVE_PATHS, path_params, require_path
 from tiny_models import varied_model
 
@@ -17,7 +18,7 @@ def _attention_on(path: str):
     """The row-invariant attention a model packed for ``path`` runs (``Block.attend``), as a function."""
     require_path(path)
     model = varied_model(0, dtype=torch.bfloat16)
-    model.pack_weights(path)
+    pack_model(model, path)
     block = model.layers[0]
     assert (block.attention_ops is not None) == (path in NATIVE_PATHS)  # our compiled attention on our backends
 

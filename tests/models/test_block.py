@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import pack_model
 from specdecode.models.rows import plan_rows
 from specdecode.tree import key_index
 from kernel_paths import NATIVE_PATHS, path_params
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _setup(path: str):
     model = varied_model(0, dtype=torch.bfloat16)
-    model.pack_weights(path, fuse=False)  # the blocks' own forwards, on the path's projections and attention
+    pack_model(model, path, fuse=False)  # the blocks' own forwards, on the path's projections and attention
     block = model.layers[0]
     x = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(1)).bfloat16()  # [1, T, hidden]
     return model, block, x

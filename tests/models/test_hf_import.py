@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.models.build import from_hf_tensors
 from specdecode.models.hf_import import head_part, hf_state_dict, projection_parts
-from specdecode.models.transformer import Transformer
 from tiny_models import random_hf_tensors, tiny_config
 
 
@@ -28,11 +28,11 @@ def test_missing_tensor_is_named():
     tensors = random_hf_tensors(config)
     del tensors["model.layers.2.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match=r"lacks 1 tensors.*model\.layers\.2\.mlp\.up_proj\.weight"):
-        Transformer.from_hf_tensors(config, tensors)
+        from_hf_tensors(config, tensors)
 
 
 def test_untied_model_needs_lm_head():
     config = tiny_config("llama", tie_word_embeddings=False)
     tensors = random_hf_tensors(tiny_config("llama", tie_word_embeddings=True))
     with pytest.raises(ValueError, match="lm_head.weight"):
-        Transformer.from_hf_tensors(config, tensors)
+        from_hf_tensors(config, tensors)

@@ -1,5 +1,5 @@
-"""Loading a GGUF without a float copy of the model: ``Transformer.packed_from`` builds, one projection at a
-time, the same model that reading every float first (``from_hf_tensors`` + ``pack_weights``) gives; K-quant
+"""Loading a GGUF without a float copy of the model: ``build.packed_from`` builds, one projection at a
+time, the same model that reading every float first (``from_hf_tensors`` + ``packing.pack``) gives; K-quant
 conversions in chunks give what one pass gives."""
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from tiny_gguf import VOCAB_SIZE, k_quant_blocks, random_tensors, tiny_config, w
 from specdecode.drafters import NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
+from specdecode.models import packing
 from specdecode.models.backends import resolve_backend
+from specdecode.models.build import from_hf_tensors, packed_from
 from specdecode.models.loader import load_checkpoint
 from specdecode.models.transformer import Transformer
-from specdecode.models.weights import convert, pack, quantize
+from specdecode.models.weights import convert, quantize
 
 QT = gguf.GGMLQuantizationType
 
@@ -55,9 +57,9 @@ def test_packed_from_builds_the_model_that_all_floats_give(tmp_path, arch, weigh
     backend = resolve_backend("auto", torch.bfloat16, torch.device("cpu"))
     if not backend.packs:
         pytest.skip(f"no packing backend on this CPU ({backend.name})")
-    lean = Transformer.packed_from(ckpt.config, ckpt.weights, torch.bfloat16, backend, weights)
-    full = Transformer.from_hf_tensors(ckpt.config, dict(ckpt.tensors), torch.bfloat16)
-    full.pack_weights(backend.name, weights=weights, source=ckpt.weights)
+    lean = packed_from(ckpt.config, ckpt.weights, torch.bfloat16, backend, weights)
+    full = from_hf_tensors(ckpt.config, dict(ckpt.tensors), torch.bfloat16)
+    packing.pack(full, backend, weights, ckpt.weights)
     assert lean.weight_format == full.weight_format
     assert not any(t.is_meta for t in [*lean.parameters(), *lean.buffers()])
     lean_state, full_state = lean.state_dict(), full.state_dict()
@@ -86,8 +88,8 @@ def test_parts_in_formats_of_their_own_keep_their_values_and_give_the_same_bits_
     bits of one thread on two (the q/k/v boundary falls inside the Q4_K part: 12 tiles of 148-byte records
     before 4 of 210 at 32 outputs a tile)."""
     ckpt = k_quant_model(tmp_path, "qwen2")
-    target = Transformer.packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
-                                     resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
+    target = packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
+                         resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
     wqkv = target.layers[1].wqkv
     want = torch.cat([ckpt.weights.tensors[f"model.layers.1.self_attn.{n}_proj.bias"] for n in "qkv"])
     assert torch.equal(torch.cat([part.bias for part in wqkv.parts]), want.float())
@@ -121,8 +123,8 @@ def k_quant_only_model(tmp_path, arch: str):
 @pytest.mark.parametrize("mixed", [False, True], ids=["one-format-each", "parts-in-formats-of-their-own"])
 def test_k_quants_as_stored_speculate_exactly_and_rows_are_invariant(tmp_path, path, arch, mixed):
     ckpt = (k_quant_model if mixed else k_quant_only_model)(tmp_path, arch)
-    target = Transformer.packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
-                                     resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
+    target = packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
+                         resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
     if mixed:  # every part as stored: Q4_K q and k beside Q6_K v, Q4_K gate beside Q4_1 up
         assert target.layers[0].wqkv.formats == ["q4_k", "q6_k"] and target.layers[0].w_gate_up.formats == ["q4_k", "q4_1"]
     else:
@@ -161,8 +163,8 @@ def test_q5_0_and_q5_1_as_stored_speculate_exactly(tmp_path, path):
                        f"{p}mlp.up_proj.weight": QT.Q5_0, f"{p}mlp.down_proj.weight": QT.Q5_1})
     tensors = {n: t * 0.05 if "norm" not in n else t for n, t in random_tensors(config).items()}
     ckpt = load_checkpoint(str(write_gguf(tmp_path / "q5.gguf", config, tensors, qtypes=qtypes)))
-    target = Transformer.packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
-                                     resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
+    target = packed_from(ckpt.config, ckpt.weights, torch.bfloat16,
+                         resolve_backend(path, torch.bfloat16, torch.device("cpu")), "auto")
     assert target.weight_format.startswith("q5_0+q5_1")
     assert target.layers[0].post_mlp_norm.dtype == target.norm.dtype == torch.float32  # read one tensor at a time too
     prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9], [90, 3, 17, 44, 2, 60]]
@@ -181,7 +183,7 @@ def test_conversion_in_chunks_equals_one_pass(qtype, fmt):
     for a, b in [(whole.codes, parts.codes), (whole.d, parts.d), (whole.m, parts.m)]:
         assert (a is None and b is None) or torch.equal(a, b)
     for tile in (16, 32):
-        assert torch.equal(pack(whole, tile, chunk=1 << 30), pack(whole, tile, chunk=tile * 512 * 2))
+        assert torch.equal(whole.pack(tile, chunk=1 << 30), whole.pack(tile, chunk=tile * 512 * 2))
 
 
 def test_a_q8_0_tensor_with_code_minus_128_is_requantized_whole():

@@ -16,6 +16,7 @@ from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafte
 from specdecode.drafters.draft_model import draft_vocabulary
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.models import native
+from specdecode.models.build import pack_model
 from specdecode.models.linear import Int8Linear, NativeLinear, PackedLinear, QuantLinear, SplitLinear, can_pack
 from specdecode.models.super_blocks import SUPER_FORMATS, SUPER_QTYPES, from_gguf
 from specdecode.models.weights import BLOCK_FORMATS, BlockWeight, convert, quantize
@@ -188,10 +189,10 @@ def test_greedy_speculation_is_exact_on_our_kernels(path, kind, weights):
     """``draft-vocab``: the draft model over half its ids and the request's (its head rows read from the packed
     tiles)."""
     target = varied_model(0, dtype=torch.bfloat16)
-    assert target.pack_weights(path, weights=weights).name == path and target.pack_weights().name == path  # idempotent
+    assert pack_model(target, path, weights=weights).name == path and pack_model(target).name == path  # idempotent
     assert target.weight_format == (weights if weights in ("bf16", "q8_0") else f"{weights}, head q8_0")
     draft = varied_model(0, keep_layers=[0, 1], dtype=torch.bfloat16)
-    draft.pack_weights(path, weights=weights)
+    pack_model(draft, path, weights=weights)
     drafter = {"ngram": lambda: NgramDrafter(max_ngram=3, min_ngram=1),
                "layerskip": lambda: LayerSkipDrafter(target, [1]), "draft": lambda: DraftModelDrafter(draft),
                "draft-vocab": lambda: DraftModelDrafter(draft, vocab=draft_vocabulary(draft, 48))}[kind]()
@@ -212,7 +213,7 @@ def test_greedy_speculation_is_exact_on_our_kernels(path, kind, weights):
 @pytest.mark.parametrize("path", OURS)
 def test_plain_decoding_on_our_kernels_runs_one_row_per_step(path):
     target = varied_model(0, dtype=torch.bfloat16)
-    target.pack_weights(path)
+    pack_model(target, path)
     rows: list[int] = []
     forward_rows = target.forward_rows
 

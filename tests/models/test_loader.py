@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from tiny_gguf import llama_cpp_permute, random_tensors, tiny_config, tokenizer_metadata, write_gguf
 
 from specdecode.models import loader
+from specdecode.models.build import from_hf_tensors
 from specdecode.models.config import ModelConfig
 from specdecode.models.loader import Checkpoint, GGUFError, LoadError, load_checkpoint, read_gguf, unpermute_rotary
 from specdecode.models.registry import UnknownModelError
@@ -364,9 +365,8 @@ def test_llama3_rope_factors_in_a_gguf_scale_rope_as_transformers_llama3_does(tm
     ckpt = load_checkpoint(str(path))
     assert ckpt.config.rope_scaling["rope_type"] == "freq_factors" and "rope_freqs.weight" not in ckpt.tensors
     from specdecode.kv.cache import CacheConfig
-    from specdecode.models.transformer import Transformer
 
-    ours = Transformer.from_hf_tensors(ckpt.config, dict(ckpt.tensors))
+    ours = from_hf_tensors(ckpt.config, dict(ckpt.tensors))
     hf_config = dataclasses.replace(config, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config.to_hf())).eval()
@@ -376,5 +376,5 @@ def test_llama3_rope_factors_in_a_gguf_scale_rope_as_transformers_llama3_does(tm
         want = hf(ids).logits.float()
     got = ours(ids, ours.new_cache(CacheConfig(max_len=80))).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-    plain = Transformer.from_hf_tensors(config, tensors)  # without the factors: measurably other logits
+    plain = from_hf_tensors(config, tensors)  # without the factors: measurably other logits
     assert (plain(ids, plain.new_cache(CacheConfig(max_len=80))).logits - want).abs().max() > 1e-2

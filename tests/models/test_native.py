@@ -96,13 +96,13 @@ def test_each_builds_tiles_are_what_the_packing_lays_out(name):
     from gguf.constants import GGMLQuantizationType as QT
     from gguf.quants import quantize as gguf_quantize
 
-    from specdecode.models.weights import FORMAT_CODES, BLOCK_FORMATS, from_gguf, pack, quantize
+    from specdecode.models.weights import FORMAT_CODES, BLOCK_FORMATS, from_gguf, quantize
 
     ops, b = native.kernel(name), native.BUILDS[name]
     assert ops.tile_outputs() == b.tile and ops.quant_tile_outputs() == b.quant_tile
     for fmt in BLOCK_FORMATS:
-        assert pack(quantize(torch.randn(3, 64), fmt), b.quant_tile).shape[-1] == ops.quant_record_bytes(FORMAT_CODES[fmt])
+        assert quantize(torch.randn(3, 64), fmt).pack(b.quant_tile).shape[-1] == ops.quant_record_bytes(FORMAT_CODES[fmt])
     for qtype in (QT.Q5_0, QT.Q5_1):  # formats read as stored only
         stored = from_gguf(gguf_quantize(np.random.default_rng(0).normal(size=(3, 64)).astype(np.float32), qtype),
                            qtype, (3, 64))
-        assert pack(stored, b.quant_tile).shape[-1] == ops.quant_record_bytes(FORMAT_CODES[stored.fmt]), qtype
+        assert stored.pack(b.quant_tile).shape[-1] == ops.quant_record_bytes(FORMAT_CODES[stored.fmt]), qtype

@@ -12,7 +12,7 @@ import torch
 from tiny_gguf import random_tensors, tiny_config, write_gguf
 
 from specdecode.kv.cache import CacheConfig
-from specdecode.models import packed_cache
+from specdecode.models import build, packed_cache
 from specdecode.models.build import load_model
 from specdecode.models.linear import SplitLinear
 from specdecode.models.transformer import Transformer
@@ -50,7 +50,7 @@ def load(path: Path, **kwargs):
 def refuse_packing(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("packed again although a packed model was cached")
-    monkeypatch.setattr(Transformer, "packed_from", fail)
+    monkeypatch.setattr(build, "packed_from", fail)
 
 
 def test_second_load_reads_the_packed_model_back(gguf_file, monkeypatch):

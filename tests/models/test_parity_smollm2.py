@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import from_hf_tensors
 from specdecode.models.loader import load_checkpoint
-from specdecode.models.transformer import Transformer
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +18,7 @@ ATOL = 2e-3
 def test_logits_match_transformers(smollm2_path):
     transformers = pytest.importorskip("transformers")
     ckpt = load_checkpoint(str(smollm2_path))
-    ours = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=torch.float32)
+    ours = from_hf_tensors(ckpt.config, ckpt.tensors, dtype=torch.float32)
     hf_config = transformers.LlamaConfig(**{k: v for k, v in ckpt.config.to_hf().items()
                                             if k not in ("model_type", "architectures")})
     hf = transformers.LlamaForCausalLM(hf_config).eval()

@@ -8,6 +8,7 @@ import torch
 
 from specdecode.kv.cache import CacheConfig
 from specdecode.kv.memory import KVMemory
+from specdecode.models.build import from_hf_tensors
 from specdecode.models.prefill import prefill
 from specdecode.kv.prefix import PrefixCache
 from tiny_models import random_hf_tensors, tiny_config
@@ -32,7 +33,7 @@ SECOND = SHARED + [8, 8, 8, 8, 40, 41, 42, 43, 44, 45, 46, 47, 48]  # 34 tokens:
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     config = tiny_config("llama")
-    return Transformer.from_hf_tensors(config, random_hf_tensors(config, 0, scale=0.2))
+    return from_hf_tensors(config, random_hf_tensors(config, 0, scale=0.2))
 
 
 def _continue(model, cache, last: int, steps: int = 12) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from tiny_gguf import k_quant_blocks
 
 from specdecode.models.super_blocks import SUPER_FORMATS, SUPER_QTYPES, SuperBlockWeight, from_gguf
-from specdecode.models.weights import choose_formats, concat, convert, pack, unpack
+from specdecode.models.weights import choose_formats, concat, convert, unpack
 
 
 def _stored(fmt: str, n: int = 5, k: int = 512, seed: int = 0) -> tuple[np.ndarray, SuperBlockWeight]:
@@ -34,7 +34,7 @@ def test_stored_blocks_dequantize_bitwise_as_the_gguf_package(fmt):
 @pytest.mark.parametrize("tile,n", [(16, 16), (16, 37), (32, 5), (32, 70)])
 def test_pack_and_unpack_round_trip_with_padded_outputs(fmt, tile, n):
     _, w = _stored(fmt, n, 512, seed=n)
-    packed = pack(w, tile, chunk=3 * tile * 512)  # several chunks
+    packed = w.pack(tile, chunk=3 * tile * 512)  # several chunks
     assert packed.shape == (-(-n // tile), 2, {"q4_k": 148, "q5_k": 180, "q6_k": 210}[fmt] * tile)
     back = unpack(packed, fmt, n, 512, tile)
     for name in ("codes", "scales", "mins", "d", "dmin"):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import from_hf_tensors, pack_model
 from specdecode.models.config import ModelConfig
 from specdecode.models import native
 from specdecode.models.rope import rope_inv_freq
@@ -93,8 +94,8 @@ def test_logits_match_transformers(arch, overrides):
     config = tiny_config(arch, **overrides)
     tensors = random_hf_tensors(config, seed=3)
     # HF stores Gemma's norms as w in x * (1 + w); ours take the factor (as GGUF files and load_hf_dir give it)
-    ours = Transformer.from_hf_tensors(config, {n: t + config.norm_offset if n.endswith("norm.weight") else t
-                                                for n, t in tensors.items()})
+    ours = from_hf_tensors(config, {n: t + config.norm_offset if n.endswith("norm.weight") else t
+                                    for n, t in tensors.items()})
     hf = _hf_model(config, tensors)
     ids = _ids(40)
     got, want = _ours_full(ours, ids), _hf_logits(hf, ids)
@@ -110,13 +111,13 @@ def test_rope_scaling_matches_transformers(arch, scaling):
     # inside the 16-wide head, and 80 positions reach past the original context.
     config = tiny_config(arch, rope_theta=500.0, rope_scaling=dict(scaling))
     tensors = random_hf_tensors(config, seed=5)
-    ours = Transformer.from_hf_tensors(config, tensors)
+    ours = from_hf_tensors(config, tensors)
     hf = _hf_model(config, tensors)
     ids = _ids(80, seed=2)
     want = _hf_logits(hf, ids)
     torch.testing.assert_close(_ours_full(ours, ids), want, atol=PARITY_ATOL, rtol=0)
     # The scaling matters at this size: ignoring it would fail the comparison above.
-    unscaled = Transformer.from_hf_tensors(tiny_config(arch, rope_theta=500.0), tensors)
+    unscaled = from_hf_tensors(tiny_config(arch, rope_theta=500.0), tensors)
     assert (_ours_full(unscaled, ids) - want).abs().max() > 100 * PARITY_ATOL
 
 
@@ -191,14 +192,14 @@ def test_positions_matter(model):
 def test_layer_subset_equals_model_built_from_those_layers():
     config = tiny_config("qwen2")
     tensors = random_hf_tensors(config, seed=4)
-    full = Transformer.from_hf_tensors(config, tensors)
+    full = from_hf_tensors(config, tensors)
     keep = [0, 2]
     sub_tensors = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
     for j, i in enumerate(keep):
         prefix = f"model.layers.{i}."
         sub_tensors.update({f"model.layers.{j}." + k[len(prefix):]: v for k, v in tensors.items()
                             if k.startswith(prefix)})
-    small = Transformer.from_hf_tensors(tiny_config("qwen2", num_layers=len(keep)), sub_tensors)
+    small = from_hf_tensors(tiny_config("qwen2", num_layers=len(keep)), sub_tensors)
 
     ids = _ids(15, seed=12)
     cache = full.new_cache(CacheConfig(max_len=15))
@@ -283,7 +284,7 @@ def test_mistral_sliding_window_matches_transformers():
 
     config = tiny_config("mistral", sliding_window=6, tie_word_embeddings=False, attention_bias=False)
     tensors = random_hf_tensors(config, seed=5, scale=0.2)
-    ours = Transformer.from_hf_tensors(config, tensors)
+    ours = from_hf_tensors(config, tensors)
     hf_cfg = {k: v for k, v in config.to_hf().items() if k not in ("model_type", "architectures")}
     hf = MistralForCausalLM(MistralConfig(**hf_cfg, attn_implementation="eager")).eval()
     hf.load_state_dict(tensors, strict=False)
@@ -297,7 +298,7 @@ def test_mistral_sliding_window_matches_transformers():
         tail = ours(ids[:, 16:], cache, invariant_rows=True).logits[0]
     torch.testing.assert_close(full, reference, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.cat([head, *steps, tail]), reference, atol=1e-4, rtol=0)
-    unwindowed = Transformer.from_hf_tensors(tiny_config("mistral", tie_word_embeddings=False), tensors)
+    unwindowed = from_hf_tensors(tiny_config("mistral", tie_word_embeddings=False), tensors)
     assert not torch.allclose(unwindowed(ids, unwindowed.new_cache(CacheConfig(max_len=32))).logits[0], reference,
                               atol=1e-3)
 
@@ -308,8 +309,8 @@ def test_verification_forward_equals_decode_steps_on_every_path(path):
     require_path(path)
     for overrides in ({}, {"sliding_window": 12}):
         config = tiny_config("mistral" if overrides else "llama", tie_word_embeddings=False, **overrides)
-        model = Transformer.from_hf_tensors(config, random_hf_tensors(config, seed=4, scale=0.2), dtype=torch.bfloat16)
-        assert model.pack_weights(path).name == path
+        model = from_hf_tensors(config, random_hf_tensors(config, seed=4, scale=0.2), dtype=torch.bfloat16)
+        assert pack_model(model, path).name == path
         ours = native.kernel(path) if path in NATIVE_PATHS else None
         assert all(block.attention_ops is ours for block in model.layers)  # our attention kernel on our paths
         assert model.runner.fused == (path in NATIVE_PATHS)  # and on ours, one call per layer
@@ -329,8 +330,8 @@ def test_ragged_rows_of_several_sequences_equal_each_sequence_alone(path):
     logits, features and cache entries of each sequence's rows run alone (a batch's verification step)."""
     require_path(path)
     config = tiny_config("llama", tie_word_embeddings=False)
-    model = Transformer.from_hf_tensors(config, random_hf_tensors(config, seed=4, scale=0.2), dtype=torch.bfloat16)
-    model.pack_weights(path)
+    model = from_hf_tensors(config, random_hf_tensors(config, seed=4, scale=0.2), dtype=torch.bfloat16)
+    pack_model(model, path)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (5, 17, 9)]
     rows = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (1, 4, 2)]
@@ -383,7 +384,7 @@ def test_gemmas_norm_weights_stay_fp32_in_a_bf16_model():
         config = tiny_config(arch)
         tensors = random_hf_tensors(config, seed=1)
         tensors["model.layers.0.input_layernorm.weight"][0] = 1.01  # 1.0078125 in bf16
-        model = Transformer.from_hf_tensors(config, tensors, dtype=torch.bfloat16)
+        model = from_hf_tensors(config, tensors, dtype=torch.bfloat16)
         norms = [p for n, p in model.named_parameters() if n.endswith("norm")]
         assert norms and all(p.dtype == norm_dtype for p in norms), arch
         assert model.embed.weight.dtype == torch.bfloat16 and model.layers[0].wqkv.weight.dtype == torch.bfloat16

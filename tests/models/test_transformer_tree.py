@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import from_hf_tensors, pack_model
 from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.tree import children, path_to
@@ -20,8 +21,8 @@ CACHES = [dict(), dict(kv_dtype="int8", group_size=4, residual=4), dict(kv_dtype
 
 def _model(path: str, **overrides) -> Transformer:
     config = tiny_config("mistral" if overrides else "llama", tie_word_embeddings=False, **overrides)
-    model = Transformer.from_hf_tensors(config, random_hf_tensors(config, seed=4, scale=0.2), dtype=torch.bfloat16)
-    model.pack_weights(path)
+    model = from_hf_tensors(config, random_hf_tensors(config, seed=4, scale=0.2), dtype=torch.bfloat16)
+    pack_model(model, path)
     return model
 
 

@@ -9,7 +9,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from specdecode.models.weights import (BLOCK_FORMATS, BlockWeight, choose_formats, concat, convert, from_gguf, pack,
+from specdecode.models.weights import (BLOCK_FORMATS, BlockWeight, choose_formats, concat, convert, from_gguf,
                                        quantize, unpack)
 
 QTYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1}
@@ -85,7 +85,7 @@ def test_pack_and_unpack_round_trip(fmt, tile):
     else:  # stored only: llama.cpp's blocks of a 128-wide weight, read as 100 inputs
         blocks = from_gguf(gguf_quantize(_weight(45, 128).numpy(), QTYPES[fmt]), QTYPES[fmt], (45, 128))
         blocks = BlockWeight(fmt, blocks.codes, blocks.d, blocks.m, 100)
-    packed = pack(blocks, tile)
+    packed = blocks.pack(tile)
     code = {"q8_0": 32, "q5_0": 20, "q5_1": 20}.get(fmt, 16)  # q5: nibbles, then 4 bytes of fifth bits per output
     record = tile * code + 2 * tile * (2 if fmt in ("q4_1", "q5_1") else 1)
     assert packed.shape == (-(-45 // tile), 4, record) and packed.dtype == torch.uint8
@@ -98,7 +98,7 @@ def test_pack_lays_out_what_the_kernel_reads():
     """q4 records: vector (pair p, lane n) holds inputs 4p..4p+3 in its low nibbles and 16+4p.. in its high ones."""
     codes = torch.randint(0, 16, (16, 32), dtype=torch.uint8)
     blocks = BlockWeight("q4_0", codes, torch.ones(16, 1, dtype=torch.float16), None, 32)
-    record = pack(blocks, 16)[0, 0]
+    record = blocks.pack(16)[0, 0]
     lane, p, j = 5, 2, 3
     byte = record[(p * 16 + lane) * 4 + j]
     assert byte & 0x0F == codes[lane, 4 * p + j] and byte >> 4 == codes[lane, 16 + 4 * p + j]

@@ -1,22 +1,25 @@
-"""From a model source (registry name, .gguf path, HF folder, hub id) to a ready model and tokenizer.
+"""From a model source (registry name, .gguf path, HF folder, hub id) to a ready model and tokenizer: the
+one load path, which resolves the backend once (``resolve_backend``) and hands that ``Backend`` down.
 
 Glue only: parsing and dequantizing live in ``loader.py``, the network in ``fetch.py``, the maths in
-``transformer.py``, the choice of backend in ``backends/``.
+``transformer.py``, the backends in ``backends/``, how projections are packed in ``packing.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
+from specdecode.models.config import ModelConfig
+from specdecode.models.hf_import import hf_state_dict, unpacked_state
 from specdecode.models.loader import Checkpoint, load_checkpoint
-from specdecode.models import native, packed_cache
+from specdecode.models import native, packed_cache, packing
 from specdecode.models.tokenizer import Tokenizer
-from specdecode.models.backends import Backend, resolve_backend
+from specdecode.models.backends import AUTO, INT8, Backend, resolve_backend
 from specdecode.models.transformer import Transformer
-from specdecode.models.weights import BLOCK_FORMATS, WEIGHT_FORMATS
+from specdecode.models.weights import BLOCK_FORMATS, WEIGHT_FORMATS, WeightSource
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DRAFT_QUANT = ("none", "int8")  # weight-only quantization offered for draft models
@@ -129,50 +132,115 @@ def load_model(source: str, dtype: str = "auto", device: str = "cpu",
         dtype: "auto", "bfloat16", "float32" or "float16".
         device: "cpu", "cuda", "cuda:N" or "auto" (see ``resolve_device``).
         progress: called with one-line status messages (fetching, loading).
-        linear: kernel for the projections, see ``Transformer.pack_weights`` ("auto" picks the fastest).
+        linear: kernel for the projections, a ``--linear`` name (``backends.LINEAR_CHOICES``; "auto" picks the
+            fastest, see ``resolve_backend``).
         quantize: "int8" for int8 weight-only projections (draft models; different numbers), or "none".
-        weights: the projections' format (``Transformer.pack_weights``): "auto" (a GGUF's own formats on our
-            kernels, else bf16), "blocks" (as auto, K-quants in 32-weight blocks), "bf16", "q8_0", "q4_0" or "q4_1".
+        weights: the projections' format (``packing.pack``): "auto" (a GGUF's own formats on our kernels, else
+            bf16), "blocks" (as auto, K-quants in 32-weight blocks), "bf16", "q8_0", "q4_0" or "q4_1".
     """
     device = resolve_device(device)  # a missing GPU is refused before any weights are read
     torch_dtype = resolve_dtype(dtype, device)
     if quantize not in DRAFT_QUANT:
         raise ValueError(f"quantize {quantize!r} is not one of {', '.join(DRAFT_QUANT)}")
+    backend = INT8  # int8 weight-only copies: ``linear`` and ``weights`` do not apply
     if quantize == "none":  # a kernel or format that cannot run is refused before any weights are read
         backend = resolve_backend(linear, torch_dtype, torch.device(device), progress)
         check_weights(weights, backend)
-        linear = backend.name
-    return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, device, linear=linear,
-                           quantize=quantize, progress=progress, weights=weights)
+    return from_checkpoint(load_checkpoint(source, progress=progress), torch_dtype, backend, device,
+                           progress=progress, weights=weights)
 
 
-def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu", linear: str = "auto",
-                    quantize: str = "none", progress: Callable[[str], None] | None = None,
-                    weights: str = "auto") -> LoadedModel:
+def from_checkpoint(ckpt: Checkpoint, dtype: torch.dtype, backend: Backend, device: str = "cpu",
+                    progress: Callable[[str], None] | None = None, weights: str = "auto") -> LoadedModel:
     """Builds our decoder from loaded weights (the checkpoint's tensors stay usable, e.g. for a peer). On a
-    backend that packs projections they are read and packed one at a time (``Transformer.packed_from``).
+    backend that packs projections they are read and packed one at a time (``packed_from``).
 
     Args:
         ckpt: the loaded checkpoint.
         dtype: parameter dtype.
+        backend: where the projections run (``resolve_backend``'s, or ``backends.INT8``: int8 weight-only
+            copies of the projections, and ``weights`` is ignored).
         device: torch device string.
-        linear: kernel for the projections (see ``Transformer.pack_weights``).
-        quantize: "int8" replaces the projections with int8 weight-only ones (then ``linear`` and
-            ``weights`` are ignored).
-        progress: told about a first compile of one of our kernels, and about quantizing.
+        progress: told about a first compile of one of our kernels, and about packing.
         weights: the projections' format (see ``load_model``).
     """
-    if quantize != "int8":
-        backend = resolve_backend(linear, dtype, torch.device(device), progress)
-        if backend.packs:
-            return LoadedModel(_packed(ckpt, dtype, backend, weights, progress or (lambda _m: None)), ckpt.tokenizer,
-                               ckpt.source)
-    model = Transformer.from_hf_tensors(ckpt.config, ckpt.tensors, dtype=dtype).to(device)
-    if quantize == "int8":
-        model.quantize_weights()
-    else:
-        model.pack_weights(linear, log=progress, weights=weights, source=ckpt.weights)
+    if backend is INT8:  # quantized from the model's own weights, as a draft model always was
+        model = from_hf_tensors(ckpt.config, ckpt.tensors, dtype).to(device)
+        packing.pack(model, INT8)
+    elif backend.packs:
+        model = _packed(ckpt, dtype, backend, weights, progress or (lambda _m: None))
+    else:  # torch: the projections stay the model's own; packing only checks the format
+        model = from_hf_tensors(ckpt.config, ckpt.tensors, dtype).to(device)
+        packing.pack(model, backend, weights, ckpt.weights, progress)
     return LoadedModel(model, ckpt.tokenizer, ckpt.source)
+
+
+def from_hf_tensors(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
+                    dtype: torch.dtype = torch.float32) -> Transformer:
+    """The model built from HF-named weights (``hf_import.py``), q/k/v and gate/up fused, its projections
+    unpacked (``packing.pack`` or ``pack_model`` move it onto a backend).
+
+    Args:
+        config: the architecture.
+        tensors: weights named as in HF checkpoints (``model.layers.0.self_attn.q_proj.weight`` ...).
+        dtype: parameter dtype.
+    """
+    state = hf_state_dict(config, tensors, dtype)
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def packed_from(config: ModelConfig, source: WeightSource, dtype: torch.dtype, backend: Backend,
+                weights: str = AUTO, log: Callable[[str], None] | None = None) -> Transformer:
+    """The model with its projections packed for ``backend`` (one that ``packs``), reading the checkpoint one
+    projection at a time: no float copy of the whole model is ever held, as ``from_hf_tensors`` followed by
+    ``packing.pack`` would.
+
+    Args:
+        config: the architecture.
+        source: the checkpoint's weights (``Checkpoint.weights``).
+        dtype: the model dtype (the embedding table, norms but Gemma's, and bf16 projections).
+        backend: a packing backend.
+        weights: one of WEIGHT_FORMATS, as for ``packing.pack``.
+        log: told how far packing has come.
+    """
+    if not backend.packs:
+        raise ValueError(f"{backend.name} does not pack projections; build the model with from_hf_tensors")
+    with torch.device("meta"):
+        model = Transformer(config)
+    state = unpacked_state(config, source.float, dtype)
+    model.load_state_dict(state, strict=False, assign=True)  # projections stay on meta until packed
+    model.eval().requires_grad_(False)
+    packing.pack(model, backend, weights, source, log)
+    return model
+
+
+def pack_model(model: Transformer, linear: str = AUTO, weights: str = AUTO, source: WeightSource | None = None,
+               log: Callable[[str], None] | None = None, fuse: bool = True) -> Backend:
+    """Moves a built model onto the backend a ``--linear`` name resolves to (once, here), as ``packing.pack``
+    does; asked again for its own backend and weights (or "auto") it changes nothing.
+
+    Args:
+        model: a model from ``from_hf_tensors`` (or one packed already).
+        linear: a ``--linear`` name (``backends.LINEAR_CHOICES``; "auto": see ``resolve_backend``).
+        weights, source, fuse: as for ``packing.pack``.
+        log: told about a first compile of one of our kernels.
+
+    Returns:
+        The backend the projections now run on.
+
+    Raises:
+        ValueError: an unknown kernel or format, one that cannot run this model here (the reason is named), or
+            another backend or format than a packed model's own.
+    """
+    if model.head_layer is not None:
+        packing.check_repack(model, linear, weights)
+        return model.backend
+    backend = resolve_backend(linear, model.dtype, model.device, log)
+    packing.pack(model, backend, weights, source, log, fuse)
+    return backend
 
 
 def _packed(ckpt: Checkpoint, dtype: torch.dtype, backend: Backend, weights: str,
@@ -180,12 +248,12 @@ def _packed(ckpt: Checkpoint, dtype: torch.dtype, backend: Backend, weights: str
     """The checkpoint packed for ``backend``: read back from ``packed_cache`` where a GGUF file was packed so
     before, else packed one projection at a time (and saved for the next start)."""
     if ckpt.file is None or not packed_cache.serves(backend):
-        return Transformer.packed_from(ckpt.config, ckpt.weights, dtype, backend, weights, say)
+        return packed_from(ckpt.config, ckpt.weights, dtype, backend, weights, say)
     key = packed_cache.EntryKey.of(ckpt.file, weights, backend, dtype)
     model = packed_cache.load(key, ckpt.config, backend, say)
     if model is None:
         say(f"packing {ckpt.file.name} for {backend.name} (first start with these settings; the packed model is "
             f"kept in {packed_cache.folder()})")
-        model = Transformer.packed_from(ckpt.config, ckpt.weights, dtype, backend, weights, say)
+        model = packed_from(ckpt.config, ckpt.weights, dtype, backend, weights, say)
         packed_cache.save(key, model, say)
     return model

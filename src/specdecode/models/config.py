@@ -54,7 +54,7 @@ class ModelConfig:
         query_scale: attention's score scale (Gemma 3: ``query_pre_attn_scalar ** -0.5``); None: head_dim ** -0.5.
         norm_offset: HF checkpoints store RMSNorm weights minus this (Gemma's ``x * (1 + w)``); ``load_hf_dir``
             adds it, so a checkpoint's norm weights are the factors themselves (as GGUF files store them) by the
-            time ``Transformer.from_hf_tensors`` or ``packed_from`` reads them.
+            time ``build.from_hf_tensors`` or ``build.packed_from`` reads them.
     """
 
     arch: str

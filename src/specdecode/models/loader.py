@@ -59,7 +59,7 @@ class Checkpoint:
 
     @property
     def weights(self) -> WeightSource:
-        """What ``Transformer.pack_weights`` reads: the float tensors, and the stored blocks where there are some."""
+        """What ``packing.pack`` reads: the float tensors, and the stored blocks where there are some."""
         return self.stored or WeightSource(self.tensors)
 
 
@@ -137,21 +137,7 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
     rotary = int(key("rope.dimension_count", head_dim))
     if rotary != head_dim:
         raise LoadError(f"{path}: partial rotary embeddings ({rotary} of {head_dim} dims) are not supported")
-    rope_scaling = None
-    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type != "none":
-        rope_scaling = {"rope_type": scaling_type, "factor": _f32(key("rope.scaling.factor"))}
-        if f"{arch}.rope.scaling.original_context_length" in meta:
-            rope_scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
-    if ROPE_FACTORS in gguf.tensors:  # Llama 3.x: llama.cpp stores the scaled frequencies' divisors as a tensor
-        if rope_scaling is not None:
-            raise LoadError(f"{path}: {ROPE_FACTORS} together with rope scaling {scaling_type!r} is not supported")
-        factors = gguf.tensors[ROPE_FACTORS]
-        if factors.shape != (head_dim // 2,):
-            raise LoadError(f"{path}: {ROPE_FACTORS} has shape {factors.shape}, expected ({head_dim // 2},)")
-        with open(path, "rb") as f:
-            values = dequantized(read_gguf_raw(f, factors), factors.qtype, factors.shape)
-        rope_scaling = {"rope_type": "freq_factors", "factors": [float(v) for v in values]}
+    rope_scaling = _gguf_rope_scaling(gguf, arch, key, head_dim)
     embd = gguf.tensors.get("token_embd.weight")
     if embd is None:
         raise LoadError(f"{path}: GGUF file has no token_embd.weight tensor")
@@ -175,6 +161,28 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         sliding_window=int(window) if window else None,  # 0: no window
         **gemma,
     )
+
+
+def _gguf_rope_scaling(gguf: GGUFFile, arch: str, key: Callable[..., Any], head_dim: int) -> dict[str, Any] | None:
+    """The ``rope_scaling`` of a GGUF file: its ``{arch}.rope.scaling.*`` keys, or Llama 3.x's frequency factors
+    tensor, or None (``key`` reads a required ``{arch}.*`` key)."""
+    meta, path = gguf.metadata, gguf.path
+    rope_scaling = None
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type != "none":
+        rope_scaling = {"rope_type": scaling_type, "factor": _f32(key("rope.scaling.factor"))}
+        if f"{arch}.rope.scaling.original_context_length" in meta:
+            rope_scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
+    if ROPE_FACTORS in gguf.tensors:  # Llama 3.x: llama.cpp stores the scaled frequencies' divisors as a tensor
+        if rope_scaling is not None:
+            raise LoadError(f"{path}: {ROPE_FACTORS} together with rope scaling {scaling_type!r} is not supported")
+        factors = gguf.tensors[ROPE_FACTORS]
+        if factors.shape != (head_dim // 2,):
+            raise LoadError(f"{path}: {ROPE_FACTORS} has shape {factors.shape}, expected ({head_dim // 2},)")
+        with open(path, "rb") as f:
+            values = dequantized(read_gguf_raw(f, factors), factors.qtype, factors.shape)
+        rope_scaling = {"rope_type": "freq_factors", "factors": [float(v) for v in values]}
+    return rope_scaling
 
 
 def _gemma3_gguf_fields(layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:

@@ -12,7 +12,7 @@ used; the caller builds the model again and rewrites it. After a write the least
 removed while the cache holds more than ``SPECDECODE_PACKED_CACHE_GB`` (default 16) GiB;
 ``SPECDECODE_PACKED_CACHE=0`` turns the cache off.
 
-It does not decide what is packed or how (``packing.py``, ``Transformer.packed_from``); it only saves a packed
+It does not decide what is packed or how (``packing.py``, ``build.packed_from``); it only saves a packed
 model and rebuilds one from its saved tensors.
 """
 
@@ -37,7 +37,7 @@ from specdecode.models.backends import Backend
 from specdecode.models.config import ModelConfig
 from specdecode.models.fetch import cache_dir
 from specdecode.models.linear import NativeLinear, QuantLinear, SplitLinear
-from specdecode.models.packing import PROJECTIONS
+from specdecode.models.packing import PROJECTIONS, adopt
 from specdecode.models.transformer import Transformer
 
 LAYOUT = 2  # bumped whenever what is saved, or how a layer is rebuilt from it, changes
@@ -221,7 +221,8 @@ def _rebuild(config: ModelConfig, backend: Backend, weights: str, state: dict[st
     model.lm_head = None
     model.load_state_dict(state, strict=True, assign=True)
     model.eval().requires_grad_(False)
-    return model.adopt_packed(backend, weights)
+    adopt(model, backend, weights)
+    return model
 
 
 def _paths(key: EntryKey) -> tuple[Path, Path]:

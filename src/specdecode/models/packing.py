@@ -3,10 +3,11 @@ backend's packed copy, in bf16, a block format (q8_0, q4_0, q4_1; q5_0, q5_1 as 
 (q4_k, q5_k, q6_k), chosen per part of a projection (``weights.choose_formats``: parts stored in different
 formats, such as q and k beside v, each keep theirs in a ``SplitLinear``), read from a GGUF's stored blocks
 where they already are in that format, else quantized from the float weights. Also int8 weight-only
-quantization (draft models) and the description of a model's weight formats.
+quantization (draft models: ``pack`` on ``backends.INT8``) and the description of a model's weight formats.
 
-A tied output head keeps the embedding table for lookups and gains a packed copy. This module does not choose
-the backend (``backends/resolve_backend``) and does not run anything.
+A tied output head keeps the embedding table for lookups and gains a packed copy. This module takes a resolved
+``Backend``: it does not choose one (``build.pack_model`` and ``build.load_model`` resolve a ``--linear`` name,
+once), does not build the model (``build.py``) and does not run anything.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch
 from torch import nn
 
 from specdecode.models.backends import AUTO, Backend
+from specdecode.models.backends.base import block_formats_refused
 from specdecode.models.hf_import import head_part, projection_parts
-from specdecode.models.linear import Int8Linear, NativeLinear, QuantLinear, SplitLinear
-from specdecode.models.weights import WeightSource, choose_formats, concat, quantize
+from specdecode.models.linear import QuantLinear, SplitLinear
+from specdecode.models.weights import BLOCK_FORMATS, WEIGHT_FORMATS, WeightSource, choose_formats, concat, quantize
 
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -47,6 +49,46 @@ def check_repack(model, kernel: str, weights: str) -> None:
                          f"cannot repack them as {weights}")
     if kernel not in (AUTO, current):
         raise ValueError(f"the projections already run on {current}; cannot switch to {kernel}")
+
+
+def pack(model, backend: Backend, weights: str = AUTO, source: WeightSource | None = None,
+         log: Callable[[str], None] | None = None, fuse: bool = True) -> None:
+    """Moves an unpacked ``model`` onto ``backend``: every projection swapped for its packed copy, bf16 or a block
+    format, and the layers readied to run there. On a backend that packs nothing (torch) only the format is
+    checked: the model stays movable and can be packed later.
+
+    Args:
+        model: a ``Transformer`` whose projections are its own ``nn.Linear`` layers (or unfilled, with ``source``).
+        backend: where the projections will run (``backends.INT8``: int8 weight-only copies).
+        weights: one of WEIGHT_FORMATS: "bf16", a block format for every projection (the output head at least
+            q8_0, see ``weights.choose_formats``), "auto": as ``source`` stores them where the backend computes
+            block formats (the GGUF's own blocks, K-quants included), else bf16, or "blocks": as "auto" with the
+            K-quants in 32-weight block formats.
+        source: the checkpoint's float weights and stored formats (``Checkpoint.weights``); without it, block
+            formats are quantized from the model's own weights.
+        log: told how far packing has come (see ``pack_projections``).
+        fuse: run each layer as one kernel call where the backend can (False keeps one torch op per step, to
+            measure the difference).
+
+    Raises:
+        ValueError: an unknown format, one the backend cannot compute, or a model already packed.
+    """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    if model.head_layer is not None:
+        raise ValueError(f"the projections are already packed or quantized (on {model.backend.name})")
+    if weights in BLOCK_FORMATS and not backend.block_formats:
+        raise block_formats_refused(weights, backend)
+    if backend.packs:
+        pack_projections(model, backend, weights if backend.block_formats else "bf16", source, log)
+        adopt(model, backend, weights, fuse)
+
+
+def adopt(model, backend: Backend, weights: str, fuse: bool = True) -> None:
+    """Readies ``model``'s layers to run on ``backend``, whose packed copies its projections already are (packed
+    by ``pack``, or read back by ``packed_cache``); ``weights`` is the format they were packed as asked for."""
+    model.packed_as = weights if backend.block_formats else "bf16"  # "auto" off block formats: bf16
+    model.backend, model.runner = backend, backend.prepare(model.layers, model.rope, model, fuse)
 
 
 def pack_projections(model, backend: Backend, weights: str, source: WeightSource | None,
@@ -114,25 +156,13 @@ def swap_projections(model, make: Callable[[nn.Module, list[str], bool], nn.Modu
             log(f"packed {i + 1}/{n} layers")
 
 
-def int8_projections(model) -> None:
-    """Swaps each projection of ``model`` (and its output head) for an int8 weight-only copy (``Int8Linear``)."""
-    swap_projections(model, lambda layer, parts, head: Int8Linear(layer.weight, layer.bias, model.dtype))
-
-
 def weight_format(model) -> str:
     """``model``'s projection formats, e.g. "bf16", "q4_1" or "q4_1+q8_0, head q8_0" (the head named where it
     differs); "int8" for int8 weight-only copies; the model dtype ("float32", ...) for unpacked weights."""
-    dtype = {torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype).replace("torch.", ""))
-
-    def fmt(m: nn.Module | None) -> list[str]:
-        if isinstance(m, Int8Linear):
-            return ["int8"]
-        if isinstance(m, SplitLinear):
-            return m.formats
-        return [m.weight_format] if isinstance(m, (NativeLinear, QuantLinear)) else [dtype]
-
-    layers = sorted({f for b in model.layers for n in PROJECTIONS for f in fmt(getattr(b, n))})
-    head = "+".join(fmt(model.head_layer))
+    if model.head_layer is None:  # unpacked: the model's own nn.Linear projections, in the model dtype
+        return {torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype).replace("torch.", ""))
+    layers = sorted({f for b in model.layers for n in PROJECTIONS for f in getattr(b, n).formats})
+    head = "+".join(model.head_layer.formats)
     text = "+".join(layers) or head
     return text if layers == [head] or not layers else f"{text}, head {head}"
 

@@ -8,17 +8,17 @@ layers asked for). ``forward`` takes a batch ``[B, T]``; ``forward_rows`` takes 
 sequences (a batch engine's step) and computes every row as it would be alone.
 
 How the layers run is its backend's (``backends/``): our compiled CPU kernels (each layer one fused C++
-call), oneDNN, or torch's ``F.linear`` (any device: the GPU path); ``pack_weights`` chooses one and packs
-the projections for it (``packing.py``). Layers are in ``block.py``, attention in ``attention.py``, RoPE in
-``rope.py``, checkpoint names in ``hf_import.py``.
+call), oneDNN, or torch's ``F.linear`` (any device: the GPU path). Layers are in ``block.py``, attention in
+``attention.py``, RoPE in ``rope.py``.
 
-It does not load files (see ``loader.py``), sample, or decide what to keep in the cache: callers trim the
-cache after a forward when draft tokens are rejected.
+It does not build or pack itself (``build.py`` builds it from a checkpoint, ``build.from_hf_tensors`` and
+``build.packed_from``; ``packing.pack`` moves it onto a backend), load files (``loader.py``), sample, or decide
+what to keep in the cache: callers trim the cache after a forward when draft tokens are rejected.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,20 +28,17 @@ from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.factory import make_cache
 from specdecode.models import packing
 from specdecode.models.attention import batch_mask
-from specdecode.models.backends import AUTO, INT8, TORCH, Backend, LayerRunner, resolve_backend
-from specdecode.models.backends.base import block_formats_refused
+from specdecode.models.backends import TORCH, Backend, LayerRunner
 from specdecode.models.block import Block
 from specdecode.models.config import ModelConfig
-from specdecode.models.hf_import import hf_state_dict, unpacked_state
 from specdecode.models.linear import Int8Linear, NativeLinear, PackedLinear, QuantLinear
 from specdecode.models.rope import Rope
 from specdecode.models.rows import ForwardOutput, LogitRows, plan_rows
-from specdecode.models.weights import BLOCK_FORMATS, WEIGHT_FORMATS, WeightSource
 
 
 class Transformer(nn.Module):
-    """Decoder-only transformer with fused projections; built by ``from_hf_tensors`` or ``packed_from`` (its
-    own parameters are left unfilled).
+    """Decoder-only transformer with fused projections; built by ``build.from_hf_tensors`` or
+    ``build.packed_from`` (its own parameters are left unfilled).
 
     Args:
         config: the architecture.
@@ -57,11 +54,11 @@ class Transformer(nn.Module):
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = Rope(config)
-        # Set by pack_weights() / quantize_weights(); a tied head then gets its own copy.
+        # Set by packing.pack(); a tied head then gets its own copy.
         self.head_layer: NativeLinear | QuantLinear | PackedLinear | Int8Linear | None = None
-        self.backend: Backend = TORCH  # where the projections and layers run (pack_weights)
+        self.backend: Backend = TORCH  # where the projections and layers run (packing.adopt)
         self.runner: LayerRunner = TORCH.prepare(self.layers, self.rope, self)
-        self.packed_as = "bf16"  # the weights pack_weights was asked for
+        self.packed_as = "bf16"  # the weights packing.pack was asked for
 
     @property
     def dtype(self) -> torch.dtype:
@@ -228,73 +225,14 @@ class Transformer(nn.Module):
         draft head's reduced vocabulary scores with these).
 
         Raises:
-            ValueError: the head runs on oneDNN's opaque packed layout and the model has no tied copy.
+            ValueError: the head runs on oneDNN's opaque packed layout (``PackedLinear.weight_rows``) and the
+                model has no tied copy.
         """
         if self.config.tie_word_embeddings:
             return self.embed.weight[ids]
-        if self.lm_head is not None:
+        if self.head_layer is None:
             return self.lm_head.weight[ids]
-        if isinstance(self.head_layer, (NativeLinear, QuantLinear)):
-            return self.head_layer.weight_rows(ids).to(self.dtype)
-        if isinstance(self.head_layer, Int8Linear):
-            return self.head_layer.dequantized()[ids].to(self.dtype)
-        raise ValueError("the output head is packed for oneDNN, which keeps no readable copy of its weights; "
-                         "load the model with --linear torch or one of our kernels")
-
-    def pack_weights(self, kernel: str = AUTO, log: Callable[[str], None] | None = None, weights: str = AUTO,
-                     source: WeightSource | None = None, fuse: bool = True) -> Backend:
-        """Moves the model onto a backend (``backends/``): every projection swapped for its packed copy, bf16 or
-        a block format, and the layers readied to run there (``packing.py``). On torch nothing is swapped
-        (the model stays movable and can be packed later); packing again for the same backend is a no-op.
-
-        Args:
-            kernel: a ``--linear`` name (``backends.LINEAR_CHOICES``; "auto": see ``resolve_backend``).
-            log: told about a first compile of one of our kernels.
-            weights: one of WEIGHT_FORMATS: "bf16", a block format for every projection (the output head at
-                least q8_0, see ``weights.choose_formats``), "auto": as ``source`` stores them where the
-                backend computes block formats (the GGUF's own blocks, K-quants included), else bf16, or
-                "blocks": as "auto" with the K-quants in 32-weight block formats.
-            source: the checkpoint's float weights and stored formats (``Checkpoint.weights``); without it,
-                block formats are quantized from the model's own weights.
-            fuse: run each layer as one kernel call where the backend can (False keeps one torch op per
-                step, to measure the difference).
-
-        Returns:
-            The backend the projections now run on.
-
-        Raises:
-            ValueError: an unknown kernel or format, or one that cannot run this model here (the reason is named).
-        """
-        if weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weight format {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
-        if self.head_layer is not None:
-            packing.check_repack(self, kernel, weights)
-            return self.backend
-        backend = resolve_backend(kernel, self.dtype, self.device, log)
-        if weights in BLOCK_FORMATS and not backend.block_formats:
-            raise block_formats_refused(weights, backend)
-        if backend.packs:
-            packing.pack_projections(self, backend, weights if backend.block_formats else "bf16", source, log)
-            self.adopt_packed(backend, weights, fuse)
-        return backend
-
-    def adopt_packed(self, backend: Backend, weights: str, fuse: bool = True) -> "Transformer":
-        """Readies the layers to run on ``backend``, whose packed copies the projections already are (packed
-        here, or read back by ``packed_cache``); ``weights`` is the format they were packed as asked for."""
-        self.packed_as = weights if backend.block_formats else "bf16"  # "auto" off block formats: bf16
-        self.backend, self.runner = backend, backend.prepare(self.layers, self.rope, self, fuse)
-        return self
-
-    def quantize_weights(self) -> None:
-        """Replaces every projection (and the output head) with int8 weight-only copies (``backends.INT8``).
-
-        Meant for draft models: about half the bytes per step of bf16, and different numbers (see
-        ``models/linear.py``). The embedding table stays in the model dtype.
-        """
-        if self.head_layer is not None:
-            raise ValueError("quantize_weights() needs plain weights (this model is already packed or quantized)")
-        packing.int8_projections(self)
-        self.backend, self.runner = INT8, INT8.prepare(self.layers, self.rope, self)
+        return self.head_layer.weight_rows(ids).to(self.dtype)  # each packed layer type reads its own rows
 
     @property
     def weight_format(self) -> str:
@@ -306,44 +244,3 @@ class Transformer(nn.Module):
         """Bytes held by the weights, packed and quantized copies included."""
         held = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
         return held + sum(m.nbytes for m in self.modules() if isinstance(m, PackedLinear))
-
-    @classmethod
-    def from_hf_tensors(cls, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
-                        dtype: torch.dtype = torch.float32) -> "Transformer":
-        """Builds the model from HF-named weights (``hf_import.py``), fusing q/k/v and gate/up.
-
-        Args:
-            config: the architecture.
-            tensors: weights named as in HF checkpoints (``model.layers.0.self_attn.q_proj.weight`` ...).
-            dtype: parameter dtype.
-        """
-        state = hf_state_dict(config, tensors, dtype)
-        with torch.device("meta"):
-            model = cls(config)
-        model.load_state_dict(state, strict=True, assign=True)
-        return model.eval().requires_grad_(False)
-
-    @classmethod
-    def packed_from(cls, config: ModelConfig, source: WeightSource, dtype: torch.dtype, backend: Backend,
-                    weights: str = AUTO, log: Callable[[str], None] | None = None) -> "Transformer":
-        """Builds the model with its projections packed for ``backend`` (one that ``packs``), reading the
-        checkpoint one projection at a time: no float copy of the whole model is ever held, as
-        ``from_hf_tensors`` followed by ``pack_weights`` would.
-
-        Args:
-            config: the architecture.
-            source: the checkpoint's weights (``Checkpoint.weights``).
-            dtype: the model dtype (the embedding table, norms but Gemma's, and bf16 projections).
-            backend: a packing backend.
-            weights: one of WEIGHT_FORMATS, as for ``pack_weights``.
-            log: told about a first compile of one of our kernels.
-        """
-        if not backend.packs:
-            raise ValueError(f"{backend.name} does not pack projections; build the model with from_hf_tensors")
-        with torch.device("meta"):
-            model = cls(config)
-        state = unpacked_state(config, source.float, dtype)
-        model.load_state_dict(state, strict=False, assign=True)  # projections stay on meta until packed
-        model.eval().requires_grad_(False)
-        model.pack_weights(backend.name, log=log, weights=weights, source=source)
-        return model

@@ -20,8 +20,8 @@ the sub-block's scale ``d * sc`` and minimum ``-dmin * m`` rounded to fp16 (a re
 of a block's scale, against a 4-bit step of 1/15 of its range, while they stay above fp16's smallest normal,
 6.1e-5).
 
-This module does not compute products (the kernels do) or choose the format of a model (``Transformer
-.pack_weights`` does, with ``choose_formats``).
+This module does not compute products (the kernels do) or choose the format of a model (``packing.pack``
+does, with ``choose_formats``).
 """
 from __future__ import annotations
 
@@ -96,6 +96,44 @@ class BlockWeight:
     def rows(self, index: torch.Tensor | slice) -> "BlockWeight":
         """The output rows ``index`` (a permutation or a subset), in their order."""
         return BlockWeight(self.fmt, self.codes[index], self.d[index], None if self.m is None else self.m[index], self.k)
+
+    def pack(self, tile: int, chunk: int = 1 << 22) -> torch.Tensor:
+        """The kernels' layout (``kernels/linear_quant.h``; a K-quant's: ``SuperBlockWeight.pack``): uint8
+        ``[ceil(N / tile), B, record]``, record = a block of ``tile`` outputs: codes (q8_0: per group of 4 inputs,
+        ``tile`` lanes of 4 bytes; q4 and q5: inputs 4p..4p+3 in the low nibbles and 16+4p.. in the high ones,
+        then for q5 the fifth bits, 4 bytes per output: ``super_blocks.fifth_bits``), then ``tile`` fp16 scales,
+        then ``tile`` fp16 minimums for q4_1 and q5_1. Written ``chunk`` codes at a time, so a large head needs no
+        full-size temporaries. ``unpack`` reads it back."""
+        n, width = self.codes.shape
+        blocks = width // BLOCK
+        tiles = -(-n // tile)
+        nibble_bytes = tile * BLOCK // 2
+        fifth = 4 * tile if self.fmt in _FIFTH_BIT else 0
+        code_bytes = tile * BLOCK if self.fmt == "q8_0" else nibble_bytes + fifth
+        scale_sets = [s for s in (self.d, self.m) if s is not None]
+        out = torch.empty(tiles, blocks, code_bytes + 2 * tile * len(scale_sets), dtype=torch.uint8)
+        step = max(1, chunk // (tile * width))  # tiles per chunk
+        for t0 in range(0, tiles, step):
+            t1 = min(tiles, t0 + step)
+            rows = slice(t0 * tile, min(n, t1 * tile))
+            pad = (t1 - t0) * tile - (rows.stop - rows.start)  # padded outputs: zero codes and scales
+            codes = torch.nn.functional.pad(self.codes[rows], (0, 0, 0, pad))
+            c = codes.view(t1 - t0, tile, blocks, BLOCK).permute(0, 2, 1, 3)  # [tiles, B, tile, 32]
+            if self.fmt == "q8_0":
+                body = c.reshape(t1 - t0, blocks, tile, 8, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, quad, tile, 4]
+            else:
+                low = c & 0x0F
+                # [tiles, B, tile, 16]: byte 4p + j holds inputs 4p + j and 16 + 4p + j
+                packed = low[..., :16] | (low[..., 16:] << 4)
+                body = packed.reshape(t1 - t0, blocks, tile, 4, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, p, tile, 4]
+                if self.fmt in _FIFTH_BIT:
+                    out[t0:t1, :, nibble_bytes:code_bytes] = super_blocks.fifth_bit_bytes(c)
+            out[t0:t1, :, :nibble_bytes if self.fmt != "q8_0" else code_bytes] = body.reshape(t1 - t0, blocks, -1)
+            for j, scales in enumerate(scale_sets):
+                s = torch.nn.functional.pad(scales[rows], (0, 0, 0, pad)).view(t1 - t0, tile, blocks).transpose(1, 2)
+                at = code_bytes + 2 * tile * j
+                out[t0:t1, :, at:at + 2 * tile] = s.contiguous().view(torch.uint8).reshape(t1 - t0, blocks, -1)
+        return out
 
 
 Blocks = BlockWeight | SuperBlockWeight  # a weight in any format the kernels compute with
@@ -296,47 +334,8 @@ def choose_formats(requested: str, stored: Sequence[str], head: bool = False) ->
     return [requested] * len(stored)
 
 
-def pack(weight: Blocks, tile: int, chunk: int = 1 << 22) -> torch.Tensor:
-    """The kernels' layout of ``weight`` (a K-quant's: ``SuperBlockWeight.pack``). A block format's: uint8
-    ``[ceil(N / tile), B, record]``, record = a block of ``tile`` outputs: codes (q8_0: per group of 4 inputs,
-    ``tile`` lanes of 4 bytes; q4 and q5: inputs 4p..4p+3 in the low nibbles and 16+4p.. in the high ones, then
-    for q5 the fifth bits, 4 bytes per output: ``super_blocks.fifth_bits``), then ``tile`` fp16 scales, then
-    ``tile`` fp16 minimums for q4_1 and q5_1. Written ``chunk`` codes at a time, so a large head needs no
-    full-size temporaries."""
-    if isinstance(weight, SuperBlockWeight):
-        return weight.pack(tile, chunk)
-    n, width = weight.codes.shape
-    blocks = width // BLOCK
-    tiles = -(-n // tile)
-    nibble_bytes = tile * BLOCK // 2
-    code_bytes = tile * BLOCK if weight.fmt == "q8_0" else nibble_bytes + (4 * tile if weight.fmt in _FIFTH_BIT else 0)
-    scale_sets = [s for s in (weight.d, weight.m) if s is not None]
-    out = torch.empty(tiles, blocks, code_bytes + 2 * tile * len(scale_sets), dtype=torch.uint8)
-    step = max(1, chunk // (tile * width))  # tiles per chunk
-    for t0 in range(0, tiles, step):
-        t1 = min(tiles, t0 + step)
-        rows = slice(t0 * tile, min(n, t1 * tile))
-        pad = (t1 - t0) * tile - (rows.stop - rows.start)  # padded outputs: zero codes and scales
-        codes = torch.nn.functional.pad(weight.codes[rows], (0, 0, 0, pad))
-        c = codes.view(t1 - t0, tile, blocks, BLOCK).permute(0, 2, 1, 3)  # [tiles, B, tile, 32]
-        if weight.fmt == "q8_0":
-            body = c.reshape(t1 - t0, blocks, tile, 8, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, quad, tile, 4]
-        else:
-            low = c & 0x0F
-            packed = low[..., :16] | (low[..., 16:] << 4)  # [tiles, B, tile, 16]: byte 4p + j: inputs 4p + j, 16 + 4p + j
-            body = packed.reshape(t1 - t0, blocks, tile, 4, 4).permute(0, 1, 3, 2, 4)  # [tiles, B, p, tile, 4]
-            if weight.fmt in _FIFTH_BIT:
-                out[t0:t1, :, nibble_bytes:code_bytes] = super_blocks.fifth_bit_bytes(c)
-        out[t0:t1, :, :nibble_bytes if weight.fmt != "q8_0" else code_bytes] = body.reshape(t1 - t0, blocks, -1)
-        for j, scales in enumerate(scale_sets):
-            s = torch.nn.functional.pad(scales[rows], (0, 0, 0, pad)).view(t1 - t0, tile, blocks).transpose(1, 2)
-            at = code_bytes + 2 * tile * j
-            out[t0:t1, :, at:at + 2 * tile] = s.contiguous().view(torch.uint8).reshape(t1 - t0, blocks, -1)
-    return out
-
-
 def unpack(packed: torch.Tensor, fmt: str, n: int, k: int, tile: int) -> Blocks:
-    """The weight that ``pack`` turned into ``packed`` (padding dropped)."""
+    """The weight that ``BlockWeight.pack`` or ``SuperBlockWeight.pack`` turned into ``packed`` (padding dropped)."""
     if fmt in SUPER_FORMATS:
         return SuperBlockWeight.unpack(packed, fmt, n, k, tile)
     tiles, blocks, _ = packed.shape

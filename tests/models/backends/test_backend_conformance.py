@@ -16,6 +16,7 @@ import torch
 from specdecode.drafters import NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import pack_model
 from specdecode.models.rows import LogitRows
 from kernel_paths import NATIVE_PATHS, path_params
 from tiny_models import varied_model
@@ -33,7 +34,7 @@ CASES = [*[pytest.param(p.values[0], True, "cpu", id=p.id, marks=p.marks) for p 
 
 def _on(path: str, fuse: bool, device: str):
     model = varied_model(0, dtype=torch.bfloat16).to(device)
-    backend = model.pack_weights(path, fuse=fuse)
+    backend = pack_model(model, path, fuse=fuse)
     assert backend.name == path and model.backend is backend
     return model
 

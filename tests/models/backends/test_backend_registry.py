@@ -9,6 +9,7 @@ import torch
 
 from specdecode.models import build, native
 from specdecode.models.backends import BACKENDS, LINEAR_CHOICES, LINEAR_ENV, TORCH, resolve_backend
+from specdecode.models.build import pack_model
 from specdecode.models.linear import can_pack
 from fake_cpu import FLAGS, fake_cpu
 from kernel_paths import path_problem
@@ -52,7 +53,7 @@ def test_forcing_a_path_the_cpu_cannot_run_names_the_path_and_the_feature(monkey
 def test_the_environment_forces_a_path_and_an_explicit_kernel_wins(monkeypatch):
     monkeypatch.setenv(LINEAR_ENV, "torch")
     assert resolve_backend("auto", torch.bfloat16, CPU) is TORCH
-    assert varied_model(0, dtype=torch.bfloat16).pack_weights() is TORCH
+    assert pack_model(varied_model(0, dtype=torch.bfloat16)) is TORCH
     if path_problem("avx2") is None:
         assert resolve_backend("avx2", torch.bfloat16, CPU) is BACKENDS["avx2"]
     monkeypatch.setenv(LINEAR_ENV, "fast")
@@ -66,9 +67,9 @@ def test_auto_falls_back_to_onednn_and_an_explicit_request_says_why(monkeypatch)
     monkeypatch.setattr(native, "_built", {name: (None, "the CPU lacks avx512_bf16") for name in native.BUILDS})
     model = varied_model(0, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="the avx2 kernel is unavailable: the CPU lacks avx512_bf16"):
-        model.pack_weights("avx2")
+        pack_model(model, "avx2")
     assert model.backend is TORCH and model.head_layer is None  # nothing half-swapped
-    assert model.pack_weights("auto").name == "onednn"
+    assert pack_model(model, "auto").name == "onednn"
 
 
 @pytest.mark.parametrize("cpu,weights", [("old", "q4_1"), ("old", "q8_0")])
@@ -80,4 +81,4 @@ def test_a_block_format_on_a_cpu_without_our_kernels_is_refused_with_the_reason(
         build.check_weights(weights, backend)
     build.check_weights("auto", backend)  # auto means bf16 there
     with pytest.raises(ValueError, match="the projections of this model run on torch"):
-        varied_model(0).pack_weights("auto", weights=weights)
+        pack_model(varied_model(0), "auto", weights=weights)

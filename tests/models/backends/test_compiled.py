@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import pack_model
 from specdecode.models.config import Activation
 from specdecode.models.prefill import _Recorder
 from specdecode.models.linear import NativeLinear, QuantLinear
@@ -80,7 +81,7 @@ def test_fused_layers_compute_the_float64_reference(path, weights, arch):
         for n, norm in enumerate((block.q_norm, block.k_norm, block.post_attn_norm, block.post_mlp_norm)):
             if norm is not None:
                 norm.data.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(5 + n))
-    assert model.pack_weights(path, weights=weights).row_invariant
+    assert pack_model(model, path, weights=weights).row_invariant
     assert model.runner.fused
     g = torch.Generator().manual_seed(9)
     tokens = torch.randint(0, model.config.vocab_size, (11,), generator=g)
@@ -114,7 +115,7 @@ def test_a_cache_that_sees_every_write_gives_the_same_bits(path, weights, arch):
     """layer_rows writes a plain cache's buffers itself; through update (a recorder, a compressing cache) the
     layer takes its other form: same logits, same cached keys."""
     model = varied_model(0, dtype=torch.bfloat16, arch=arch)
-    model.pack_weights(path, weights=weights)
+    pack_model(model, path, weights=weights)
     tokens = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         direct, recorded = model.new_cache(CacheConfig(max_len=32)), model.new_cache(CacheConfig(max_len=32))
@@ -132,7 +133,7 @@ def test_ragged_slots_and_a_tree_give_the_same_bits_in_both_forms(path, weights)
     """Two sequences in one forward, one of them a token tree: the all-layers call over a plain cache and the
     per-layer ``update`` form agree on every logit and every cached key."""
     model = varied_model(0, dtype=torch.bfloat16)
-    model.pack_weights(path, weights=weights)
+    pack_model(model, path, weights=weights)
     g = torch.Generator().manual_seed(4)
     with torch.inference_mode():
         outs, caches = [], []
@@ -153,7 +154,7 @@ def test_ragged_slots_and_a_tree_give_the_same_bits_in_both_forms(path, weights)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: the post-MLP norm's rows split across threads
 def test_fused_forwards_give_the_same_bits_on_one_and_two_threads(path, arch):
     model = varied_model(0, dtype=torch.bfloat16, arch=arch)
-    model.pack_weights(path, weights="q8_0")
+    pack_model(model, path, weights="q8_0")
     tokens = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(2))
     outs = []
     for threads in (1, 2):
@@ -167,8 +168,8 @@ def test_fused_forwards_give_the_same_bits_on_one_and_two_threads(path, arch):
 @pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 def test_a_fused_model_hands_out_features_in_its_dtype_and_unfused_packing_stays_available(path):
     fused, plain = varied_model(0, dtype=torch.bfloat16), varied_model(0, dtype=torch.bfloat16)
-    fused.pack_weights(path, weights="q4_1")
-    plain.pack_weights(path, weights="q4_1", fuse=False)
+    pack_model(fused, path, weights="q4_1")
+    pack_model(plain, path, weights="q4_1", fuse=False)
     assert fused.runner.fused and not plain.runner.fused and isinstance(plain.layers[0].wqkv, QuantLinear)
     assert plain.backend == fused.backend and all(block.attention_ops is not None for block in plain.layers)
     tokens = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
@@ -186,7 +187,7 @@ def test_kept_layers_cut_the_fused_forward_without_changing_a_bit(path, arch):
     """Features of middle layers (an EAGLE-3 head's) come from runs of layers cut after each kept one: the
     logits stay bitwise those of the uncut forward, and a kept layer's output is that of a forward ending there."""
     model = varied_model(0, dtype=torch.bfloat16, arch=arch)
-    model.pack_weights(path, weights="q4_1")
+    pack_model(model, path, weights="q4_1")
     tokens = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         whole = model(tokens, model.new_cache(CacheConfig(max_len=16))).logits

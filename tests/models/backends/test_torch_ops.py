@@ -10,8 +10,8 @@ from torch import nn
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.backends import INT8, TORCH, OneDnnBackend
 from specdecode.models.backends.base import EagerLayers
+from specdecode.models.build import from_hf_tensors, pack_model
 from specdecode.models.linear import Int8Linear, PackedLinear, can_pack
-from specdecode.models.transformer import Transformer
 from specdecode.models.weights import quantize
 from tiny_models import random_hf_tensors, tiny_config, varied_model
 
@@ -21,11 +21,11 @@ from tiny_models import random_hf_tensors, tiny_config, varied_model
 def test_onednn_gives_f_linears_logits_bitwise(arch, tied):
     config = tiny_config(arch, tie_word_embeddings=tied)
     tensors = random_hf_tensors(config, seed=3, scale=0.2)
-    plain = Transformer.from_hf_tensors(config, tensors, dtype=torch.bfloat16)
-    packed = Transformer.from_hf_tensors(config, tensors, dtype=torch.bfloat16)
+    plain = from_hf_tensors(config, tensors, dtype=torch.bfloat16)
+    packed = from_hf_tensors(config, tensors, dtype=torch.bfloat16)
     before = packed.weight_nbytes
-    backend = packed.pack_weights("onednn")
-    assert isinstance(backend, OneDnnBackend) and packed.pack_weights("onednn") is backend  # idempotent
+    backend = pack_model(packed, "onednn")
+    assert isinstance(backend, OneDnnBackend) and pack_model(packed, "onednn") is backend  # idempotent
     assert isinstance(packed.layers[0].wqkv, PackedLinear) and isinstance(packed.runner, EagerLayers)
     assert all(block.attention_ops is None for block in packed.layers)  # rowwise_attention
     head = config.vocab_size * config.hidden_size * 2
@@ -40,7 +40,7 @@ def test_onednn_gives_f_linears_logits_bitwise(arch, tied):
 def test_torch_packs_nothing_and_waits_for_no_cpu():
     model = varied_model(0, dtype=torch.bfloat16)
     layer = model.layers[0].wqkv
-    assert model.pack_weights("torch") is TORCH and model.layers[0].wqkv is layer and model.head_layer is None
+    assert pack_model(model, "torch") is TORCH and model.layers[0].wqkv is layer and model.head_layer is None
     TORCH.synchronize(torch.device("cpu"))  # nothing queued on a CPU
     copy = TORCH.linear(layer.weight, layer.bias)
     assert isinstance(copy, nn.Linear) and copy.weight.data_ptr() == layer.weight.data_ptr()  # no copy made

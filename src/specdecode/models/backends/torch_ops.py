@@ -1,6 +1,6 @@
 """The backends that run on torch's own kernels: ``torch`` (``F.linear``, any device: the GPU path),
 ``onednn`` (bf16 weights pre-packed once in oneDNN's layout, CPU) and ``int8`` (int8 weight-only
-projections, for draft models; ``Transformer.quantize_weights``).
+projections, for draft models; ``packing.pack`` on ``INT8``).
 
 None of them is row-invariant: their matmuls round a one-row product differently from a multi-row one, so
 callers that need a verification forward to reproduce decoding give every forward at least two rows.
