@@ -12,6 +12,9 @@ tokens of row b sit at indices ``visible(slot_b) + i``: the model lets new token
 caches only ever quantize or evict tokens below the committed length, and ``stable_rows`` says how far a
 forward may reach before the cache would present older tokens differently to some of its rows.
 
+The per-slot length bookkeeping (``lengths``, ``committed``, ``advance``/``commit``/``trim``/``reset`` and the
+checks of ``compact``) is written once, in ``slots.py``, for every cache kind.
+
 This module does not know about models, drafting or verification, and the plain cache does not
 compress, evict or share entries (see ``compressed.py`` and ``prefix.py``).
 """
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
+
+from specdecode.kv.slots import SlotLengths
 
 KV_DTYPES = ("auto", "bfloat16", "float32", "int8", "int4")
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
@@ -173,20 +178,11 @@ class Cache(Protocol):
         """Bytes occupied by the tokens held, of one slot or of all."""
 
 
-def check_compaction(cache: Cache, slot: int, start: int, rows: Sequence[int]) -> None:
-    """Raises ValueError unless ``rows`` can be kept by ``Cache.compact``: increasing offsets of tokens the
-    slot holds past ``start``, none of them verified (verified tokens may already be compressed or shared)."""
-    length = cache.lengths[slot]
-    if start < cache.committed[slot]:
-        raise ValueError(f"cannot compact slot {slot} from position {start}: tokens up to {cache.committed[slot]} are "
-                         "verified (only unverified rows move)")
-    if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and (rows[0] < 0 or start + rows[-1] >= length)):
-        raise ValueError(f"compact needs increasing offsets of held tokens (slot {slot} holds {length - start} past "
-                         f"position {start}), got {list(rows)}")
-
-
-class KVCache:
+class KVCache(SlotLengths):
     """Static per-layer K/V buffers written by index; keeps every token in full precision.
+
+    Lengths, commits, trimming, resetting and compaction's checks are :class:`~specdecode.kv.slots.SlotLengths`';
+    rolling back is lowering a length (entries past it become stale and are overwritten by the next write).
 
     Args:
         num_layers: decoder layers that store keys/values.
@@ -199,13 +195,11 @@ class KVCache:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, config: CacheConfig,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__(config.slots)
         self.config = config
         shape = (config.slots, kv_heads, config.max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        # Python ints, so that reading a length never synchronises with a device.
-        self.lengths = [0] * config.slots
-        self.committed = [0] * config.slots
 
     @property
     def max_len(self) -> int:
@@ -257,45 +251,13 @@ class KVCache:
             raise CacheFullError(f"KV cache holds {self.max_len} tokens per sequence; a write up to {end} was asked")
         return [self.k[i] for i in layers], [self.v[i] for i in layers]
 
-    def visible(self, slot: int) -> int:
-        return self.lengths[slot]
-
-    def advance(self, slots: Sequence[int], n: int) -> None:
-        """Marks ``n`` more tokens as held in each slot (called once per forward, after all layers)."""
-        for s in slots:
-            self.lengths[s] += n
-
-    def commit(self, slot: int, length: int) -> None:
-        """Records that tokens below ``length`` are verified (nothing to compress here)."""
-        self.committed[slot] = max(self.committed[slot], length)
-
-    def trim(self, slot: int, length: int) -> None:
-        """Rolls a slot back to ``length`` tokens; entries past it become stale and are overwritten later.
-
-        Args:
-            slot: the sequence.
-            length: new length, at most the current one.
-        """
-        if not 0 <= length <= self.lengths[slot]:
-            raise ValueError(f"cannot trim slot {slot} of length {self.lengths[slot]} to {length}")
-        self.lengths[slot] = length
-        self.committed[slot] = min(self.committed[slot], length)
-
-    def reset(self, slot: int) -> None:
-        """Frees a slot for a new sequence."""
-        self.lengths[slot] = 0
-        self.committed[slot] = 0
-
-    def compact(self, slot: int, start: int, rows: Sequence[int]) -> None:
-        """Moves the kept tokens ``start + rows[j]`` to ``start + j`` in every layer (a few rows each, never
-        the whole slot) and sets the length to ``start + len(rows)``; see :func:`check_compaction`."""
-        check_compaction(self, slot, start, rows)
-        if any(r != j for j, r in enumerate(rows)):
-            src = torch.tensor(rows, device=self.k[0].device) + start
-            dst = torch.arange(start, start + len(rows), device=self.k[0].device)
-            for buf in self.k + self.v:
-                buf[slot].index_copy_(1, dst, buf[slot].index_select(1, src))  # [H, n, D]
-        self.lengths[slot] = start + len(rows)
+    def _move_rows(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        """Moves the kept tokens ``start + rows[j]`` to ``start + j`` in every layer (a few rows each, never the
+        whole slot); ``compact`` (see :class:`~specdecode.kv.slots.SlotLengths`) checks and sets the length."""
+        src = torch.tensor(rows, device=self.k[0].device) + start
+        dst = torch.arange(start, start + len(rows), device=self.k[0].device)
+        for buf in self.k + self.v:
+            buf[slot].index_copy_(1, dst, buf[slot].index_select(1, src))  # [H, n, D]
 
     def stable_rows(self, slot: int) -> int:
         # Nothing is ever compressed: every row sees exactly what one-token decoding would.

@@ -39,11 +39,12 @@ from typing import Sequence
 
 import torch
 
-from specdecode.kv.cache import FLOAT_DTYPES, CacheConfig, CacheFullError, check_compaction
+from specdecode.kv.cache import FLOAT_DTYPES, CacheConfig, CacheFullError
 from specdecode.kv.quant import SCALE_DTYPE, dequantize, packed_width, quantize
+from specdecode.kv.slots import SlotLengths
 
 
-class CompressedCache:
+class CompressedCache(SlotLengths):
     """Sinks + sliding window + int8/int4 middle + full-precision tail, per slot and layer.
 
     Args:
@@ -61,6 +62,7 @@ class CompressedCache:
         if not config.compressed:
             raise ValueError(f"CompressedCache needs kv_dtype int8/int4 or a window, got kv_dtype={config.kv_dtype!r} "
                              "and no window; use KVCache")
+        super().__init__(config.slots)
         self.config = config
         self.bits = config.bits
         self.window = config.window
@@ -92,8 +94,6 @@ class CompressedCache:
             self.k_zero = zeros(slots, h, self.max_groups, 1, d, dt=SCALE_DTYPE)
             self.v_scale = zeros(slots, h, q, 1, dt=SCALE_DTYPE)  # per token
             self.v_zero = zeros(slots, h, q, 1, dt=SCALE_DTYPE)
-        self.lengths = [0] * slots
-        self.committed = [0] * slots
         # Per layer, so that a forward over some layers (self-speculation) leaves the others as they are.
         self.evicted = [[self.sinks] * slots for _ in range(num_layers)]  # e
         self.flushed = [[self.sinks] * slots for _ in range(num_layers)]  # F
@@ -245,53 +245,35 @@ class CompressedCache:
         self.v_scale[layer][slot, :, at:at + n] = scale
         self.v_zero[layer][slot, :, at:at + n] = zero
 
-    # ------------------------------------------------------------------ lengths
+    # ------------------------------------------------------------------ lengths (the rest is SlotLengths')
 
-    def advance(self, slots: Sequence[int], n: int) -> None:
-        for s in slots:
-            self.lengths[s] += n
+    def _check_uncommit(self, slot: int, length: int) -> None:
+        """``trim`` rolls verified tokens back only while none of the tokens the shorter sequence would still
+        hold in full precision has been quantized or evicted (unverified tokens can always be rolled back)."""
+        e, f = self._targets(length)
+        held_e = max(layer[slot] for layer in self.evicted)
+        held_f = max(layer[slot] for layer in self.flushed)
+        if e < held_e or f < held_f:
+            what = "evicted" if e < held_e else "quantized"
+            raise ValueError(f"cannot trim slot {slot} to {length}: tokens up to position {max(held_e, held_f)} are "
+                             f"already {what}, and a sequence of {length} tokens keeps them uncompressed; only "
+                             "tokens that are still in full precision can be rolled back")
 
-    def commit(self, slot: int, length: int) -> None:
-        """Declares tokens below ``length`` verified; they are compressed when their layer is next written."""
-        self.committed[slot] = max(self.committed[slot], length)
-
-    def trim(self, slot: int, length: int) -> None:
-        """Rolls a slot back to ``length`` tokens.
-
-        Unverified tokens can always be rolled back; verified ones only while none of the tokens the
-        shorter sequence would still hold in full precision has been quantized or evicted.
-        """
-        if not 0 <= length <= self.lengths[slot]:
-            raise ValueError(f"cannot trim slot {slot} of length {self.lengths[slot]} to {length}")
-        if length < self.committed[slot]:
-            e, f = self._targets(length)
-            held_e = max(layer[slot] for layer in self.evicted)
-            held_f = max(layer[slot] for layer in self.flushed)
-            if e < held_e or f < held_f:
-                what = "evicted" if e < held_e else "quantized"
-                raise ValueError(f"cannot trim slot {slot} to {length}: tokens up to position {max(held_e, held_f)} are "
-                                 f"already {what}, and a sequence of {length} tokens keeps them uncompressed; only "
-                                 "tokens that are still in full precision can be rolled back")
-            self.committed[slot] = length
-        self.lengths[slot] = length
-
-    def compact(self, slot: int, start: int, rows: Sequence[int]) -> None:
-        """Keeps unverified tokens ``start + rows[j]`` as ``start + j`` (all in full precision: unverified
-        tokens are never compressed) and sets the length to ``start + len(rows)``."""
-        check_compaction(self, slot, start, rows)
-        if any(r != j for j, r in enumerate(rows)):
-            for layer in range(self.num_layers):
-                # A position's index in the full-precision buffer: sinks first, then the tail from F on.
-                f = self.flushed[layer][slot]
-                index = [p if p < self.sinks else self.sinks + p - f for p in range(start, start + rows[-1] + 1)]
-                src = torch.tensor([index[r] for r in rows], device=self.fp_k[layer].device)
-                dst = torch.tensor(index[:len(rows)], device=self.fp_k[layer].device)
-                for buf in (self.fp_k[layer], self.fp_v[layer]):
-                    buf[slot].index_copy_(1, dst, buf[slot].index_select(1, src))  # [H, n, D]
-        self.lengths[slot] = start + len(rows)
+    def _move_rows(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        """Moves unverified tokens ``start + rows[j]`` to ``start + j`` (all in full precision: unverified
+        tokens are never compressed); ``compact`` checks ``rows`` and sets the length."""
+        for layer in range(self.num_layers):
+            # A position's index in the full-precision buffer: sinks first, then the tail from F on.
+            f = self.flushed[layer][slot]
+            index = [p if p < self.sinks else self.sinks + p - f for p in range(start, start + rows[-1] + 1)]
+            src = torch.tensor([index[r] for r in rows], device=self.fp_k[layer].device)
+            dst = torch.tensor(index[:len(rows)], device=self.fp_k[layer].device)
+            for buf in (self.fp_k[layer], self.fp_v[layer]):
+                buf[slot].index_copy_(1, dst, buf[slot].index_select(1, src))  # [H, n, D]
 
     def reset(self, slot: int) -> None:
-        self.lengths[slot] = self.committed[slot] = 0
+        """Frees a slot for a new sequence, compression state included."""
+        super().reset(slot)
         for layer in range(self.num_layers):
             self.evicted[layer][slot] = self.flushed[layer][slot] = self.sinks
 
