@@ -16,6 +16,7 @@ import torch
 
 from specdecode.engine import Engine, GenerationResult
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import from_hf_tensors
 from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams, probs_from_logits
@@ -40,7 +41,7 @@ def small_vocab_model(seed: int, layers: int = 3) -> Transformer:
     config = tiny_config("llama", vocab_size=VOCAB, num_layers=layers)
     tensors = random_hf_tensors(config, seed)
     tensors["model.norm.weight"] = tensors["model.norm.weight"] * 0.2  # moderate entropy at T=1: 2.1-2.6 nats
-    return Transformer.from_hf_tensors(config, tensors)
+    return from_hf_tensors(config, tensors)
 
 
 LETTERS = "abcdefghijklmno"  # the small vocabulary's tokens 0..14 as text; token 15 is "<eos>"
@@ -56,6 +57,19 @@ def small_vocab_tokenizer():
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken("<eos>", special=True)])
     return Tokenizer(backend, None, VOCAB - 1)
+
+
+def small_vocab_compiler():
+    """A grammar compiler over ``small_vocab_tokenizer``'s vocabulary."""
+    from specdecode.grammar import GrammarCompiler
+
+    tokenizer = small_vocab_tokenizer()
+    return GrammarCompiler(tokenizer.backend.to_str(), VOCAB, tokenizer.eos_token_ids)
+
+
+def letter_ids(text: str) -> list[int]:
+    """The small vocabulary's ids of ``text`` (letters of LETTERS)."""
+    return [LETTERS.index(c) for c in text]
 
 
 def small_vocab_target() -> Transformer:

@@ -6,14 +6,16 @@ import re
 
 import pytest
 
-from specdecode.drafter_setup import DrafterConfig, drafter_factory
+from specdecode.drafter_setup import FLAG_FIELDS, PLAIN, DrafterConfig, drafter_factory
+from specdecode.drafters import DrafterSpec, Needs, NgramDrafter, registry
+from specdecode.drafters.suffix import SuffixCache
 from specdecode.kv.cache import CacheConfig
 from specdecode.target import TargetConfig
 from tiny_models import write_tiny_hf_model
 
 
 def test_a_drafter_config_names_what_is_wrong():
-    with pytest.raises(ValueError, match="unknown drafter 'warp'"):
+    with pytest.raises(ValueError, match="unknown drafter 'warp'; expected none \\(plain decoding\\) or one of ngram, "):
         DrafterConfig(kind="warp")
     with pytest.raises(ValueError, match="--drafter draft-tree needs --draft-model"):
         DrafterConfig(kind="draft-tree")
@@ -27,6 +29,41 @@ def test_a_drafter_config_names_what_is_wrong():
 ])
 def test_only_draft_models_and_eagle_heads_keep_a_cache(config, own_cache):
     assert config.has_draft_cache == own_cache
+
+
+def test_plain_decoding_is_a_choice_but_no_drafter(tmp_path):
+    config = DrafterConfig(kind=PLAIN)
+    assert PLAIN not in registry.names() and not config.speculates and config.spec is None
+    assert config.needs == Needs.NOTHING and not config.has_draft_cache and DrafterConfig().speculates
+    target_config = TargetConfig(str(write_tiny_hf_model(tmp_path / "tiny")), dtype="float32", device="cpu")
+    assert drafter_factory(config, target_config, target_config.load(), CacheConfig(), lambda line: None) is None
+
+
+def test_every_drafter_flag_is_refused_off_its_default_for_a_drafter_that_does_not_read_it():
+    """A flag is "given" when its field differs from DrafterConfig's default: at the default, any drafter takes it."""
+    values = {"--draft-model": "d", "--draft-quant": "int8", "--draft-weights": "q8_0", "--head": "h.safetensors",
+              "--draft-vocab": 8, "--ngram": (2, 4), "--tree-width": 2, "--skip-layers": "1",
+              "--no-suffix-cache": False, "--suffix-cache-requests": 3, "--suffix-cache-mb": 8}
+    assert set(values) == set(FLAG_FIELDS)
+    defaults = DrafterConfig()
+    with_models = registry.names_where(lambda spec: bool(spec.needs & Needs.DRAFT_MODEL))
+    for flag, field in FLAG_FIELDS.items():
+        readers = registry.names_where(lambda spec: flag in spec.flags)
+        assert readers, flag
+        for kind in [name for name in (PLAIN, *registry.names()) if name not in readers]:
+            model = {"draft_model": "d"} if kind in with_models else {}
+            DrafterConfig(kind=kind, **model, **{field: getattr(defaults, field)})  # the default is no choice
+            with pytest.raises(ValueError, match=re.escape(f"{flag} is only used by --drafter {'|'.join(readers)}, "
+                                                           f"not {kind}")):
+                DrafterConfig(kind=kind, **model, **{field: values[flag]})
+
+
+def test_the_defaults_are_the_drafters_own():
+    config = DrafterConfig()
+    assert config.ngram == (NgramDrafter.min_ngram, NgramDrafter.max_ngram)
+    cache = SuffixCache()
+    assert (config.suffix_cache_requests, config.suffix_cache_mb << 20, config.suffix_cache) == (
+        cache.max_requests, cache.max_bytes, cache.enabled)
 
 
 def test_skip_layers_belong_to_layerskip_and_are_resolved_when_it_is_loaded(tmp_path):
@@ -46,8 +83,9 @@ def test_the_suffix_cache_flags_belong_to_the_suffix_drafters_and_bound_one_shar
     with pytest.raises(ValueError, match=re.escape("--suffix-cache-mb is only used by --drafter suffix|suffix-tree, "
                                                    "not ngram")):
         DrafterConfig(kind="ngram", suffix_cache_mb=8)
-    with pytest.raises(ValueError, match="--no-suffix-cache is only used by"):
-        DrafterConfig(kind="none", suffix_cache=False)
+    with pytest.raises(ValueError, match=re.escape("--no-suffix-cache is only used by --drafter suffix|suffix-tree, "
+                                                   "not none")):
+        DrafterConfig(kind=PLAIN, suffix_cache=False)
     target_config = TargetConfig(str(write_tiny_hf_model(tmp_path / "tiny")), dtype="float32", device="cpu")
     target = target_config.load()
     new = drafter_factory(DrafterConfig(kind="suffix", suffix_cache_requests=3, suffix_cache_mb=8),
@@ -58,6 +96,23 @@ def test_the_suffix_cache_flags_belong_to_the_suffix_drafters_and_bound_one_shar
     off = drafter_factory(DrafterConfig(kind="suffix", suffix_cache=False), target_config, target, CacheConfig(),
                           lambda line: None)()
     assert off.cache.enabled is False and off.cache is not first.cache
+
+
+def test_the_suffix_cache_is_made_for_the_drafters_whose_spec_needs_it(tmp_path, monkeypatch):
+    """drafter_setup reads DrafterSpec.needs, not the drafter's name or flags: a drafter that needs the cache
+    gets the one the flags bound, in DrafterInputs.shared, whatever it is called."""
+    seen = []
+    spec = DrafterSpec("cache-reader", lambda inputs: seen.append(inputs.shared) or NgramDrafter(), "reads the cache",
+                       Needs.SUFFIX_CACHE)
+    monkeypatch.setitem(registry._SPECS, spec.name, spec)
+    target_config = TargetConfig(str(write_tiny_hf_model(tmp_path / "tiny")), dtype="float32", device="cpu")
+    target = target_config.load()
+    drafter_factory(DrafterConfig(kind=spec.name), target_config, target, CacheConfig(), lambda line: None)()
+    (cache,) = seen[0].values()
+    assert isinstance(cache, SuffixCache) and spec.learns
+    monkeypatch.setitem(registry._SPECS, spec.name, DrafterSpec(spec.name, spec.build, spec.summary))
+    drafter_factory(DrafterConfig(kind=spec.name), target_config, target, CacheConfig(), lambda line: None)()
+    assert seen[1] == {}  # no need, no cache
 
 
 def test_a_draft_model_defaults_to_the_cheapest_format_our_kernels_run(tmp_path):

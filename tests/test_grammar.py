@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import specdecode.grammar as grammar_module
-from distribution_check import LETTERS, small_vocab_tokenizer
+from distribution_check import LETTERS, letter_ids as ids, small_vocab_compiler, small_vocab_tokenizer
 from specdecode.drafters.base import Draft, DrafterBase
 from specdecode.drafters.forced import ForcedDrafter, within
 from specdecode.grammar import Grammar, GrammarCompiler, GrammarError, allowed, mask_rows, sole_tokens
@@ -20,12 +20,7 @@ V = 16
 
 @pytest.fixture(scope="module")
 def compiler() -> GrammarCompiler:
-    tokenizer = small_vocab_tokenizer()
-    return GrammarCompiler(tokenizer.backend.to_str(), V, tokenizer.eos_token_ids)
-
-
-def ids(text: str) -> list[int]:
-    return [LETTERS.index(c) for c in text]
+    return small_vocab_compiler()
 
 
 def letters(row: torch.Tensor) -> str:
@@ -160,13 +155,9 @@ class _Fixed(DrafterBase):
     def __init__(self, tokens, q=None, parents=None):
         self.tokens, self.q, self.parents, self.asked = tokens, q, parents, None
 
-    def reset(self, *args, **kwargs): pass
-
     def propose(self, seq, k, sampling, generator, stop=None):
         self.asked = list(seq)
         return Draft(self.tokens[:k], None if self.q is None else self.q[:k], parents=self.parents)
-
-    def commit(self, seq): pass
 
 
 def test_forced_tokens_lead_the_draft_and_the_inner_drafter_follows_them(compiler):
@@ -185,6 +176,6 @@ def test_forced_tokens_lead_the_draft_and_the_inner_drafter_follows_them(compile
     draft = tree.propose([5], 5, None, None)
     assert draft.tokens == ids("abcdd") and draft.parents == [-1, 0, 1, 1, 2]
     only = ForcedDrafter(compiler.start(Grammar.regex("ab[c-e]+")), _Fixed(ids("cd")))
-    only.inner.drafts_past_unverified = False
+    only.wrapped.drafts_past_unverified = False
     only.reset(None, [5])
     assert only.propose([5], 4, None, None).tokens == ids("ab")

@@ -8,13 +8,15 @@ This is the one place where those flags become configs (:func:`target_config`, :
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
+from typing import Any
 
 from specdecode.argtypes import byte_size, ngram_sizes, nonnegative_int, on_off, positive_int
 from specdecode.control import GAMMA_POLICIES
-from specdecode.drafter_setup import DrafterConfig
+from specdecode.drafter_setup import FLAG_FIELDS, PLAIN, DrafterConfig
 from specdecode.drafters import TREE_WIDTH, registry
 from specdecode.kv.cache import KV_DTYPES, CacheConfig
-from specdecode.models.build import CHEAPEST, DEVICES, DRAFT_QUANT, DRAFT_WEIGHTS
+from specdecode.models.build import DEVICES, DRAFT_QUANT, DRAFT_WEIGHTS
 from specdecode.models.backends import LINEAR_CHOICES
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.models.weights import WEIGHT_FORMATS
@@ -84,40 +86,54 @@ def _users(flag: str) -> str:
     return "|".join(registry.names_where(lambda spec: flag in spec.flags))
 
 
+# DrafterConfig's defaults, by field: the drafter flags' defaults, never spelled out here.
+_DEFAULTS = {f.name: f.default for f in fields(DrafterConfig)}
+
+
+def _default(flag: str) -> Any:
+    return _DEFAULTS[FLAG_FIELDS[flag]]
+
+
 def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
-    """The drafter flags of ``generate`` and ``serve``: every registered drafter, and the flags drafters read."""
+    """The drafter flags of ``generate`` and ``serve``: plain decoding, every registered drafter, and the flags
+    drafters read, with DrafterConfig's defaults."""
     listing = "; ".join(f"{s.name} = {s.summary}" for s in map(registry.spec, registry.names()))
-    p.add_argument("--drafter", choices=registry.names(), default=None,
-                   help=f"how to draft: {listing} (default: draft when --draft-model is given, else ngram)")
-    p.add_argument("--draft-model", default=None,
+    p.add_argument("--drafter", choices=(PLAIN, *registry.names()), default=None,
+                   help=f"how to draft: {PLAIN} = plain decoding, no drafts; {listing} (default: draft when "
+                        f"--draft-model is given, else {_DEFAULTS['kind']})")
+    p.add_argument("--draft-model", default=_default("--draft-model"),
                    help=f"draft model for --drafter {_users('--draft-model')} (same vocabulary as --model); auto = "
                         "the registered draft of a registered --model")
-    p.add_argument("--draft-quant", choices=DRAFT_QUANT, default="none",
+    p.add_argument("--draft-quant", choices=DRAFT_QUANT, default=_default("--draft-quant"),
                    help="int8 = int8 weight-only draft model (torch's kernel, any path): cheaper drafts, output still "
-                        "exact (default none; on our kernels --draft-weights q8_0 is faster)")
-    p.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default=CHEAPEST,
-                   help="the draft model's weight format, as --weights is the target's; cheapest (default) = q4_1 "
-                        "on our kernels (a draft's format changes acceptance, never the output), else auto")
-    p.add_argument("--head", default=None, metavar="FILE",
+                        f"exact (default {_default('--draft-quant')}; on our kernels --draft-weights q8_0 is faster)")
+    p.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default=_default("--draft-weights"),
+                   help=f"the draft model's weight format, as --weights is the target's; "
+                        f"{_default('--draft-weights')} (default) = q4_1 on our kernels (a draft's format changes "
+                        "acceptance, never the output), else auto")
+    p.add_argument("--head", default=_default("--head"), metavar="FILE",
                    help=f"head file for --drafter {_users('--head')} (default: the head shipped for --model, if any)")
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+    p.add_argument("--draft-vocab", type=int, default=_default("--draft-vocab"), metavar="N",
                    help=f"--drafter {_users('--draft-vocab')}: draft over the N most frequent tokens (0 = all; "
                         "default: a head's as trained; a draft model's all, and with N its end-of-sequence ids "
                         "and first ids: cheaper drafts where the text's tokens are among them, English and code)")
-    p.add_argument("--ngram", type=ngram_sizes, default=(1, 3),
-                   help=f"--drafter {_users('--ngram')}: min,max n-gram sizes to look up (default 1,3)")
-    p.add_argument("--tree-width", type=positive_int, default=None, metavar="W",
+    p.add_argument("--ngram", type=ngram_sizes, default=_default("--ngram"),
+                   help=f"--drafter {_users('--ngram')}: min,max n-gram sizes to look up (default "
+                        f"{','.join(map(str, _default('--ngram')))})")
+    p.add_argument("--tree-width", type=positive_int, default=_default("--tree-width"), metavar="W",
                    help=f"--drafter {_users('--tree-width')}: children per expanded node (default {TREE_WIDTH})")
-    p.add_argument("--skip-layers", default="auto",
+    p.add_argument("--skip-layers", default=_default("--skip-layers"),
                    help=f"--drafter {_users('--skip-layers')}: the layers to skip, e.g. '4,6,8-12'; 'auto' uses (or "
-                        "runs) the stored calibration (default auto)")
-    p.add_argument("--suffix-cache-requests", type=positive_int, default=1000, metavar="N",
-                   help=f"--drafter {_users('--suffix-cache-requests')}: finished requests' outputs kept to draft from "
-                        "(the oldest go first; default 1000)")
-    p.add_argument("--suffix-cache-mb", type=positive_int, default=256, metavar="MB",
+                        f"runs) the stored calibration (default {_default('--skip-layers')})")
+    p.add_argument("--suffix-cache-requests", type=positive_int, default=_default("--suffix-cache-requests"),
+                   metavar="N", help=f"--drafter {_users('--suffix-cache-requests')}: finished requests' outputs "
+                                     "kept to draft from (the oldest go first; default "
+                                     f"{_default('--suffix-cache-requests')})")
+    p.add_argument("--suffix-cache-mb", type=positive_int, default=_default("--suffix-cache-mb"), metavar="MB",
                    help=f"--drafter {_users('--suffix-cache-mb')}: most memory those outputs' suffix trie holds "
-                        "(default 256)")
+                        f"(default {_default('--suffix-cache-mb')})")
     p.add_argument("--no-suffix-cache", dest="suffix_cache", action="store_false",
+                   default=_default("--no-suffix-cache"),
                    help=f"--drafter {_users('--no-suffix-cache')}: draft from each request's prompt and output only")
 
 
@@ -136,11 +152,8 @@ def add_gamma_arguments(p: argparse.ArgumentParser) -> None:
 def drafter_config(args: argparse.Namespace) -> DrafterConfig:
     """The drafter :func:`add_drafter_arguments`' flags ask for; contradictory flags raise ValueError here,
     before anything is loaded."""
-    return DrafterConfig(kind=args.drafter or ("draft" if args.draft_model else "ngram"), draft_model=args.draft_model,
-                         draft_quant=args.draft_quant, draft_weights=args.draft_weights, head=args.head,
-                         draft_vocab=args.draft_vocab, ngram=args.ngram, tree_width=args.tree_width,
-                         skip_layers=args.skip_layers, suffix_cache=args.suffix_cache,
-                         suffix_cache_requests=args.suffix_cache_requests, suffix_cache_mb=args.suffix_cache_mb)
+    kind = args.drafter or ("draft" if args.draft_model else _DEFAULTS["kind"])
+    return DrafterConfig(kind, **{name: getattr(args, name) for name in FLAG_FIELDS.values()})
 
 
 def add_kv_arguments(p: argparse.ArgumentParser) -> None:

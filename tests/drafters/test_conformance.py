@@ -33,7 +33,7 @@ from tiny_models import varied_model, write_head_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DRAFTERS = [name for name in registry.names() if name != "none"]
+DRAFTERS = list(registry.names())
 
 
 def _inputs(name: str, target: Transformer, draft_model: Transformer, cache: CacheConfig, folder: Path,
@@ -46,7 +46,7 @@ def _inputs(name: str, target: Transformer, draft_model: Transformer, cache: Cac
     if spec.needs & Needs.HEAD:
         head = write_head_file(folder / f"{spec.head_kind}.safetensors", spec.head_kind, target, head_vocab, seed=3)
     vocab_size = target.config.vocab_size
-    return DrafterInputs(target, draft_model, skip_layers=(1,), ngram_sizes=(1, 3), draft_cache=cache, head=head,
+    return DrafterInputs(target=target, draft_model=draft_model, skip_layers=(1,), draft_cache=cache, head=head,
                          draft_vocab=vocab_size // 2 if spec.needs & Needs.DRAFT_MODEL else None,
                          eos_ids=(vocab_size - 1,), tree_width=tree_width)
 
@@ -74,12 +74,15 @@ def plain(target):
     return get
 
 
-def test_every_drafter_is_registered_once_with_a_summary():
-    assert registry.names()[0] == "none" and len(set(registry.names())) == len(registry.names())
+def test_every_drafter_is_registered_once_with_a_summary_and_plain_decoding_is_none_of_them():
+    assert registry.names()[0] == "ngram" and len(set(registry.names())) == len(registry.names())
     assert set(DRAFTERS) >= {"ngram", "ngram-tree", "draft", "draft-tree", "layerskip", "eagle", "eagle-tree", "medusa"}
+    assert "none" not in registry.names()
     assert all(registry.spec(name).summary for name in registry.names())
-    with pytest.raises(ValueError, match="unknown drafter 'warp'; expected one of none, ngram"):
+    with pytest.raises(ValueError, match="unknown drafter 'warp'; expected one of ngram, ngram-tree"):
         registry.spec("warp")
+    with pytest.raises(ValueError, match="unknown drafter 'none'"):
+        registry.spec("none")
 
 
 @pytest.mark.parametrize("setting", CACHE_SETTINGS)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.drafters import make_drafter
+from specdecode.drafters import DrafterInputs, registry
 from specdecode.drafters.draft_model import (DraftModelDrafter, VocabularyMismatchError, check_same_vocabulary,
                                              draft_vocabulary)
 from specdecode.heads.vocab import VocabHead
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import from_hf_tensors
 from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams, probs_from_logits
@@ -24,7 +25,7 @@ SAMPLED = SamplingParams(temperature=0.9, top_k=40)
 def _model(seed: int, layers: int) -> Transformer:
     # Weights at scale 0.2 give varied (non-repeating) greedy continuations.
     config = tiny_config("llama", num_layers=layers)
-    return Transformer.from_hf_tensors(config, random_hf_tensors(config, seed, scale=0.2))
+    return from_hf_tensors(config, random_hf_tensors(config, seed, scale=0.2))
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +69,10 @@ def test_head_size_mismatch():
     assert issubclass(VocabularyMismatchError, ValueError)
 
 
-def test_make_drafter_draft_needs_model(draft_model):
+def test_the_registry_builds_draft_with_a_draft_model_only(draft_model):
     with pytest.raises(ValueError, match="needs a draft model"):
-        make_drafter("draft", target=draft_model)
-    d = make_drafter("draft", target=draft_model, draft_model=draft_model)
+        registry.build("draft", DrafterInputs(target=draft_model))
+    d = registry.build("draft", DrafterInputs(target=draft_model, draft_model=draft_model))
     assert isinstance(d, DraftModelDrafter) and d.model is draft_model
 
 
@@ -217,7 +218,7 @@ def test_draft_cache_follows_its_own_settings_and_commits_what_the_target_verifi
     from specdecode.kv.memory import KVMemory
 
     config = CacheConfig(kv_dtype="int8", group_size=4, residual=4, prefill_chunk=8)
-    drafter = make_drafter("draft", target=draft_model, draft_model=draft_model, draft_cache=config)
+    drafter = registry.build("draft", DrafterInputs(target=draft_model, draft_model=draft_model, draft_cache=config))
     memory = KVMemory()
     drafter.reset(KVCacheStub(64), list(range(1, 30)), memory)
     assert isinstance(drafter.cache, CompressedCache) and drafter.cache.max_len == 64

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.drafters import make_drafter
+from specdecode.drafters import DrafterInputs, registry
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import pack_model
 from specdecode.models.linear import QuantLinear
 from specdecode.sampling import SamplingParams
 from kernel_paths import NATIVE_PATHS, path_params
@@ -42,7 +43,7 @@ def test_greedy_output_is_identical_to_plain_decoding(target, kind, cache, gamma
 
 def test_bf16_packed_target_keeps_greedy_identity(target):
     model = varied_model(0, dtype=torch.bfloat16)
-    path = model.pack_weights("auto").name
+    path = pack_model(model, "auto").name
     plain = Engine(model).generate(PROMPT, max_new_tokens=32, eos_token_ids=()).token_ids
     for kind in ("eagle", "eagle3", "medusa"):
         engine = Engine(model, drafter=random_head_drafter(kind, model, seed=2), spec=SpeculativeConfig(gamma=4))
@@ -54,7 +55,7 @@ def test_bf16_packed_target_keeps_greedy_identity(target):
 @pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 def test_a_block_format_target_gets_a_q8_0_head_scoring_with_its_own_head_blocks(path):
     model = varied_model(0, dtype=torch.bfloat16)
-    model.pack_weights(path, weights="q4_1")
+    pack_model(model, path, weights="q4_1")
     plain = Engine(model).generate(PROMPT, max_new_tokens=32, eos_token_ids=()).token_ids
     drafter = random_head_drafter("eagle", model, vocab=range(0, 97, 2), seed=2)
     assert isinstance(drafter.head.fc, QuantLinear) and drafter.head.fc.weight_format == "q8_0"
@@ -132,13 +133,13 @@ def test_eagle_drafter_refuses_features_out_of_order(target):
         drafter.observe(5, torch.zeros(1, 64))
 
 
-def test_make_drafter_reads_head_files_and_checks_the_kind(tmp_path, target):
+def test_the_registry_reads_head_files_and_checks_the_kind(tmp_path, target):
     path = write_head_file(tmp_path / "m.safetensors", "medusa", target)
-    assert make_drafter("medusa", target, head=path).name == "medusa"
+    assert registry.build("medusa", DrafterInputs(target=target, head=path)).name == "medusa"
     with pytest.raises(ValueError, match="is a medusa head, not a eagle head"):
-        make_drafter("eagle", target, head=path)
+        registry.build("eagle", DrafterInputs(target=target, head=path))
     with pytest.raises(ValueError, match="needs a head file"):
-        make_drafter("eagle", target)
+        registry.build("eagle", DrafterInputs(target=target))
 
 
 def test_sampled_drafts_carry_their_distribution(target):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.drafters import make_drafter
+from specdecode.drafters import DrafterInputs, registry
 from specdecode.drafters.layer_skip import (Calibration, LayerSkipDrafter, block_influence, calibrate_skip_set,
                                             parse_layers)
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import from_hf_tensors
 from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     config = tiny_config("llama")
-    return Transformer.from_hf_tensors(config, random_hf_tensors(config, 0, scale=0.2))
+    return from_hf_tensors(config, random_hf_tensors(config, 0, scale=0.2))
 
 
 # --------------------------------------------------------------------------- parse_layers
@@ -66,10 +67,10 @@ def test_layers_run_are_the_complement(model):
     assert d.skip == (1, 3) and d.layers == (0, 2)
 
 
-def test_make_drafter_layerskip(model):
+def test_the_registry_builds_layerskip(model):
     with pytest.raises(ValueError, match="needs a set of layers to skip"):
-        make_drafter("layerskip", target=model)
-    d = make_drafter("layerskip", target=model, skip_layers=[2])
+        registry.build("layerskip", DrafterInputs(target=model))
+    d = registry.build("layerskip", DrafterInputs(target=model, skip_layers=(2,)))
     assert isinstance(d, LayerSkipDrafter) and d.skip == (2,) and d.model is model
 
 
@@ -187,7 +188,7 @@ def test_calibration_on_layers_that_do_nothing_skips_them():
     for i in (1, 2):
         tensors[f"model.layers.{i}.self_attn.o_proj.weight"].zero_()
         tensors[f"model.layers.{i}.mlp.down_proj.weight"].zero_()
-    model = Transformer.from_hf_tensors(config, tensors)
+    model = from_hf_tensors(config, tensors)
     cal = calibrate_skip_set(model, [[1, 2, 3], [40, 50]], new_tokens=8)
     assert set(cal.skip) >= {1, 2}
     # Identity layers have zero block influence, so they are the first two skipped, at full agreement.
@@ -200,7 +201,7 @@ def test_block_influence_is_zero_for_identity_layers(model):
     tensors = random_hf_tensors(config, 0, scale=0.2)
     tensors["model.layers.2.self_attn.o_proj.weight"].zero_()
     tensors["model.layers.2.mlp.down_proj.weight"].zero_()
-    influence = block_influence(Transformer.from_hf_tensors(config, tensors), [[1, 2, 3, 4], [9, 8]])
+    influence = block_influence(from_hf_tensors(config, tensors), [[1, 2, 3, 4], [9, 8]])
     assert influence[2] == pytest.approx(0.0, abs=1e-6)
     assert min(x for i, x in enumerate(influence) if i != 2) > 1e-3
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.drafters import make_drafter
+from specdecode.drafters import DrafterInputs, registry
 from specdecode.drafters.ngram import NgramDrafter, find_match, lookup, match_signals
 from specdecode.sampling import SamplingParams
 
@@ -70,12 +70,15 @@ def test_size_validation(min_ngram, max_ngram):
         NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
 
 
-def test_make_drafter_passes_sizes():
-    d = make_drafter("ngram", target=None, ngram_sizes=(2, 4))
+def test_the_registry_builds_it_with_the_sizes_given_else_its_own():
+    d = registry.build("ngram", DrafterInputs(target=None, ngram_sizes=(2, 4)))
     assert isinstance(d, NgramDrafter) and (d.min_ngram, d.max_ngram) == (2, 4)
-    assert make_drafter("none", target=None) is None
+    d = registry.build("ngram", DrafterInputs(target=None))
+    assert (d.min_ngram, d.max_ngram) == (NgramDrafter.min_ngram, NgramDrafter.max_ngram)
     with pytest.raises(ValueError, match="unknown drafter 'bogus'"):
-        make_drafter("bogus", target=None)
+        registry.build("bogus", DrafterInputs(target=None))
+    with pytest.raises(ValueError, match="unknown drafter 'none'"):  # plain decoding is no drafter
+        registry.build("none", DrafterInputs(target=None))
 
 
 def test_signals_give_match_length_occurrences_and_agreement():

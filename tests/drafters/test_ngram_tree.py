@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.drafters import make_drafter
+from specdecode.drafters import DrafterInputs, registry
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.ngram_tree import NgramTreeDrafter, merge_continuations
 from specdecode.sampling import SamplingParams
@@ -60,6 +60,6 @@ def test_bad_settings_are_named(kwargs, message):
         NgramTreeDrafter(**kwargs)
 
 
-def test_make_drafter_builds_it_with_the_ngram_sizes():
-    drafter = make_drafter("ngram-tree", target=None, ngram_sizes=(2, 4))
+def test_the_registry_builds_it_with_the_ngram_sizes():
+    drafter = registry.build("ngram-tree", DrafterInputs(target=None, ngram_sizes=(2, 4)))
     assert isinstance(drafter, NgramTreeDrafter) and (drafter.min_ngram, drafter.max_ngram) == (2, 4)

@@ -144,6 +144,7 @@ def test_drafters_built_from_one_inputs_share_a_cache_and_others_do_not():
     c = registry.build("suffix", DrafterInputs(target=None))
     assert a.cache is b.cache and a.cache is not c.cache
     assert registry.spec("suffix").learns and registry.spec("suffix-tree").tree
+    assert registry.names_where(lambda spec: spec.learns) == ("suffix", "suffix-tree")  # what needs the cache
     assert registry.build("suffix-tree", inputs).cache is a.cache
 
 
@@ -155,7 +156,7 @@ def test_bad_settings_are_named(kwargs, message):
 
 @pytest.mark.usefixtures("one_thread")
 def test_an_engine_drafts_a_repeated_request_from_its_first_output():
-    inputs = DrafterInputs(varied_model(0))
+    inputs = DrafterInputs(target=varied_model(0))
     engine = BatchEngine(inputs.target, new_drafter=lambda: registry.build("suffix", inputs),
                          spec=SpeculativeConfig(gamma=4), scheduler=SchedulerConfig(max_running=3), max_len=96)
     first = engine.run(requests())
@@ -166,7 +167,7 @@ def test_an_engine_drafts_a_repeated_request_from_its_first_output():
 
 
 def test_the_warm_up_teaches_the_cache_nothing_and_gamma_zero_drafts_nothing():
-    inputs = DrafterInputs(varied_model(0))
+    inputs = DrafterInputs(target=varied_model(0))
     engine = BatchEngine(inputs.target, new_drafter=lambda: registry.build("suffix", inputs),
                          spec=SpeculativeConfig(gamma=4), scheduler=SchedulerConfig(max_running=2), max_len=96)
     engine.warmup()

@@ -47,11 +47,7 @@ class _Wrapper(DrafterWrapper):
     alone_name = "wrapper"
 
     def __init__(self, inner) -> None:
-        self.inner = inner
-
-    @property
-    def wrapped(self):
-        return self.inner
+        self.wrapped = inner
 
 
 def test_every_part_but_propose_reaches_the_wrapped_drafter():

@@ -137,6 +137,7 @@ class DrafterBase:
     no target features wanted, no weights or KV cache of its own."""
 
     feature_layers: tuple[int, ...] = ()
+    signal_names: tuple[str, ...] = ()  # no confidence signals: the ``confidence`` controller has nothing to read
     # It may be asked to draft after tokens not yet verified (a grammar's forced tokens, ``drafters/forced.py``):
     # true of drafters that read only the tokens they are handed and roll back whatever they fed in ``commit``.
     drafts_past_unverified: bool = False
@@ -144,6 +145,13 @@ class DrafterBase:
     def observe(self, position: int, features: torch.Tensor) -> None:
         """Features ``[T, F]`` of the target's verified positions position..position+T-1 (only called for
         drafters with ``feature_layers``)."""
+
+    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
+              slot: int = 0) -> None:
+        """Starts a new request; a drafter that keeps nothing per request has nothing to do."""
+
+    def commit(self, seq: list[int]) -> None:
+        """Told the verified sequence; a drafter that feeds nothing ahead of verification has nothing to roll back."""
 
     @property
     def weight_nbytes(self) -> int:
@@ -174,14 +182,11 @@ class DrafterBase:
 class DrafterWrapper(DrafterBase):
     """A drafter that drafts in front of another (``wrapped``; None: nothing behind it) and hands every other part
     of the protocol on to it: name, signals, features, weights, cache, ``observe``, ``reset``, ``commit``,
-    ``long_run``, ``finish``, ``learned``. A subclass names what it wraps and overrides ``propose``, and calls
-    ``super()`` where it adds to the rest."""
+    ``long_run``, ``finish``, ``learned``. A subclass sets ``wrapped`` (a dataclass field), overrides ``propose``,
+    and calls ``super()`` where it adds to the rest."""
 
+    wrapped: Drafter | None = None
     alone_name = "none"  # its name when it wraps nothing
-
-    @property
-    def wrapped(self) -> Drafter | None:
-        raise NotImplementedError
 
     @property
     def name(self) -> str:

@@ -123,5 +123,3 @@ class EagleDrafter(OwnCache):
         self._pending = []
         return out[:, -1:]
 
-    def commit(self, seq: list[int]) -> None:
-        pass  # propose already left only real rows; the features of this step arrive through observe

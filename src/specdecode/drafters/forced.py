@@ -29,20 +29,16 @@ from specdecode.sampling import SamplingParams
 
 @dataclass
 class ForcedDrafter(DrafterWrapper):
-    """Drafts the grammar's forced tokens, then ``inner``'s proposal after them.
+    """Drafts the grammar's forced tokens, then ``wrapped``'s proposal after them.
 
     Args:
         constraint: the request's place in its grammar.
-        inner: the request's drafter.
+        wrapped: the request's drafter.
     """
 
     constraint: Constraint
-    inner: Drafter
+    wrapped: Drafter
     _ahead: list[int] | None = None  # the forced tokens at the current place (None: not computed yet)
-
-    @property
-    def wrapped(self) -> Drafter:
-        return self.inner
 
     def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
               slot: int = 0) -> None:
@@ -59,10 +55,10 @@ class ForcedDrafter(DrafterWrapper):
                 stop: StopRule | None = None) -> Draft:
         forced = self.forced_ahead()[:k]
         if not forced:
-            return self.inner.propose(seq, k, sampling, generator, stop)
-        if len(forced) == k or not self.inner.drafts_past_unverified:
+            return self.wrapped.propose(seq, k, sampling, generator, stop)
+        if len(forced) == k or not self.wrapped.drafts_past_unverified:
             return Draft(list(forced), forced=len(forced))
-        rest = self.inner.propose(seq + forced, k - len(forced), sampling, generator, stop)
+        rest = self.wrapped.propose(seq + forced, k - len(forced), sampling, generator, stop)
         return _joined(forced, rest)
 
     def commit(self, seq: list[int]) -> None:

@@ -75,8 +75,6 @@ class LayerSkipDrafter(DrafterBase):
         self.cache.trim(self.slot, start)  # leave the target's cache as found; verification rewrites these rows
         return draft
 
-    def commit(self, seq: list[int]) -> None:
-        pass
 
 
 @dataclass

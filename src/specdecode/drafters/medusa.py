@@ -62,5 +62,3 @@ class MedusaDrafter(DrafterBase):
         later = iter(logits[1:])
         return chain_draft(logits[0], lambda token: next(later), k, sampling, generator, stop, self.vocab)
 
-    def commit(self, seq: list[int]) -> None:
-        pass

@@ -7,14 +7,11 @@ temperature. It does not learn or keep any index between requests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from specdecode.drafters.base import Draft, DrafterBase, StopRule
-from specdecode.drafters.registry import DrafterSpec, register
-from specdecode.kv.cache import Cache
-from specdecode.kv.memory import KVMemory
+from specdecode.drafters.registry import DrafterInputs, DrafterSpec, register
 from specdecode.sampling import SamplingParams
 
 
@@ -46,10 +43,6 @@ class NgramDrafter(DrafterBase):
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
 
-    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
-              slot: int = 0) -> None:
-        pass
-
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
         n, starts = find_match(seq, self.min_ngram, self.max_ngram, 1 if stop is None else MAX_OCCURRENCES)
@@ -60,8 +53,6 @@ class NgramDrafter(DrafterBase):
         end = next((i + 1 for i, signal in enumerate(signals) if stop(i, signal)), len(tokens))
         return Draft(tokens[:end], signals=signals[:end])
 
-    def commit(self, seq: list[int]) -> None:
-        pass
 
 
 def find_match(seq: list[int], min_ngram: int, max_ngram: int, limit: int = 1) -> tuple[int, list[int]]:
@@ -127,5 +118,12 @@ def match_signals(seq: list[int], tokens: list[int], n: int, starts: list[int]) 
     return [(float(n), count, a / count) for a in agreeing]
 
 
-register(DrafterSpec("ngram", lambda i: NgramDrafter(min_ngram=i.ngram_sizes[0], max_ngram=i.ngram_sizes[1]),
+def sizes(inputs: DrafterInputs) -> dict[str, int]:
+    """``inputs.ngram_sizes`` as an n-gram drafter's keyword arguments (none: its own defaults)."""
+    if inputs.ngram_sizes is None:
+        return {}
+    return {"min_ngram": inputs.ngram_sizes[0], "max_ngram": inputs.ngram_sizes[1]}
+
+
+register(DrafterSpec("ngram", lambda i: NgramDrafter(**sizes(i)),
                      "n-gram lookup in the prompt and output (prompt lookup)", flags=("--ngram",)))

@@ -11,15 +11,12 @@ the tree is the chain ``ngram`` proposes. Deterministic (q is one-hot); no index
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from specdecode.drafters.base import Draft, DrafterBase, StopRule
-from specdecode.drafters.ngram import continuation, find_match
+from specdecode.drafters.ngram import continuation, find_match, sizes
 from specdecode.drafters.registry import DrafterSpec, register
-from specdecode.kv.cache import Cache
-from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams
 
 # Earlier occurrences of the tail whose continuations make up the tree (the latest ones).
@@ -49,10 +46,6 @@ class NgramTreeDrafter(DrafterBase):
         if self.occurrences < 1:
             raise ValueError(f"ngram-tree needs occurrences >= 1, got {self.occurrences}")
 
-    def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
-              slot: int = 0) -> None:
-        pass
-
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
         """Up to ``k`` nodes; a tree has no per-token stop signal, so ``stop`` is not consulted."""
@@ -62,8 +55,6 @@ class NgramTreeDrafter(DrafterBase):
         tokens, parents = merge_continuations([continuation(seq, s + n, k) for s in starts], k)
         return Draft(tokens, parents=parents)
 
-    def commit(self, seq: list[int]) -> None:
-        pass
 
 
 def merge_continuations(paths: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
@@ -91,5 +82,5 @@ def merge_continuations(paths: list[list[int]], budget: int) -> tuple[list[int],
     return [tokens[i] for i in kept], [number[parents[i]] if parents[i] >= 0 else -1 for i in kept]
 
 
-register(DrafterSpec("ngram-tree", lambda i: NgramTreeDrafter(min_ngram=i.ngram_sizes[0], max_ngram=i.ngram_sizes[1]),
+register(DrafterSpec("ngram-tree", lambda i: NgramTreeDrafter(**sizes(i)),
                      "n-gram lookup drafting every continuation seen, as a token tree", tree=True, flags=("--ngram",)))

@@ -81,16 +81,16 @@ class _Place:
 
 @dataclass
 class PredictionDrafter(DrafterWrapper):
-    """Drafts the prediction where the output follows it, else asks ``fallback``.
+    """Drafts the prediction where the output follows it, else asks ``wrapped``.
 
     Args:
         prediction: the request's prediction.
-        fallback: the engine's drafter for this slot (None: plain decoding where the prediction has nothing).
+        wrapped: the engine's drafter for this slot (None: plain decoding where the prediction has nothing).
         tokenizer: for finding the place again by text (None: by tokens only).
     """
 
     prediction: Prediction
-    fallback: Drafter | None = None
+    wrapped: Drafter | None = None
     tokenizer: object | None = None
     drafted: int = 0  # prediction tokens drafted, and accepted, over the request
     accepted: int = 0
@@ -101,10 +101,6 @@ class PredictionDrafter(DrafterWrapper):
     _proposed: list[int] = field(default_factory=list)
 
     alone_name = "prediction"
-
-    @property
-    def wrapped(self) -> Drafter | None:
-        return self.fallback
 
     def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
               slot: int = 0) -> None:
@@ -127,7 +123,9 @@ class PredictionDrafter(DrafterWrapper):
             self.drafted += len(self._proposed)
             return Draft(self._proposed)
         self._proposed = []
-        return self.fallback.propose(seq, k, sampling, generator, stop) if self.fallback is not None else Draft([])
+        if self.wrapped is None:
+            return Draft([])
+        return self.wrapped.propose(seq, k, sampling, generator, stop)
 
     def commit(self, seq: list[int]) -> None:
         super().commit(seq)

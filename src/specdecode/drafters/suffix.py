@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.base import Draft, DrafterBase, StopRule
-from specdecode.drafters.registry import DrafterInputs, DrafterSpec, register
+from specdecode.drafters.registry import SHARED_SUFFIX_CACHE, DrafterInputs, DrafterSpec, Needs, register
 from specdecode.drafters.suffix_tree import ROOT, SuffixTrie
 from specdecode.kv.cache import Cache
 from specdecode.kv.memory import KVMemory
@@ -214,14 +214,15 @@ class SuffixDrafter(DrafterBase):
 
 
 def _build(inputs: DrafterInputs, tree: bool) -> SuffixDrafter:
-    # One cache per engine: every slot's drafter is built from the same inputs.
-    cache = inputs.shared.setdefault("suffix", SuffixCache())
+    # One cache per engine: every slot's drafter is built from the same inputs (a default one where no
+    # drafter_setup made it).
+    cache = inputs.shared.setdefault(SHARED_SUFFIX_CACHE, SuffixCache())
     return SuffixDrafter(cache, tree=tree, name="suffix-tree" if tree else "suffix")
 
 
 _FLAGS = ("--suffix-cache-requests", "--suffix-cache-mb", "--no-suffix-cache")
 register(DrafterSpec("suffix", lambda i: _build(i, tree=False),
                      "suffix trees over the prompt, the output and earlier requests' outputs (SuffixDecoding)",
-                     flags=_FLAGS, learns=True))
+                     Needs.SUFFIX_CACHE, flags=_FLAGS))
 register(DrafterSpec("suffix-tree", lambda i: _build(i, tree=True),
-                     "suffix trees drafting token trees (SuffixDecoding)", tree=True, flags=_FLAGS, learns=True))
+                     "suffix trees drafting token trees (SuffixDecoding)", Needs.SUFFIX_CACHE, tree=True, flags=_FLAGS))

@@ -133,7 +133,7 @@ class EagleHead(nn.Module):
         self.pack(target.backend, "q8_0" if packing.block_weights(target) else "bf16")
 
     def pack(self, backend: Backend, weights: str = "bf16") -> None:
-        """Runs the projections and the layer on ``backend`` (the target's), as ``Transformer.pack_weights``
+        """Runs the projections and the layer on ``backend`` (the target's), as ``packing.pack``
         does for the target: packed projections, and on our kernels our attention and the layer as one call.
         A backend that packs nothing (torch) leaves the head as it is.
 
