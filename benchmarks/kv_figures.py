@@ -84,7 +84,7 @@ def prefix_workload(model, requests: int = 20) -> dict:
         out["on" if on else "off"] = {"prefill_s_total": round(sum(prefill), 3),
                                       "prefill_s_first": round(prefill[0], 4),
                                       "prefill_s_median_rest": round(statistics.median(prefill[1:]), 4),
-                                      "prefix_hit_tokens": hits, "prompt_tokens": len(engine._prepare(prompt, 1))}
+                                      "prefix_hit_tokens": hits, "prompt_tokens": len(model.tokenizer.encode_prompt(prompt))}
         out["outputs_" + ("on" if on else "off")] = ids
     out["same_outputs"] = sum(a == b for a, b in zip(out.pop("outputs_on"), out.pop("outputs_off")))
     out["saved_share"] = round(1 - out["on"]["prefill_s_total"] / out["off"]["prefill_s_total"], 4)

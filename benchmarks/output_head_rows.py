@@ -37,18 +37,19 @@ def main() -> None:
     loaded = TargetConfig(args.model).load()
     model, engine = loaded.model, BatchEngine(loaded.model, loaded.tokenizer)
     times: dict[tuple[int, bool], list[float]] = {}
-    with torch.inference_mode(), engine._borrowed_slot([100 + i % 1000 for i in range(args.context)]) as slot:
+    context = [100 + i % 1000 for i in range(args.context)]
+    with torch.inference_mode(), engine.timer.borrowed_slot(context, engine.scheduler.slots, busy=False) as slot:
         for _ in range(args.rounds):
             for rows in range(1, args.max_rows + 1):
                 for head in (True, False):
-                    held = engine.cache.lengths[slot]
+                    held = engine.kv.cache.lengths[slot]
                     start = time.perf_counter()
-                    out = model.forward_rows(torch.zeros(rows, dtype=torch.long), engine.cache, (slot,), (rows,),
+                    out = model.forward_rows(torch.zeros(rows, dtype=torch.long), engine.kv.cache, (slot,), (rows,),
                                              logits=LogitRows.at(torch.arange(rows)) if head else LogitRows.NONE)
                     if head:
                         out.logits.argmax(-1)
                     times.setdefault((rows, head), []).append(time.perf_counter() - start)
-                    engine.cache.trim(slot, held)
+                    engine.kv.cache.trim(slot, held)
     step = statistics.median(times[1, True])
     table = {rows: {head: statistics.median(times[rows, head]) / step for head in (True, False)}
              for rows in range(1, args.max_rows + 1)}

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from specdecode.control import GAMMA_POLICIES, ControllerFactory, StepContext, StepRecord, controller_factory
-from specdecode.drafters import Drafter, make_drafter
+from specdecode.drafters import Drafter, DrafterInputs, registry
 from specdecode.engine import Engine
 from specdecode.sampling import SamplingParams
 
@@ -79,7 +79,7 @@ def replay_prompt(row: dict[str, Any], make: ControllerFactory, v: Sequence[floa
     gamma_max = len(v) - 1
     while done < len(out):
         remaining = len(out) - done
-        ctx = StepContext(remaining, row["prompt_len"] + done, max_context)
+        ctx = StepContext(remaining=remaining, context_len=row["prompt_len"] + done, max_context=max_context)
         k = min(controller.next_gamma(ctx), remaining - 1, gamma_max)
         proposal = row["proposals"][done]
         tokens, signals = proposal["tokens"][:k], [tuple(s) for s in proposal["signals"][:k]]
@@ -90,7 +90,8 @@ def replay_prompt(row: dict[str, Any], make: ControllerFactory, v: Sequence[floa
         while accepted < len(tokens) and tokens[accepted] == out[done + accepted]:
             accepted += 1
         d, t = draft_cost * len(tokens), v[len(tokens)]
-        controller.update(StepRecord(ctx, k, len(tokens), accepted, d, t, signals))
+        controller.update(StepRecord(ctx=ctx, requested=k, drafted=len(tokens), accepted=accepted, draft_s=d,
+                                     verify_s=t, signals=signals))
         time_steps += d + t
         steps += 1
         done += accepted + 1
@@ -124,7 +125,8 @@ def _record_command(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     target = load_model(args.model, progress=lambda m: print(m, file=sys.stderr))
     draft = load_model(args.draft_model) if args.draft_model else None
-    drafter = make_drafter(args.drafter, target.model, draft.model if draft else None)
+    inputs = DrafterInputs(target=target.model, draft_model=draft.model if draft else None)
+    drafter = registry.build(args.drafter, inputs)
     engine = Engine(target.model, target.tokenizer)
     engine.warmup()
     prompts = [(p.id, p.category, render(p, target.tokenizer)) for p in select(default_prompts(), limit=args.limit)]

@@ -65,7 +65,7 @@ def one_thread():
 def fresh_cost_curves(tmp_path_factory, monkeypatch):
     """Each test's warm-up measures its cost curve: curves remembered on this machine (``~/.cache/specdecode/
     costs``) would otherwise stand in for what a test checks was measured."""
-    from specdecode.batch import executor
+    from specdecode.batch import costs
 
     folder = tmp_path_factory.mktemp("cost-curves")
-    monkeypatch.setattr(executor, "cache_dir", lambda: folder)
+    monkeypatch.setattr(costs, "cache_dir", lambda: folder)

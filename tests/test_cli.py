@@ -7,6 +7,7 @@ console script in a subprocess (stdin handling, `python -m`), and the integratio
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import io
 import json
@@ -23,6 +24,9 @@ import pytest
 import torch
 
 from specdecode.cli import main
+from specdecode.drafter_setup import FLAG_FIELDS, PLAIN, DrafterConfig
+from specdecode.drafters import registry
+from specdecode.flags import add_drafter_arguments, drafter_config
 from specdecode.models import fetch as fetch_mod
 from specdecode.models import loader as loader_mod
 from specdecode.models.fetch import cached_path
@@ -232,12 +236,27 @@ def test_bad_arguments_before_any_loading(tiny, capsys, flags, needles):
     (["--drafter", "ngram", "--draft-weights", "q8_0"], ["--draft-weights is only used by --drafter draft|draft-tree", "ngram"]),
     (["--draft-model", "DRAFT", "--draft-quant", "int8", "--draft-weights", "q8_0"],
      ["--draft-quant int8 and --draft-weights both"]),
+    (["--draft-model", "DRAFT", "--ngram", "2,4"], ["--ngram is only used by --drafter ngram|ngram-tree, not draft"]),
+    (["--drafter", "none", "--suffix-cache-mb", "8"], ["--suffix-cache-mb is only used by --drafter suffix|suffix-tree",
+                                                        "not none"]),
 ])
 def test_contradictory_drafter_flags_fail_before_loading(tiny, capsys, flags, needles):
     flags = [str(tiny["draft"]) if f == "DRAFT" else f for f in flags]
     rc, out, err = run(capsys, "generate", "--model", tiny["target"], *FAST, *flags, PROMPT)
     assert_usage_error(rc, out, err, *needles)
     assert "reading" not in err  # refused before the target was loaded
+
+
+def test_the_drafter_flags_default_to_drafter_configs_fields_and_offer_plain_decoding_first():
+    parser = argparse.ArgumentParser()
+    add_drafter_arguments(parser)
+    args, defaults = parser.parse_args([]), DrafterConfig()
+    assert drafter_config(args) == defaults
+    assert {field: getattr(args, field) for field in FLAG_FIELDS.values()} == {
+        field: getattr(defaults, field) for field in FLAG_FIELDS.values()}
+    (drafter,) = [action for action in parser._actions if action.dest == "drafter"]
+    assert tuple(drafter.choices) == (PLAIN, *registry.names())
+    assert not drafter_config(parser.parse_args(["--drafter", PLAIN])).speculates
 
 
 @pytest.mark.parametrize("flags, needles", [

@@ -1,9 +1,9 @@
 """`--device auto|cpu|cuda`: picking the device (runs anywhere), and the plain torch path on a GPU
 (marked ``device``; skipped, with the reason, where torch sees no CUDA device).
 
-On CUDA the projections run on F.linear (the torch backend, ``pack_weights("torch")``; our kernels and oneDNN are CPU
-only), the random generator lives on the GPU, and greedy speculation must still reproduce plain greedy
-decoding token for token.
+On CUDA the projections run on F.linear (the torch backend, ``build.pack_model(model, "torch")``; our kernels
+and oneDNN are CPU only), the random generator lives on the GPU, and greedy speculation must still reproduce
+plain greedy decoding token for token.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafte
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.models import build
-from specdecode.models.build import load_model, resolve_device
+from specdecode.models.build import load_model, pack_model, resolve_device
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from test_cli import run
@@ -155,7 +155,7 @@ def test_cli_device_reaches_load_model(no_cuda, monkeypatch, capsys, tmp_path):
 
 def _on(device: str, model: Transformer) -> Transformer:
     model = model.to(device)
-    assert model.pack_weights("torch").name == "torch"  # the plain torch path: F.linear
+    assert pack_model(model, "torch").name == "torch"  # the plain torch path: F.linear
     assert model.device.type == torch.device(device).type
     return model
 
@@ -192,9 +192,10 @@ def check_warmup_and_padding_change_no_output(device: str, dtype: torch.dtype) -
     plain = [Engine(target).generate(p, max_new_tokens=NEW_TOKENS).token_ids for p in PROMPTS]
     engine = Engine(target, drafter=DraftModelDrafter(draft, target), spec=SpeculativeConfig(gamma=3))
     engine.warmup()
-    assert set(engine._padded_rows) == set(range(1, 9))
-    for padded in (dict(engine._padded_rows), {n: 8 for n in range(1, 9)}):
-        engine._padded_rows = padded
+    padding = engine.batch.timer.padding
+    assert set(padding.table) == set(range(1, 9))
+    for padded in (dict(padding.table), {n: 8 for n in range(1, 9)}):
+        padding.table = padded
         assert [engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids for p in PROMPTS] == plain, padded
 
 

@@ -10,6 +10,7 @@ import pytest
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.drafters.base import Draft, DrafterBase
 from specdecode.engine import Engine, GenerationResult, SpeculativeConfig
+from specdecode.models.build import pack_model
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from tiny_models import OracleTreeDrafter, varied_model
@@ -456,7 +457,7 @@ class _StopAfter:
 def test_an_early_stop_shortens_drafts_and_keeps_the_output(target, models, plain, kind):
     controller = _StopAfter(2)
     engine = Engine(target, drafter=_drafter(kind, target, models), spec=SpeculativeConfig(gamma=6))
-    engine.batch._new_controller = lambda: controller
+    engine.batch.admission.new_controller = lambda: controller
     result = engine.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS)
     assert result.token_ids == plain[tuple(PROMPTS[1])]
     assert len(result.stats.drafted_by_position) <= 2 and result.stats.drafted_tokens > 0
@@ -475,7 +476,7 @@ def test_speculative_config_max_draft():
 def test_warmup_measures_the_step_cost_and_changes_no_output(target, plain):
     engine = Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=3))
     engine.warmup()
-    step_s = engine.batch.step_costs.seconds
+    step_s = engine.batch.timer.step_costs.seconds
     assert step_s and all(t > 0 for t in step_s.values())
     for p in PROMPTS:
         assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]
@@ -484,7 +485,7 @@ def test_warmup_measures_the_step_cost_and_changes_no_output(target, plain):
 @pytest.mark.parametrize("gamma", ["cost", "adaptive"])
 def test_warmup_seeds_the_shared_step_costs_and_requests_keep_learning_them(target, plain, gamma):
     engine = Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=gamma, gamma_max=6))
-    shared = engine.batch._new_controller.shared
+    shared = engine.batch.admission.new_controller.shared
     costs = shared.costs
     assert costs.base is None
     engine.warmup()
@@ -494,9 +495,9 @@ def test_warmup_seeds_the_shared_step_costs_and_requests_keep_learning_them(targ
     for p in PROMPTS:
         assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]
     # One SharedEstimates for all requests: the later ones start from what the earlier ones measured.
-    assert engine.batch._new_controller().shared is shared
+    assert engine.batch.admission.new_controller().shared is shared
     assert costs.ready and costs.shape != seeded and sum(shared.acceptance.seen) > 0
-    assert Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=3)).batch._new_controller.shared is None
+    assert Engine(target, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma=3)).batch.admission.new_controller.shared is None
 
 
 def test_seeded_curve_keeps_each_ks_fastest_time(target, monkeypatch):
@@ -509,12 +510,12 @@ def test_seeded_curve_keeps_each_ks_fastest_time(target, monkeypatch):
         calls.append(rows)
         return 0.050 if len(calls) in (3, 8) else 0.010 + 0.001 * (rows - 1)
 
-    monkeypatch.setattr(batch.padding, "tune", lambda *a, **k: {})  # only the seeding is timed here
-    monkeypatch.setattr(batch.step_costs, "at", lambda context, time_step: 0.010)
-    monkeypatch.setattr(batch, "_time_rows", scripted)
+    monkeypatch.setattr(batch.timer.padding, "tune", lambda *a, **k: {})  # only the seeding is timed here
+    monkeypatch.setattr(batch.timer.step_costs, "at", lambda context, time_step: 0.010)
+    monkeypatch.setattr(batch.timer, "time_rows", scripted)
     batch.warmup(repeats=3)
     assert calls == [1, 2, 3, 4, 5, 5, 4, 3, 2, 1, 1, 2, 3, 4, 5]  # interleaved: drift touches every k alike
-    costs = batch._new_controller.shared.costs
+    costs = batch.admission.new_controller.shared.costs
     assert costs.shape[:5] == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])  # the spikes left no trace (a median would not)
 
 
@@ -522,11 +523,11 @@ def _warmup_calls(model, monkeypatch) -> tuple[int, list[float]]:
     """Timed forwards of one engine's warm-up (timings scripted) and the curve it seeded."""
     engine = Engine(model, drafter=NgramDrafter(), spec=SpeculativeConfig(gamma="cost", gamma_max=4))
     calls = []
-    monkeypatch.setattr(engine.batch.padding, "tune", lambda *a, **k: {})
-    monkeypatch.setattr(engine.batch.step_costs, "at", lambda context, time_step: 0.010)
-    monkeypatch.setattr(engine.batch, "_time_rows", lambda slot, rows, pad=True: calls.append(rows) or 0.01 * rows)
+    monkeypatch.setattr(engine.batch.timer.padding, "tune", lambda *a, **k: {})
+    monkeypatch.setattr(engine.batch.timer.step_costs, "at", lambda context, time_step: 0.010)
+    monkeypatch.setattr(engine.batch.timer, "time_rows", lambda slot, rows, pad=True: calls.append(rows) or 0.01 * rows)
     engine.batch.warmup(repeats=2)
-    return len(calls), engine.batch._new_controller.shared.costs.shape[:5]
+    return len(calls), engine.batch.admission.new_controller.shared.costs.shape[:5]
 
 
 def test_a_second_engine_of_the_same_setting_reuses_the_measured_curve(target, monkeypatch):
@@ -537,7 +538,7 @@ def test_a_second_engine_of_the_same_setting_reuses_the_measured_curve(target, m
     assert [_warmup_calls(target, monkeypatch)[0] for _ in range(2)] == [10, 10]
     require_path("avx2")
     packed = varied_model(0, dtype=torch.bfloat16)
-    packed.pack_weights("avx2")
+    pack_model(packed, "avx2")
     (first, curve), (second, again) = _warmup_calls(packed, monkeypatch), _warmup_calls(packed, monkeypatch)
     assert (first, second) == (10, 0)  # measured once (5 sizes x 2), then remembered
     assert again == pytest.approx(curve)
@@ -579,9 +580,9 @@ def test_memory_bytes_counts_what_each_configuration_holds(target, models):
 def test_row_padding_is_tuned_and_changes_no_output(target, models, plain):
     engine = Engine(target, drafter=_drafter("draft-other", target, models), spec=SpeculativeConfig(gamma=3))
     engine.warmup()
-    padded = engine.batch.padding.table
+    padded = engine.batch.timer.padding.table
     assert set(padded) == set(range(1, 9)) and all(max(n, 2) <= r <= 8 for n, r in padded.items())
-    engine.batch.padding.table = {n: 8 for n in range(1, 9)}  # the most padding there is: still the same tokens
+    engine.batch.timer.padding.table = {n: 8 for n in range(1, 9)}  # the most padding there is: still the same tokens
     for p in PROMPTS:
         assert engine.generate(p, max_new_tokens=NEW_TOKENS).token_ids == plain[tuple(p)]
 
@@ -599,7 +600,7 @@ def test_a_qwen3_model_speculates_exactly_on_our_kernels(path):
 
     require_path(path)
     model = tiny_model("qwen3", seed=2, dtype=torch.bfloat16, num_layers=3)
-    model.pack_weights(path, weights="q8_0")
+    pack_model(model, path, weights="q8_0")
     prompts = [[5, 9, 2, 5, 9, 2, 7], [11, 3, 3, 8, 1, 11, 3]]
     plain = [Engine(model).generate(p, max_new_tokens=24).token_ids for p in prompts]
     assert len({tuple(ids) for ids in plain}) == 2

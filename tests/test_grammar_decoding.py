@@ -11,7 +11,7 @@ import torch
 
 from distribution_check import (ALPHA, LETTERS, NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_p_value, exact_joint,
                                 sample_counts, small_vocab_model, small_vocab_target, small_vocab_tokenizer)
-from specdecode.batch import executor as executor_module
+from specdecode.batch import grammar_rows as grammar_rows_module
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.drafters import DraftModelDrafter, NgramDrafter, NgramTreeDrafter
@@ -19,7 +19,7 @@ from specdecode.drafters import forced as forced_module
 from specdecode.drafters.base import Draft
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.grammar import Grammar
-from specdecode.models.transformer import Transformer
+from specdecode.models.build import from_hf_tensors, pack_model
 from specdecode.sampling import SamplingParams
 from kernel_paths import NATIVE_PATHS, path_params, require_path
 from tiny_models import random_hf_tensors, tiny_config
@@ -87,7 +87,7 @@ def test_negative_control_cutting_a_sampled_draft_before_its_refused_token_is_de
     """Why ``within`` keeps a sampled draft's refused token: cut before it, the next token is drawn from p where the
     rejection's residual max(0, p - q) was due, and the distribution test sees it (a small bias here: it takes three
     times the samples; at SAMPLES, p was 0.016)."""
-    monkeypatch.setattr("specdecode.batch.executor.within", _cut_before_refused)
+    monkeypatch.setattr("specdecode.batch.proposing.within", _cut_before_refused)
     assert forced_module.within is not _cut_before_refused
     engine = Engine(target, tokenizer, _drafter("draft"), SpeculativeConfig(gamma=3))
     sampling = SamplingParams(temperature=1.0)
@@ -134,8 +134,8 @@ def test_constrained_greedy_identity_on_each_of_our_kernel_paths(tokenizer, path
     cannot run it): masks go on the logits whatever computed them."""
     require_path(path)
     config = tiny_config("llama", vocab_size=VOCAB)
-    target = Transformer.from_hf_tensors(config, random_hf_tensors(config, 7, scale=0.2), dtype=torch.bfloat16)
-    target.pack_weights(path)
+    target = from_hf_tensors(config, random_hf_tensors(config, 7, scale=0.2), dtype=torch.bfloat16)
+    pack_model(target, path)
     for kind in ("ngram", "draft"):
         _check_greedy_identity(target, tokenizer, kind)
 
@@ -196,8 +196,8 @@ def test_steps_the_grammar_decides_change_no_bit_on_our_kernels(tokenizer, path,
     token and log-probability bitwise."""
     require_path(path)
     config = tiny_config("llama", vocab_size=VOCAB)
-    target = Transformer.from_hf_tensors(config, random_hf_tensors(config, 7, scale=0.2), dtype=torch.bfloat16)
-    target.pack_weights(path)
+    target = from_hf_tensors(config, random_hf_tensors(config, 7, scale=0.2), dtype=torch.bfloat16)
+    pack_model(target, path)
     for kind in ("none", "ngram"):
         skipping, computing = _decided_against_computed(target, tokenizer, kind, monkeypatch, fewer=kind == "none")
         assert skipping == computing
@@ -229,7 +229,7 @@ def _decided_against_computed(target, tokenizer, kind: str, monkeypatch, fewer: 
     with monkeypatch.context() as patch:
         patch.setattr(target, "forward_rows", counting)
         skipping, skipped_rows = run()
-        patch.setattr(executor_module, "sole_tokens", lambda masks: {})  # every row through the head
+        patch.setattr(grammar_rows_module, "sole_tokens", lambda masks: {})  # every row through the head
         computing, computed_rows = run()
     assert skipped_rows < computed_rows if fewer else skipped_rows <= computed_rows
     return skipping, computing

@@ -15,6 +15,7 @@ from specdecode.drafters import DraftModelDrafter, NgramDrafter
 from specdecode.engine import SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
 from specdecode.logprobs import token_logprobs, verdict_rows
+from specdecode.models.build import pack_model
 from specdecode.sampling import SamplingParams
 from tiny_models import random_head_drafter, varied_model
 
@@ -57,9 +58,9 @@ def _logprobs(engine: BatchEngine, top: int, sampling: SamplingParams = Sampling
 def test_logprobs_are_the_same_with_and_without_speculation_batched_or_alone(path):
     require_path(path)
     model = varied_model(0, dtype=torch.bfloat16)
-    model.pack_weights(path)
+    pack_model(model, path)
     draft = varied_model(0, dtype=torch.bfloat16, keep_layers=[0, 1])
-    draft.pack_weights(path)
+    pack_model(draft, path)
     plain = _logprobs(BatchEngine(model, max_len=96, scheduler=SchedulerConfig(max_running=1)), top=3)  # alone
     for new in (NgramDrafter, lambda: DraftModelDrafter(draft, model, CacheConfig()),
                 lambda: DraftModelDrafter(draft, model, CacheConfig(), tree_width=2),  # trees: rows 1 + node

@@ -115,7 +115,8 @@ def test_verify_batch_takes_trees_and_chains_together():
     greedy = SamplingParams()
     best = logits.argmax(-1).tolist()
     chain = [best[7], 0]
-    verdicts = verify_batch(logits, [len(TOKENS) + 1, 3], [Pending(TOKENS, None, greedy, 0, 5, parents=PARENTS),
-                                                           Pending(chain, None, greedy, 0, 9)])
+    verdicts = verify_batch(logits, [len(TOKENS) + 1, 3], [
+        Pending(tokens=TOKENS, q=None, sampling=greedy, seed=0, position=5, parents=PARENTS),
+        Pending(tokens=chain, q=None, sampling=greedy, seed=0, position=9)])
     assert verdicts[0] == verify_tree_greedy(best[:7], TOKENS, PARENTS)
     assert verdicts[1].tokens[0] == best[7] and verdicts[1].path is None

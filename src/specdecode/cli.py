@@ -55,7 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text from a prompt")
+    _add_generate_arguments(sub.add_parser("generate", help="generate text from a prompt"))
+    add_bench_arguments(sub.add_parser("bench", help="benchmark every method and its peers side by side on prompt suites"))
+
+    _add_model_tool_commands(sub)
+    add_bench_serve_arguments(sub.add_parser(
+        "bench-serve", help="load-test the server: plain vs speculative decoding at several concurrencies"))
+    add_serve_arguments(sub.add_parser(
+        "serve", help="serve an OpenAI-compatible API with continuous batching and speculation"))
+
+    t = sub.add_parser("train-head", help="train an EAGLE or Medusa draft head on the target's own answers")
+    add_model_arguments(t, device=False)  # trains on the CPU; heads/ sits below flags.py, so the flags are added here
+    add_head_arguments(t)
+    return parser
+
+
+def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     add_model_arguments(g)
     g.add_argument("prompt", help="the prompt; '-' reads it from stdin")
     add_drafter_arguments(g)
@@ -78,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_kv_arguments(g)
 
-    add_bench_arguments(sub.add_parser("bench", help="benchmark every method and its peers side by side on prompt suites"))
 
+def _add_model_tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """`models`, `peers`, `calibrate-layerskip` and `fit-controller`: the commands that prepare, not run."""
     m = sub.add_parser("models", help="list the named models and whether each is cached")
     m.add_argument("--json", action="store_true")
 
@@ -103,16 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--l2", type=float, default=1.0, help="L2 penalty on the standardised weights (default 1)")
     f.add_argument("--merge", default=None, metavar="FILE",
                    help="keep this controller file's models for the drafters the records do not cover")
-
-    add_bench_serve_arguments(sub.add_parser(
-        "bench-serve", help="load-test the server: plain vs speculative decoding at several concurrencies"))
-    add_serve_arguments(sub.add_parser(
-        "serve", help="serve an OpenAI-compatible API with continuous batching and speculation"))
-
-    t = sub.add_parser("train-head", help="train an EAGLE or Medusa draft head on the target's own answers")
-    add_model_arguments(t, device=False)  # trains on the CPU; heads/ sits below flags.py, so the flags are added here
-    add_head_arguments(t)
-    return parser
 
 
 def _read_stdin(what: str) -> str:

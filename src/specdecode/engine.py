@@ -14,7 +14,7 @@ from typing import Callable, ContextManager, Iterable, Iterator, Sequence
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.observer import RecordObserver
 from specdecode.batch.scheduler import SchedulerConfig
-from specdecode.batch.sequence import GenerationResult, Output, Sequence as Running
+from specdecode.batch.sequence import GenerationResult, Output, SequenceState
 from specdecode.batch.stream import TextStream
 from specdecode.control import StepRecord
 from specdecode.control.config import SpeculativeConfig
@@ -55,12 +55,12 @@ class Engine:
                                  scheduler, max_len=context, observer=RecordObserver(on_step) if on_step else None,
                                  slot_len=FIRST_SLOT_LEN, record_signals=on_step is not None)
         self.target, self.tokenizer, self.drafter, self.spec = target, tokenizer, drafter, self.batch.spec
-        self._running: Running | None = None
+        self._running: SequenceState | None = None
 
     @property
     def cache(self) -> Cache:
         """The target's KV cache (one slot)."""
-        return self.batch.cache
+        return self.batch.kv.cache
 
     @property
     def memory(self) -> KVMemory:
@@ -117,7 +117,7 @@ class Engine:
                                                 grammar=grammar)
         return TextStream(self._steps(seq, outputs))
 
-    def _steps(self, seq: Running, outputs: list[Output]) -> Iterator[Output]:
+    def _steps(self, seq: SequenceState, outputs: list[Output]) -> Iterator[Output]:
         try:
             while not seq.finished:
                 self.batch.step()

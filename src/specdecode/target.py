@@ -21,7 +21,7 @@ class TargetConfig:
         model: registry name, .gguf path, HF folder or hub id.
         dtype: "auto", "bfloat16", "float32" or "float16" (``models.build.load_model``).
         device: "auto", "cpu", "cuda" or "cuda:N" (``models.build.resolve_device``).
-        linear: the projections' kernel path (``models.linear.LINEAR_KERNELS``).
+        linear: the projections' backend, a ``--linear`` name (``models.backends.LINEAR_CHOICES``).
         weights: the projections' weight format (``models.weights.WEIGHT_FORMATS``).
     """
 

@@ -198,7 +198,7 @@ def verify_tree_stochastic(p: torch.Tensor, q: torch.Tensor, draft: list[int], p
         node = child
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Pending:
     """One sequence's draft waiting for :func:`verify_batch`.
 

@@ -13,6 +13,7 @@ from specdecode.batch.scheduler import QueueFullError, SchedulerConfig
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
+from specdecode.models.build import pack_model
 from specdecode.models.transformer import Transformer
 from tiny_models import OracleTreeDrafter, random_head_drafter, varied_model
 
@@ -91,14 +92,14 @@ def test_prompts_prefilled_inside_decode_steps_change_no_token(path, kind):
     what it gets alone."""
     require_path(path)
     model = varied_model(0, dtype=torch.bfloat16)
-    model.pack_weights(path)
+    pack_model(model, path)
     new = _new_drafter(kind, model, None, CacheConfig())
     solo = Engine(model, drafter=new() if new else None, spec=SpeculativeConfig(gamma=4))
     want = [solo.generate(**r).token_ids for r in requests()]
     for rows, chunk in ((16, 256), (5, 3)):  # prompts in chunks of up to 15 rows, or 1 to 3 rows at a time
         engine = BatchEngine(model, new_drafter=new, spec=SpeculativeConfig(gamma=4), max_len=96,
                              scheduler=SchedulerConfig(max_running=4, max_rows=rows, prefill_chunk=chunk))
-        assert engine._chunked_prefill
+        assert engine.admission.chunked
         assert [r.token_ids for r in engine.run(requests())] == want, (path, kind, rows)
 
 
@@ -156,7 +157,7 @@ class _FillSpy:
         memory = self.engine.memory
         in_use = sum(c.bytes_used() for c in memory.caches.values()) + memory.prefix_bytes
         self.seen.append((ctx.cache_fill, in_use / memory.budget,
-                          self.engine.cache.bytes_used() / memory.budget))
+                          self.engine.kv.cache.bytes_used() / memory.budget))
         return 3
 
     def stop(self, position, signal) -> bool:
@@ -195,7 +196,7 @@ def _rows_seen(target, draft_model, max_rows: int) -> list[list]:
     engine = BatchEngine(target, new_drafter=lambda: DraftModelDrafter(draft_model, target, CacheConfig()),
                          spec=SpeculativeConfig(gamma=2), scheduler=SchedulerConfig(max_running=2, max_rows=max_rows),
                          max_len=96)
-    engine._new_controller = lambda: _RowSpy(seen)
+    engine.admission.new_controller = lambda: _RowSpy(seen)
     for prompt in PROMPTS[:2]:
         engine.submit(prompt, max_new_tokens=24, eos_token_ids=())
     steps = []
@@ -237,7 +238,7 @@ def test_the_budget_share_a_controller_sees_counts_the_draft_caches(target, draf
                          spec=SpeculativeConfig(gamma=3), cache=cache, scheduler=SchedulerConfig(max_running=2),
                          max_len=96)
     seen = []
-    engine._new_controller = lambda: _FillSpy(engine, seen)
+    engine.admission.new_controller = lambda: _FillSpy(engine, seen)
     engine.run(requests()[:3])
     assert seen and all(fill == pytest.approx(in_use) for fill, in_use, _ in seen)
     assert any(fill > target_only for fill, _, target_only in seen)

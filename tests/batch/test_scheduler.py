@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from specdecode.batch.scheduler import QueueFullError, Scheduler, SchedulerConfig, SlotPool
-from specdecode.batch.sequence import Request, Sequence
+from specdecode.batch.sequence import Request, SequenceState
 
 
-def _seq() -> Sequence:
-    return Sequence(Request((1, 2, 3)))
+def _seq() -> SequenceState:
+    return SequenceState(Request((1, 2, 3)))
 
 
 def test_admission_is_first_come_first_served_onto_free_slots():

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.batch.sequence import Request, Sequence, prompt_ids
+from specdecode.batch.sequence import Request, SequenceState, prompt_ids
 from test_text import ByteTokenizer
 
 EOS = 999
 
 
-def _seq(max_new: int = 20, stop=()) -> Sequence:
-    return Sequence(Request((1,), max_new_tokens=max_new, stop=tuple(stop), eos=frozenset({EOS})), ByteTokenizer())
+def _seq(max_new: int = 20, stop=()) -> SequenceState:
+    return SequenceState(Request((1,), max_new_tokens=max_new, stop=tuple(stop), eos=frozenset({EOS})), ByteTokenizer())
 
 
 def _ids(text: str) -> list[int]:

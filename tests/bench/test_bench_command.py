@@ -45,6 +45,14 @@ def _base_args(models, prompt_file):
             "--categories", "alpha,beta", "--max-new-tokens", "12", "--no-progress"]
 
 
+def test_plain_decoding_is_our_first_family_and_a_failure_of_it_fails_the_run():
+    from specdecode.bench.command import _gates
+    from specdecode.drafters import registry
+
+    assert bench_methods.OUR_FAMILIES == ("none", *registry.names(), bench_methods.PREDICTION_FAMILY)
+    assert _gates("none") and _gates("ngram") and not _gates("eagle") and not _gates("hf")
+
+
 def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
     out_json, report = tmp_path / "bench.json", tmp_path / "report"
     args = _base_args(tiny_model_dirs, prompt_file) + [

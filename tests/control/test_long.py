@@ -33,7 +33,8 @@ class Recording(FixedGamma):
 def _step(controller: LongDrafts, accepted: int | None = None) -> int:
     """One step: the gamma asked for, then a record with ``accepted`` of it kept (all when None)."""
     k = controller.next_gamma(CTX)
-    controller.update(StepRecord(CTX, k, k, k if accepted is None else accepted, 0.0, 0.0))
+    controller.update(StepRecord(ctx=CTX, requested=k, drafted=k, accepted=k if accepted is None else accepted,
+                                 draft_s=0.0, verify_s=0.0))
     return k
 
 

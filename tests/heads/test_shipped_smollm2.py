@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.drafters import make_drafter
+from specdecode.drafters import DrafterInputs, registry
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.heads import shipped_head, shipped_heads
 from specdecode.kv.cache import CacheConfig
@@ -44,7 +44,7 @@ def plain(smollm2, prompts):
 @pytest.mark.parametrize("kind, gamma, min_tau", [("eagle", 4, 1.25), ("eagle", "adaptive", 1.0), ("medusa", 3, 1.05)])
 def test_greedy_speculation_with_a_shipped_head_is_identical_to_plain(smollm2, prompts, plain, kind, gamma, min_tau):
     model, tok = smollm2.model, smollm2.tokenizer
-    drafter = make_drafter(kind, model, head=shipped_head(model, kind))
+    drafter = registry.build(kind, DrafterInputs(target=model, head=shipped_head(model, kind)))
     engine = Engine(model, tok, drafter, SpeculativeConfig(gamma=gamma))
     emitted = forwards = 0
     for prompt, expected in zip(prompts, plain):
@@ -60,7 +60,8 @@ def test_eagle_under_a_compressed_cache_is_identical_to_plain(smollm2, cache):
     model, tok = smollm2.model, smollm2.tokenizer
     prompt = _ids(tok, GROUNDED[0])
     plain = Engine(model, tok, cache=cache).generate(prompt, max_new_tokens=48, eos_token_ids=())
-    drafter = make_drafter("eagle", model, head=shipped_head(model, "eagle"), draft_cache=cache)
+    drafter = registry.build("eagle", DrafterInputs(target=model, head=shipped_head(model, "eagle"),
+                                                    draft_cache=cache))
     result = Engine(model, tok, drafter, SpeculativeConfig(gamma=4), cache=cache).generate(
         prompt, max_new_tokens=48, eos_token_ids=())
     assert result.token_ids == plain.token_ids

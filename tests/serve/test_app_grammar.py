@@ -8,7 +8,7 @@ import asyncio
 import threading
 from concurrent.futures import Future
 
-from specdecode.batch.sequence import Request as EngineRequest, Sequence
+from specdecode.batch.sequence import Request as EngineRequest, SequenceState
 from specdecode.grammar import GrammarError
 from specdecode.serve.app import ServedModel
 from specdecode.serve.errors import APIError
@@ -37,7 +37,7 @@ class _Loop:
     def submit(self, on_output, **request) -> Future:
         self.compiled_before_submit.append(len(self._compiler.threads))
         future: Future = Future()
-        future.set_result(Sequence(EngineRequest(tuple(request["prompt"])), on_output=on_output))
+        future.set_result(SequenceState(EngineRequest(tuple(request["prompt"])), on_output=on_output))
         return future
 
 

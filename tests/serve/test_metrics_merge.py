@@ -14,8 +14,10 @@ def _served(drafted: int, accepted: int, running: int) -> bytes:
     m = ServeMetrics("smollm2")
     seq = SimpleNamespace(id=1, arrival=0.0, request=SimpleNamespace(prompt_ids=[1, 2, 3]))
     m.admitted(seq)
-    m.stepped(seq, StepRecord(None, drafted, drafted, accepted, 0.0, 0.0), emitted=accepted + 1, now=0.5)
-    m.stepped(seq, StepRecord(None, 0, 0, 0, 0.0, 0.0), emitted=1, now=0.52)
+    m.stepped(seq, StepRecord(ctx=None, requested=drafted, drafted=drafted, accepted=accepted, draft_s=0.0,
+                              verify_s=0.0), emitted=accepted + 1, now=0.5)
+    m.stepped(seq, StepRecord(ctx=None, requested=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.0), emitted=1,
+              now=0.52)
     m.gauges(running, 0, 0.25)
     return m.render()
 

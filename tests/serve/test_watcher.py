@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import pytest
 from starlette.requests import Request
 
-from specdecode.batch.sequence import Request as EngineRequest, Sequence
+from specdecode.batch.sequence import Request as EngineRequest, SequenceState
 from specdecode.serve.app import ServedModel
 from specdecode.serve.errors import APIError
 from specdecode.serve.requests import CompletionRequest
@@ -25,7 +25,7 @@ class _SilentLoop:
 
     def submit(self, on_output, **request) -> Future:
         future: Future = Future()
-        future.set_result(Sequence(EngineRequest(tuple(request["prompt"])), on_output=on_output))
+        future.set_result(SequenceState(EngineRequest(tuple(request["prompt"])), on_output=on_output))
         return future
 
     def cancel(self, seq) -> None:

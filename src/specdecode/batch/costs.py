@@ -1,10 +1,10 @@
-"""What a forward costs: row padding for kernels whose speed jumps with the row count, and the plain
-decode step's seconds by context length (a request's ``decode_step_s``).
+"""What a forward costs: row padding for kernels whose speed jumps with the row count, the plain decode step's
+seconds by context length (a request's ``decode_step_s``), and the timed forwards that measure both.
 
-Both are measured by the engine (``executor.py``) with forwards that it rolls back; this module keeps
-the tables and picks from them, and remembers a measured verification cost curve on disk
-(``remembered_curve``), so a later start of the same model shape on the same machine does not time it again.
-It does not run models itself.
+:class:`StepTimer` times forwards as a step runs them (padding included) in a slot it rolls back afterwards, so
+that a timing changes nothing; at warm-up it tunes the padding off our kernels and seeds cost-aware controllers
+with a verification cost curve, which ``remembered_curve`` keeps on disk, so a later start of the same model
+shape on the same machine does not time it again. It does not decide drafts or run decode steps.
 """
 
 from __future__ import annotations
@@ -14,14 +14,27 @@ import hashlib
 import json
 import os
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+import torch
+
+from specdecode.batch.scheduler import SlotPool
+from specdecode.batch.target_kv import TargetKV
+from specdecode.control import ControllerFactory
+from specdecode.models.fetch import cache_dir
+from specdecode.models.native import cpu_model, source_digest
+from specdecode.models.prefill import prefill
+from specdecode.models.rows import LogitRows
+from specdecode.models.transformer import Transformer
 from specdecode.timing import interleaved_timings
 
 # Row counts tried when tuning a forward's padding.
 MAX_PADDED_ROWS = 8
+SEEDED_ROWS = 17  # longest forward timed for the cost curve (a fed token + 16 drafts); longer ones extrapolated
+WARMUP_CONTEXT = 64  # tokens of context the warm-up timings run at: projections, which grow with rows, dominate
 
 
 @dataclass
@@ -110,3 +123,83 @@ def remembered_curve(what: dict[str, Any], measure: Callable[[], list[float]], f
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
     return seconds
+
+
+@dataclass(kw_only=True)
+class StepTimer:
+    """Times the target's forwards as a step runs them, each rolled back so that it changes nothing.
+
+    Args:
+        target: the model timed.
+        kv: its cache over the engine's slots.
+        padding: the row padding a step applies (tuned here at warm-up off our kernels).
+        step_costs: the plain step's cost by context length.
+    """
+
+    target: Transformer
+    kv: TargetKV
+    padding: RowPadding
+    step_costs: StepCostTable = field(default_factory=StepCostTable)
+
+    def time_rows(self, slot: int, rows: int, pad: bool = True) -> float:
+        """Seconds of a forward of ``rows`` rows in ``slot`` (padded as a step pads it) with the logits a step
+        reads and their greedy picks, rolled back afterwards."""
+        cache, held = self.kv.cache, self.kv.cache.lengths[slot]
+        n = self.padding.rows(rows, self.kv.room(slot)) if pad else rows
+        tokens = torch.zeros(n, dtype=torch.long, device=self.target.device)
+        start = time.perf_counter()
+        out = self.target.forward_rows(tokens, cache, (slot,), (n,), logits=LogitRows.at(torch.arange(rows)))
+        out.logits.argmax(-1)
+        self.target.synchronize()
+        seconds = time.perf_counter() - start
+        cache.trim(slot, held)
+        return seconds
+
+    def plain_step_s(self, slot: int, context: int) -> float:
+        """A plain decode step's seconds at ``context`` tokens (timed in ``slot`` the first time a bucket is met)."""
+        return self.step_costs.at(context, lambda: self.time_rows(slot, 1))
+
+    @contextlib.contextmanager
+    def borrowed_slot(self, context: Sequence[int], slots: SlotPool, busy: bool) -> Iterator[int]:
+        """A free slot holding ``context`` (prefilled) while the block runs, emptied and given back after it."""
+        if len(context) + SEEDED_ROWS + MAX_PADDED_ROWS > self.kv.config.max_len:
+            self.kv.grow_for(len(context) + SEEDED_ROWS, busy)
+        slot = slots.acquire()
+        cache = self.kv.cache
+        try:
+            cache.reset(slot)
+            prefill(cache, slot, list(context), self.target, invariant_rows=self.target.backend.row_invariant)
+            yield slot
+        finally:
+            cache.reset(slot)
+            slots.release(slot)
+
+    def calibrate(self, slot: int, controllers: ControllerFactory, max_rows: int, repeats: int) -> None:
+        """The warm-up's timings in ``slot`` (holding WARMUP_CONTEXT tokens): off our kernels the padding is tuned
+        (on ours cost only grows with the rows, and tuning picks noise); the plain step's cost there; and, for
+        cost-aware controllers, a forward's cost by its rows, 1 to ``max_rows`` (at most SEEDED_ROWS; the fastest
+        of ``repeats`` interleaved timings per size; on row-invariant backends remembered on disk)."""
+        invariant = self.target.backend.row_invariant
+        if not invariant:
+            self.padding.tune(lambda rows: self.time_rows(slot, rows, pad=False), repeats)
+            self.step_costs.clear()  # measured with the old padding
+        self.plain_step_s(slot, WARMUP_CONTEXT)
+        if not controllers.uses_costs:
+            return
+        sizes = range(1, min(max_rows, SEEDED_ROWS) + 1)
+
+        def measure() -> list[float]:
+            return fastest(interleaved_timings(lambda rows: self.time_rows(slot, rows), sizes, repeats))
+
+        # elsewhere the padding just tuned is part of the cost: measured at every start
+        curve = remembered_curve(self.setting(sizes, repeats), measure, cache_dir() / "costs") if invariant \
+            else measure()
+        controllers.seed_costs(curve)
+
+    def setting(self, sizes: range, repeats: int) -> dict[str, object]:
+        """Everything a forward's cost depends on (no weight value does): the key of a remembered curve."""
+        t = self.target
+        return {"config": t.config, "weights": t.weight_format, "backend": t.backend.name, "dtype": t.dtype,
+                "device": t.device, "fused": t.runner.fused, "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "cpu": cpu_model(), "kernels": source_digest(),
+                "cache": self.kv.config, "context": WARMUP_CONTEXT, "sizes": list(sizes), "repeats": repeats}

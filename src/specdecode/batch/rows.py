@@ -12,17 +12,18 @@ This module only lays rows out; it does not run the model, verify, or touch a ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Sequence
 
+from specdecode.batch.sequence import SequenceState
 from specdecode.drafters.base import Draft
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SequenceRows:
     """One sequence's part of a step.
 
     Args:
-        key: what the caller knows the sequence by.
+        seq: the sequence.
         slot: its cache slot.
         cached: tokens its slot holds before the step.
         prompt: prompt tokens it prefills this step (written from ``cached`` on).
@@ -30,7 +31,7 @@ class SequenceRows:
         draft: what was drafted after ``last`` (empty for a plain step).
     """
 
-    key: Hashable
+    seq: SequenceState
     slot: int
     cached: int
     prompt: Sequence[int] = ()
@@ -65,7 +66,7 @@ class ForwardRows:
     counts: list[int] = field(default_factory=list)
     parents: list[list[int] | None] = field(default_factory=list)
     scored: list[int] = field(default_factory=list)
-    first: dict[Hashable, int] = field(default_factory=dict)
+    first: dict[SequenceState, int] = field(default_factory=dict)
 
     def pad(self, rows: int) -> None:
         """Appends copies of the last row up to ``rows`` rows (to the last run, whose rollback drops them)."""
@@ -91,7 +92,7 @@ def lay_out(parts: Sequence[SequenceRows]) -> ForwardRows:
             tree = part.draft.row_parents(offset=n)
         if not tokens:
             continue
-        rows.first[part.key] = len(rows.tokens)
+        rows.first[part.seq] = len(rows.tokens)
         rows.tokens += tokens
         rows.slots.append(part.slot)
         rows.counts.append(len(tokens))

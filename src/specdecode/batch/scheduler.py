@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from specdecode.batch.sequence import Sequence
+from specdecode.batch.sequence import SequenceState
 
 
 class QueueFullError(RuntimeError):
@@ -84,11 +84,11 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig = SchedulerConfig()) -> None:
         self.config = config
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
         self.slots = SlotPool(config.max_running)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         """Queues a sequence; raises :class:`QueueFullError` when the queue is full."""
         if not self.can_accept:
             raise QueueFullError(f"the request queue is full: {len(self.waiting)} waiting (max_waiting "
@@ -101,7 +101,7 @@ class Scheduler:
         """Whether :meth:`add` would queue one more (free slots take waiting sequences at the next step)."""
         return len(self.waiting) < self.config.max_waiting + self.slots.free
 
-    def admit(self) -> list[Sequence]:
+    def admit(self) -> list[SequenceState]:
         """Moves waiting sequences onto free slots (oldest first); returns the newly running ones."""
         admitted = []
         while self.waiting and self.slots.free:
@@ -111,7 +111,7 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: SequenceState) -> None:
         """Takes a finished or cancelled sequence out, returning its slot."""
         if seq in self.running:
             self.running.remove(seq)

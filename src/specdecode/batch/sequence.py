@@ -1,6 +1,6 @@
 """One request's state while it is served: its tokens, text, stop rules, slot, controller, drafter and stats.
 
-A :class:`Sequence` is what the scheduler queues and the executor steps. :meth:`Sequence.append` takes a
+A :class:`SequenceState` is what the scheduler queues and the executor steps. :meth:`SequenceState.append` takes a
 step's verified tokens and applies the end rules exactly where plain decoding would stop (an
 end-of-sequence id, the token that completes a stop string, the token budget), so that a request's
 tokens do not depend on how they were grouped into steps.
@@ -13,12 +13,12 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence as Seq
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from specdecode.control import GammaController
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.chain import DrafterChain
 from specdecode.drafters.prediction import Prediction
 from specdecode.grammar import Constraint, Grammar
 from specdecode.logprobs import TokenLogprob
@@ -96,7 +96,7 @@ class Output:
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """A request being served. Created by the executor's ``submit``; read-only for everyone else.
 
     Args:
@@ -107,7 +107,7 @@ class Sequence:
 
     request: Request
     tokenizer: object | None = None
-    on_output: Callable[["Sequence", Output], None] | None = None
+    on_output: Callable[["SequenceState", Output], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
     slot: int | None = None
     generated: list[int] = field(default_factory=list)
@@ -118,7 +118,7 @@ class Sequence:
     first_token_at: float | None = None
     # Set by the executor when the sequence starts running.
     controller: GammaController | None = None
-    drafter: Drafter | None = None
+    drafter: DrafterChain | None = None  # its drafter chain (drafters/chain.py); None: plain decoding
     generator: torch.Generator | None = None
     constraint: Constraint | None = None  # its place in its grammar, when it has one
     seed: int = 0
@@ -207,6 +207,11 @@ class Sequence:
         self._shown = max(self._shown, visible)
         return Output(tokens, text, self.finish_reason, logprobs)
 
+    def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Hands the :class:`Output` of a step that appended ``tokens`` to ``on_output``, if any."""
+        if self.on_output is not None:
+            self.on_output(self, self.output(tokens, logprobs))
+
 
 def stop_strings(stop: str | Iterable[str], tokenizer) -> tuple[str, ...]:
     """A single stop string (not its characters) or several, checked: non-empty, and a tokenizer to see them."""
@@ -218,7 +223,7 @@ def stop_strings(stop: str | Iterable[str], tokenizer) -> tuple[str, ...]:
     return stop
 
 
-def predicted(prediction: str | Seq[int] | None, tokenizer, vocab_size: int) -> Prediction | None:
+def predicted(prediction: str | Sequence[int] | None, tokenizer, vocab_size: int) -> Prediction | None:
     """A request's prediction, tokenized (text) or checked (token ids, as for prompts); None for none or an
     empty one (nothing to draft from).
 
@@ -244,7 +249,7 @@ def eos_ids(eos_token_ids: Iterable[int] | None, tokenizer) -> frozenset[int]:
     return frozenset(eos_token_ids)
 
 
-def prompt_ids(prompt: str | Seq[int], tokenizer, vocab_size: int, context: int, max_new_tokens: int,
+def prompt_ids(prompt: str | Sequence[int], tokenizer, vocab_size: int, context: int, max_new_tokens: int,
                context_name: str = "the model's context length") -> list[int]:
     """The prompt's token ids, checked: non-empty, in the vocabulary, and with room for ``max_new_tokens``.
 

@@ -19,6 +19,7 @@ from specdecode.bench.methods import DRAFT_MODEL_FAMILIES, FAMILIES
 from specdecode.bench.runner import BenchConfig
 from specdecode.control import GAMMA_POLICIES
 from specdecode.control.config import MAX_GAMMA
+from specdecode.drafter_setup import PLAIN
 from specdecode.drafters import TREE_WIDTH, Needs, registry
 from specdecode.flags import add_kv_arguments, add_model_arguments, cache_configs, gamma
 from specdecode.models.build import CHEAPEST, DRAFT_QUANT, DRAFT_WEIGHTS
@@ -212,5 +213,6 @@ def run_command(command: BenchCommand) -> int:
 
 
 def _gates(family: str) -> bool:
-    """Whether a failure of ``family`` fails the run: ours, except trained heads (a head file may be missing)."""
-    return family in registry.names() and not registry.spec(family).needs & Needs.HEAD
+    """Whether a failure of ``family`` fails the run: ours, plain decoding included, except trained heads (a head
+    file may be missing)."""
+    return family == PLAIN or family in registry.names() and not registry.spec(family).needs & Needs.HEAD

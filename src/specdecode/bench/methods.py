@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from specdecode.control import StepRecord
-from specdecode.drafters import TREE_WIDTH, Needs, make_drafter, registry
+from specdecode.drafter_setup import PLAIN
+from specdecode.drafters import TREE_WIDTH, DrafterInputs, DrafterSpec, Needs, registry
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.grammar import Grammar
 from specdecode.kv.cache import CacheConfig
@@ -29,7 +30,7 @@ from specdecode.sampling import SamplingParams
 
 # The n-gram drafter given each prompt's prediction (prompt files' "prediction"; other methods never see it).
 PREDICTION_FAMILY = "prediction"
-OUR_FAMILIES = registry.names() + (PREDICTION_FAMILY,)  # our engine with each drafter ("none": plain decoding)
+OUR_FAMILIES = (PLAIN, *registry.names(), PREDICTION_FAMILY)  # our engine: plain decoding, then with each drafter
 # llama.cpp's own llama-server (``specdecode peers build``): plain, with the draft model, with n-gram lookup.
 SERVER_PEERS = ("llamacpp-server", "llamacpp-server-draft", "llamacpp-server-lookup")
 PEER_FAMILIES = ("hf", "hf-assisted", "hf-lookup", "llamacpp", "llamacpp-lookup", *SERVER_PEERS)
@@ -124,7 +125,7 @@ def plain_of(name: str) -> str:
     """The plain-decoding method a method of ours is checked and compared against: ``none``, or in a run of
     several weight formats, the ``none@format`` of its own format."""
     _, at, weights = name.partition("@")
-    return f"none@{weights}" if at else "none"
+    return f"{PLAIN}@{weights}" if at else PLAIN
 
 
 def method_name(family: str, gamma: int | str | None) -> str:
@@ -143,20 +144,25 @@ def _cut_at_eos(ids: list[int], eos: frozenset[int]) -> list[int]:
 
 def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sampling: SamplingParams,
                   max_new_tokens: int, draft_model: LoadedModel | None = None,
-                  skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] = (1, 3),
+                  skip_layers: Sequence[int] | None = None, ngram_sizes: tuple[int, int] | None = None,
                   gamma_max: int = 8, controller_file: str | None = None, record: bool = False,
                   cache: CacheConfig = CacheConfig(), draft_cache: CacheConfig = CacheConfig(),
                   head: str | Path | None = None, draft_vocab: int | None = None,
                   tree_width: int = TREE_WIDTH) -> Method:
-    """Our engine with one drafter (or none) and one gamma policy, under one KV cache setting.
+    """Our engine with one drafter (or none: ``PLAIN``) and one gamma policy, under one KV cache setting.
 
     Each method gets its own Engine (own KV cache, prefix cache and drafter state); the target weights are shared.
     Timed from outside ``Engine.generate``: nothing benchmark-specific runs inside the decode loop, except,
     with ``record``, keeping each step's record (which also makes the drafter compute its signals).
+    ``ngram_sizes`` None: the n-gram drafters' own.
     """
-    drafter = make_drafter(family, target.model, draft_model.model if draft_model else None, skip_layers,
-                           ngram_sizes=ngram_sizes, draft_cache=draft_cache, head=head, draft_vocab=draft_vocab,
-                           tree_width=tree_width, eos_ids=target.tokenizer.eos_token_ids)
+    drafter_spec = registry.spec(family) if family != PLAIN else None
+    drafter = None
+    if drafter_spec is not None:
+        drafter = registry.build(family, DrafterInputs(
+            target=target.model, draft_model=draft_model.model if draft_model else None,
+            skip_layers=tuple(skip_layers) if skip_layers else None, ngram_sizes=ngram_sizes, draft_cache=draft_cache,
+            head=head, draft_vocab=draft_vocab, eos_ids=tuple(target.tokenizer.eos_token_ids), tree_width=tree_width))
     spec = SpeculativeConfig(gamma if gamma is not None else 0, gamma_max, controller_file)
     steps: list[StepRecord] = []
     engine = Engine(target.model, target.tokenizer, drafter, spec, on_step=steps.append if record else None,
@@ -173,34 +179,41 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         return Output(result.token_ids, seconds, result.stats.to_dict(), result.finish_reason, list(steps),
                       result.text)
 
-    params: dict[str, Any] = {}
-    drafter_spec = registry.spec(family)
-    uses_draft_model = bool(drafter_spec.needs & Needs.DRAFT_MODEL) and draft_model is not None
-    if "--ngram" in drafter_spec.flags:
-        params["ngram_sizes"] = list(ngram_sizes)
-    if "--tree-width" in drafter_spec.flags:
-        params["tree_width"] = drafter.tree_width
-    if drafter_spec.needs & Needs.SKIP_SET:
-        params["skip_layers"] = list(skip_layers or ())
-    if uses_draft_model:
-        params["draft_model"] = draft_model.source
-    if head is not None:
-        params["head"] = str(head)
-    if head is not None or uses_draft_model:
-        params["draft_vocab"] = int(drafter.vocab.ids.numel()) if drafter.vocab is not None else 0
+    uses_draft_model = drafter_spec is not None and bool(drafter_spec.needs & Needs.DRAFT_MODEL)
+    draft = draft_model if uses_draft_model else None
+    params = _drafter_params(drafter_spec, drafter, skip_layers, draft, head) if drafter_spec is not None else {}
     if isinstance(gamma, str):
         params["gamma_max"] = gamma_max
     if gamma in ("confidence", "adaptive"):
         params["controller_file"] = controller_file
-    drafts_with = draft_model.model if uses_draft_model else None
+    drafts_with = draft.model if draft is not None else None
     return Method(method_name(family, gamma), family, run, gamma, params, memory=engine.memory_bytes,
                   signal_names=drafter.signal_names if drafter is not None else (),
                   kernel=target.model.backend.name, dtype=dtype_name(target.model.dtype),
                   draft_kernel=drafts_with.backend.name if drafts_with else None,
                   draft_dtype=dtype_name(drafts_with.dtype) if drafts_with else None,
                   weights=target.model.weight_format, weight_bytes=target.model.weight_nbytes,
-                  draft_weights=drafts_with.weight_format if drafts_with else None, learns=drafter_spec.learns,
-                  constrains=True)
+                  draft_weights=drafts_with.weight_format if drafts_with else None,
+                  learns=drafter_spec is not None and drafter_spec.learns, constrains=True)
+
+
+def _drafter_params(spec: DrafterSpec, drafter: Any, skip_layers: Sequence[int] | None,
+                    draft_model: LoadedModel | None, head: str | Path | None) -> dict[str, Any]:
+    """The drafter's settings worth recording in the JSON."""
+    params: dict[str, Any] = {}
+    if "--ngram" in spec.flags:
+        params["ngram_sizes"] = [drafter.min_ngram, drafter.max_ngram]
+    if "--tree-width" in spec.flags:
+        params["tree_width"] = drafter.tree_width
+    if spec.needs & Needs.SKIP_SET:
+        params["skip_layers"] = list(skip_layers or ())
+    if draft_model is not None:
+        params["draft_model"] = draft_model.source
+    if head is not None:
+        params["head"] = str(head)
+    if head is not None or draft_model is not None:
+        params["draft_vocab"] = int(drafter.vocab.ids.numel()) if drafter.vocab is not None else 0
+    return params
 
 
 # ----------------------------------------------------------------------------------------------

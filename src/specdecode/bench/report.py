@@ -103,55 +103,62 @@ def figures(samples: Sequence[Any], tps: dict[str, float], baselines: dict[str, 
                         f"speedup_vs_{name}_max": _r(max(ratios))})
     stats = [s.stats for s in samples if s.stats]
     if stats:
-        forwards = sum(st["target_forwards"] for st in stats)
-        generated = sum(st["tokens_generated"] for st in stats)
-        drafted = sum(st["drafted_tokens"] for st in stats)
-        accepted = sum(st["accepted_tokens"] for st in stats)
-        width = max((len(st["drafted_by_position"]) for st in stats), default=0)
-        d_pos, a_pos = [0] * width, [0] * width
-        for st in stats:
-            for i, (d, a) in enumerate(zip(st["drafted_by_position"], st["accepted_by_position"])):
-                d_pos[i] += d
-                a_pos[i] += a
-        # Per draft size (tokens or tree nodes): steps and accepted tokens, then tokens per step.
-        sizes = max((len(st.get("steps_by_budget", ())) for st in stats), default=0)
-        b_steps, b_acc = [0] * sizes, [0] * sizes
-        for st in stats:
-            for i, (n, a) in enumerate(zip(st.get("steps_by_budget", ()), st.get("accepted_by_budget", ()))):
-                b_steps[i] += n
-                b_acc[i] += a
-        predicted = [st["predicted_speedup"] for st in stats if st.get("predicted_speedup") is not None]
-        wall = sum(st["wall_s"] for st in stats)
-        # Drafting time per drafted token (a head catching up on verified rows included), and as a share
-        # of a plain decode step (c in the speedup formula).
-        per_token = sum(st.get("draft_s", 0.0) for st in stats) / drafted if drafted else None
-        step = _median([st["decode_step_s"] for st in stats if st.get("decode_step_s")])
-        out.update(mean_accepted_length=_r(generated / forwards) if forwards else None,
-                   acceptance_rate=_r(accepted / drafted) if drafted else None,
-                   acceptance_by_position=[_r(a / d) for a, d in zip(a_pos, d_pos) if d],
-                   accepted_length_by_budget=[_r((a + n) / n) if n else None for a, n in zip(b_acc, b_steps)],
-                   tree_steps=sum(st.get("tree_steps", 0) for st in stats),
-                   mean_gamma=_r(drafted / forwards) if forwards else None,
-                   predicted_speedup=_r(_median(predicted)),
-                   draft_ms_per_token=_r(per_token * 1000) if per_token is not None else None,
-                   draft_cost=_r(per_token / step) if per_token is not None and step else None,
-                   control_share=_r(sum(st["control_s"] for st in stats) / wall) if wall > 0 else None,
-                   kv_bytes=max(st["kv_bytes"] for st in stats),
-                   kv_bytes_per_token=_r(_median([st["kv_bytes_per_token"] for st in stats])),
-                   draft_kv_bytes_per_token=_r(_median([st["draft_kv_bytes_per_token"] for st in stats])))
-        forced = sum(st.get("forced_drafted", 0) for st in stats)
-        mask_s = sum(st.get("grammar_s", 0.0) for st in stats)
-        if mask_s:  # decoded under a grammar: the masks' cost, per step and of a plain step
-            per_step = mask_s / forwards if forwards else None
-            out.update(mask_ms_per_step=_r(per_step * 1000) if per_step else None,
-                       mask_share=_r(per_step / step) if per_step and step else None,
-                       forced_acceptance=_r(sum(st.get("forced_accepted", 0) for st in stats) / forced)
-                       if forced else None)
+        out.update(_draft_figures(stats))
     checked = [s.valid for s in samples if getattr(s, "valid", None) is not None]
     if checked:
         out.update(valid_outputs=sum(checked), checked_outputs=len(checked))
     if reference is not None:
         out["identical_to_none"], out["compared_to_none"] = _identity(samples, reference)
+    return out
+
+
+def _draft_figures(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Drafting's figures over requests' stats (``RequestStats.to_dict``): acceptance, by position and by draft size,
+    drafting's and control's costs, KV bytes and, under a grammar, the masks' cost and forced tokens' acceptance."""
+    forwards = sum(st["target_forwards"] for st in stats)
+    generated = sum(st["tokens_generated"] for st in stats)
+    drafted = sum(st["drafted_tokens"] for st in stats)
+    accepted = sum(st["accepted_tokens"] for st in stats)
+    width = max((len(st["drafted_by_position"]) for st in stats), default=0)
+    d_pos, a_pos = [0] * width, [0] * width
+    for st in stats:
+        for i, (d, a) in enumerate(zip(st["drafted_by_position"], st["accepted_by_position"])):
+            d_pos[i] += d
+            a_pos[i] += a
+    # Per draft size (tokens or tree nodes): steps and accepted tokens, then tokens per step.
+    sizes = max((len(st.get("steps_by_budget", ())) for st in stats), default=0)
+    b_steps, b_acc = [0] * sizes, [0] * sizes
+    for st in stats:
+        for i, (n, a) in enumerate(zip(st.get("steps_by_budget", ()), st.get("accepted_by_budget", ()))):
+            b_steps[i] += n
+            b_acc[i] += a
+    predicted = [st["predicted_speedup"] for st in stats if st.get("predicted_speedup") is not None]
+    wall = sum(st["wall_s"] for st in stats)
+    # Drafting time per drafted token (a head catching up on verified rows included), and as a share
+    # of a plain decode step (c in the speedup formula).
+    per_token = sum(st.get("draft_s", 0.0) for st in stats) / drafted if drafted else None
+    step = _median([st["decode_step_s"] for st in stats if st.get("decode_step_s")])
+    out = dict(mean_accepted_length=_r(generated / forwards) if forwards else None,
+               acceptance_rate=_r(accepted / drafted) if drafted else None,
+               acceptance_by_position=[_r(a / d) for a, d in zip(a_pos, d_pos) if d],
+               accepted_length_by_budget=[_r((a + n) / n) if n else None for a, n in zip(b_acc, b_steps)],
+               tree_steps=sum(st.get("tree_steps", 0) for st in stats),
+               mean_gamma=_r(drafted / forwards) if forwards else None,
+               predicted_speedup=_r(_median(predicted)),
+               draft_ms_per_token=_r(per_token * 1000) if per_token is not None else None,
+               draft_cost=_r(per_token / step) if per_token is not None and step else None,
+               control_share=_r(sum(st["control_s"] for st in stats) / wall) if wall > 0 else None,
+               kv_bytes=max(st["kv_bytes"] for st in stats),
+               kv_bytes_per_token=_r(_median([st["kv_bytes_per_token"] for st in stats])),
+               draft_kv_bytes_per_token=_r(_median([st["draft_kv_bytes_per_token"] for st in stats])))
+    forced = sum(st.get("forced_drafted", 0) for st in stats)
+    mask_s = sum(st.get("grammar_s", 0.0) for st in stats)
+    if mask_s:  # decoded under a grammar: the masks' cost, per step and of a plain step
+        per_step = mask_s / forwards if forwards else None
+        out.update(mask_ms_per_step=_r(per_step * 1000) if per_step else None,
+                   mask_share=_r(per_step / step) if per_step and step else None,
+                   forced_acceptance=_r(sum(st.get("forced_accepted", 0) for st in stats) / forced)
+                   if forced else None)
     return out
 
 
@@ -266,6 +273,42 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
     greedy = result.config.temperature == 0.0
     has_plain = any(m.family == "none" for m in result.methods)
     figs = aggregate(result.samples, names, categories, by_category, identity=greedy and has_plain)
+    methods = _method_entries(result, figs, categories)
+    identity_checked = greedy and has_plain
+    ours_compared = [e for e in methods if e["kind"] == "ours" and e["family"] != "none" and e["compared_to_none"]]
+    identical = sum(e["identical_to_none"] for e in ours_compared) if identity_checked else None
+    compared = sum(e["compared_to_none"] for e in ours_compared) if identity_checked else None
+    mismatches = [{"method": mm.method, "prompt_id": mm.prompt_id, "repeat": mm.repeat,
+                   "first_difference": mm.first_difference} for mm in result.identity_mismatches]
+    comparison = gamma_comparison(methods, prompt_tokens_per_s(result.samples), by_category)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "config": {**config_echo, "model_source": result.model_source, "draft_model_source": result.draft_source,
+                   "torch_dtype": result.torch_dtype, "peer_dtype": result.peer_dtype,
+                   "linear_kernel": result.linear_kernel},
+        "environment": environment,
+        "prompts": {"count": len(result.prompts), "categories": categories,
+                    "by_category": {c: len(v) for c, v in by_category.items()},
+                    "prompt_tokens": result.prompt_tokens},
+        "methods": methods,
+        "identical_outputs": identical,
+        "identity_comparisons": compared,
+        "identity_mismatches": mismatches,
+        "identity_note": None if identity_checked else (
+            "not checked: temperature > 0 (sampled outputs)" if not greedy else "not checked: 'none' did not run"),
+        "skipped": [{"name": n, "reason": why} for n, why in result.skipped],
+        "failed": [{"name": n, "error": e} for n, e in result.failed.items()],
+        "notes": list(result.notes),
+        "memory": {"peak_rss_mb": _r(result.peak_rss_mb), "rss_after_load_mb": _r(result.rss_after_load_mb)},
+        "timing": {"load_s": _r(result.load_s), "run_s": _r(result.run_s)},
+        "cost_curves": [c.to_dict() for c in result.cost_curves],
+        "gamma_comparison": comparison,
+        "samples": [_sample_entry(s) for s in result.samples],
+    }
+
+
+def _method_entries(result: Any, figs: dict[str, dict[str, Any]], categories: list[str]) -> list[dict[str, Any]]:
+    """Each method's entry of the document: its settings and figures; a peer that could not even be built, failed."""
     methods = []
     for m in result.methods:
         f = figs[m.name]
@@ -290,46 +333,19 @@ def build_document(result: Any, config_echo: dict[str, Any], environment: dict[s
                             "identical_to_none": None, "compared_to_none": None, "rss_mb": None,
                             "memory_mb": None, "kernel": None, "dtype": None, "draft_kernel": None,
                             "draft_dtype": None, "weights": None, "weight_mb": None, "draft_weights": None})
-    identity_checked = greedy and has_plain
-    ours_compared = [e for e in methods if e["kind"] == "ours" and e["family"] != "none" and e["compared_to_none"]]
-    identical = sum(e["identical_to_none"] for e in ours_compared) if identity_checked else None
-    compared = sum(e["compared_to_none"] for e in ours_compared) if identity_checked else None
-    mismatches = [{"method": mm.method, "prompt_id": mm.prompt_id, "repeat": mm.repeat,
-                   "first_difference": mm.first_difference} for mm in result.identity_mismatches]
-    samples = [{"method": s.method, "prompt_id": s.prompt_id, "category": s.category, "repeat": s.repeat,
-                "tokens": s.tokens, "seconds": _r(s.seconds), "tokens_per_s": _r(s.tokens_per_s), "finish": s.finish,
-                "valid": s.valid,
-                "mean_accepted_length": _r(s.stats["mean_accepted_length"]) if s.stats else None,
-                "acceptance_rate": _r(s.stats["acceptance_rate"]) if s.stats and s.stats["drafted_tokens"] else None,
-                "predicted_speedup": _r(s.stats["predicted_speedup"]) if s.stats else None,
-                "kv_bytes": s.stats["kv_bytes"] if s.stats else None,
-                "kv_bytes_per_token": _r(s.stats["kv_bytes_per_token"]) if s.stats else None}
-               for s in result.samples]
-    comparison = gamma_comparison(methods, prompt_tokens_per_s(result.samples), by_category)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": {**config_echo, "model_source": result.model_source, "draft_model_source": result.draft_source,
-                   "torch_dtype": result.torch_dtype, "peer_dtype": result.peer_dtype,
-                   "linear_kernel": result.linear_kernel},
-        "environment": environment,
-        "prompts": {"count": len(result.prompts), "categories": categories,
-                    "by_category": {c: len(v) for c, v in by_category.items()},
-                    "prompt_tokens": result.prompt_tokens},
-        "methods": methods,
-        "identical_outputs": identical,
-        "identity_comparisons": compared,
-        "identity_mismatches": mismatches,
-        "identity_note": None if identity_checked else (
-            "not checked: temperature > 0 (sampled outputs)" if not greedy else "not checked: 'none' did not run"),
-        "skipped": [{"name": n, "reason": why} for n, why in result.skipped],
-        "failed": [{"name": n, "error": e} for n, e in result.failed.items()],
-        "notes": list(result.notes),
-        "memory": {"peak_rss_mb": _r(result.peak_rss_mb), "rss_after_load_mb": _r(result.rss_after_load_mb)},
-        "timing": {"load_s": _r(result.load_s), "run_s": _r(result.run_s)},
-        "cost_curves": [c.to_dict() for c in result.cost_curves],
-        "gamma_comparison": comparison,
-        "samples": samples,
-    }
+    return methods
+
+
+def _sample_entry(s: Any) -> dict[str, Any]:
+    """One timed call's entry of the document."""
+    return {"method": s.method, "prompt_id": s.prompt_id, "category": s.category, "repeat": s.repeat,
+            "tokens": s.tokens, "seconds": _r(s.seconds), "tokens_per_s": _r(s.tokens_per_s), "finish": s.finish,
+            "valid": s.valid,
+            "mean_accepted_length": _r(s.stats["mean_accepted_length"]) if s.stats else None,
+            "acceptance_rate": _r(s.stats["acceptance_rate"]) if s.stats and s.stats["drafted_tokens"] else None,
+            "predicted_speedup": _r(s.stats["predicted_speedup"]) if s.stats else None,
+            "kv_bytes": s.stats["kv_bytes"] if s.stats else None,
+            "kv_bytes_per_token": _r(s.stats["kv_bytes_per_token"]) if s.stats else None}
 
 
 # ----------------------------------------------------------------------------------------------

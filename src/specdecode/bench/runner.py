@@ -28,6 +28,7 @@ from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILI
                                       llamacpp_available, llamacpp_method, llamacpp_server_method, method_name,
                                       plain_of)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
+from specdecode.drafter_setup import PLAIN
 from specdecode.drafters import TREE_WIDTH, Needs, registry
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import shipped_head
@@ -36,7 +37,7 @@ from specdecode.models.build import (CHEAPEST, DRAFT_WEIGHTS, LoadedModel, check
                                      draft_format, from_checkpoint, resolve_dtype)
 from specdecode.models.loader import load_checkpoint
 from specdecode.models.native import cpu_flags, cpu_model
-from specdecode.models.backends import resolve_backend
+from specdecode.models.backends import INT8, resolve_backend
 from specdecode.models.weights import WEIGHT_FORMATS
 from specdecode.progress import ProgressBar
 from specdecode.prompts import Prompt, render
@@ -68,7 +69,7 @@ class BenchConfig:
         gamma_max: upper bound of the controllers.
         chat: wrap plain prompts in the chat template when the model has one.
         cost_curve: time verification of 0..cost_curve drafted tokens (0: no curve).
-        linear: kernel for our decoder's projections (``--linear``, see ``Transformer.pack_weights``).
+        linear: kernel for our decoder's projections (``--linear``, see ``models.build.load_model``).
         draft_quant: "int8" quantizes our draft model's projections (weight-only), "none" keeps them.
         controller_file: acceptance models of the confidence and adaptive controllers (None: shipped).
         record_steps: a JSONL file to write every step of our drafting methods' timed calls to, or None.
@@ -292,7 +293,7 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
         nonlocal hf_error
         log(f"loading {role} {source} ...")
         ckpt = load_checkpoint(source, progress=log)
-        ours = {w: from_checkpoint(ckpt, torch_dtype, linear=config.linear, quantize=quantize, progress=log, weights=w)
+        ours = {w: from_checkpoint(ckpt, torch_dtype, INT8 if quantize == "int8" else backend, progress=log, weights=w)
                 for w in formats}
         peer = None
         if hf and hf_error is None:
@@ -341,105 +342,133 @@ def close_methods(methods: Sequence[Method]) -> None:
                 print(f"could not stop {method.name}: {exc}", file=sys.stderr)
 
 
+@dataclass
+class _Built:
+    """What `build_methods` gathers family by family: the methods, and the families skipped or failed."""
+
+    methods: list[Method]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def notes(self) -> list[str]:
+        """One line per reason a family was skipped."""
+        reasons: dict[str, list[str]] = {}
+        for name, why in self.skipped:
+            reasons.setdefault(why, []).append(name)
+        return [f"{why.replace(' is not installed', '')} is not installed: skipped {', '.join(names)}"
+                if why.endswith("is not installed") else f"skipped {', '.join(names)}: {why}"
+                for why, names in reasons.items()]
+
+
 def _build_methods(config: BenchConfig, loaded: _Loaded, budget_ctx: int, log: Log, has_predictions: bool,
                    has_schemas: bool, methods: list[Method]
                    ) -> tuple[list[Method], list[tuple[str, str]], dict[str, str], list[str]]:
-    target = loaded.target
+    built = _Built(methods)
     sampling = SamplingParams(config.temperature)
-    eos = target.tokenizer.eos_token_ids
-    skipped: list[tuple[str, str]] = []
-    failed: dict[str, str] = {}
-    notes: list[str] = []
-    fams = [f for f in FAMILIES if f in config.families or f == "none"]
-    lookup_k = max(config.int_gammas, default=8)
-
-    for family in fams:
+    for family in (f for f in FAMILIES if f in config.families or f == PLAIN):
         if has_schemas and family not in OUR_FAMILIES:
-            skipped.append((family, "the prompts ask for JSON schemas, which the peers are not run under here"))
-            continue
-        if family == PREDICTION_FAMILY:
-            if not has_predictions:
-                skipped.append((family, "no prompt has a prediction (the edit suite has)"))
-                continue
-            for g in config.gammas:  # n-gram lookup where the prediction has nothing, as `serve` does by default
-                method = engine_method("ngram", g, target, sampling, config.max_new_tokens,
-                                       ngram_sizes=config.ngram_sizes, gamma_max=config.gamma_max,
-                                       controller_file=config.controller_file, cache=config.cache)
-                method.name, method.family, method.predicts = method_name(family, g), family, True
-                methods.append(method)
+            built.skipped.append((family, "the prompts ask for JSON schemas, which the peers are not run under here"))
+        elif family == PREDICTION_FAMILY:
+            _add_prediction(built, config, loaded, sampling, has_predictions)
         elif family in OUR_FAMILIES:
-            gammas: Sequence[int | str | None] = [None] if family == "none" else config.gammas
-            skip = head = None
-            spec = registry.spec(family)
-            if spec.needs & Needs.SKIP_SET:
-                skip = _skip_layers(config, target, log)  # a bad --skip-layers is a usage error
-            if spec.needs & Needs.HEAD:
-                kind = spec.head_kind
-                head = config.heads.get(kind) or shipped_head(target.model, kind)
-                if head is None:
-                    skipped.append((family, f"no {kind} head for this model (train-head, then --{kind}-head FILE)"))
-                    continue
-            for weights, model in loaded.targets.items():
-                suffix = f"@{weights}" if len(loaded.targets) > 1 else ""
-                for g in gammas:
-                    if spec.tree and g == "confidence":
-                        skipped.append((method_name(family, g) + suffix, "a tree has no per-token signals to stop on"))
-                        continue
-                    method = engine_method(family, g, model, sampling, config.max_new_tokens, loaded.draft, skip,
-                                           config.ngram_sizes, config.gamma_max, config.controller_file,
-                                           record=config.record_steps is not None and family != "none",
-                                           cache=config.cache, draft_cache=config.draft_cache, head=head,
-                                           draft_vocab=config.draft_vocab, tree_width=config.tree_width)
-                    method.name += suffix
-                    methods.append(method)
+            _add_ours(built, family, config, loaded, sampling, log)
         elif family.startswith("hf"):
-            if not transformers_available():
-                skipped.append((family, "transformers is not installed"))
-                continue
-            if loaded.hf_error is not None:
-                failed[family] = loaded.hf_error
-                continue
-            if family == "hf":
-                methods.append(hf_method("hf", loaded.hf_target, eos, sampling, config.max_new_tokens))
-            elif family == "hf-assisted":
-                methods.append(hf_method("hf-assisted", loaded.hf_target, eos, sampling, config.max_new_tokens,
-                                         assistant=loaded.hf_draft))
-            else:
-                methods.append(hf_method("hf-lookup", loaded.hf_target, eos, sampling, config.max_new_tokens,
-                                         lookup_tokens=lookup_k, lookup_ngram=config.ngram_sizes[1]))
+            _add_transformers(built, family, config, loaded, sampling)
         elif family in SERVER_PEERS:  # llama.cpp's own server
-            if not target.source.endswith(".gguf") or (family.endswith("-draft") and not (
-                    loaded.draft and loaded.draft.source.endswith(".gguf"))):
-                skipped.append((family, "needs GGUF models (--model and, drafted, --draft-model NAME or a .gguf path)"))
+            _add_server_peer(built, family, config, loaded, sampling, budget_ctx)
+        else:
+            _add_llamacpp_python(built, family, config, loaded, sampling, budget_ctx)
+    return built.methods, built.skipped, built.failed, built.notes()
+
+
+def _add_prediction(built: _Built, config: BenchConfig, loaded: _Loaded, sampling: SamplingParams,
+                    has_predictions: bool) -> None:
+    if not has_predictions:
+        built.skipped.append((PREDICTION_FAMILY, "no prompt has a prediction (the edit suite has)"))
+        return
+    for g in config.gammas:  # n-gram lookup where the prediction has nothing, as `serve` does by default
+        method = engine_method("ngram", g, loaded.target, sampling, config.max_new_tokens,
+                               ngram_sizes=config.ngram_sizes, gamma_max=config.gamma_max,
+                               controller_file=config.controller_file, cache=config.cache)
+        method.name, method.family, method.predicts = method_name(PREDICTION_FAMILY, g), PREDICTION_FAMILY, True
+        built.methods.append(method)
+
+
+def _add_ours(built: _Built, family: str, config: BenchConfig, loaded: _Loaded, sampling: SamplingParams,
+              log: Log) -> None:
+    gammas: Sequence[int | str | None] = [None] if family == PLAIN else config.gammas
+    skip = head = None
+    spec = registry.spec(family) if family != PLAIN else None  # (plain decoding has no drafter)
+    if spec is not None and spec.needs & Needs.SKIP_SET:
+        skip = _skip_layers(config, loaded.target, log)  # a bad --skip-layers is a usage error
+    if spec is not None and spec.needs & Needs.HEAD:
+        kind = spec.head_kind
+        head = config.heads.get(kind) or shipped_head(loaded.target.model, kind)
+        if head is None:
+            built.skipped.append((family, f"no {kind} head for this model (train-head, then --{kind}-head FILE)"))
+            return
+    for weights, model in loaded.targets.items():
+        suffix = f"@{weights}" if len(loaded.targets) > 1 else ""
+        for g in gammas:
+            if spec is not None and spec.tree and g == "confidence":
+                built.skipped.append((method_name(family, g) + suffix, "a tree has no per-token signals to stop on"))
                 continue
-            try:
-                methods.append(llamacpp_server_method(family, target.source, sampling, config.max_new_tokens,
-                                                      budget_ctx, loaded.draft.source if loaded.draft else None,
-                                                      draft_max=max(config.int_gammas, default=16),
-                                                      lookup_ngram=config.ngram_sizes[1]))
-            except PeerMissing as exc:
-                skipped.append((family, str(exc)))
-            except RuntimeError as exc:
-                failed[family] = str(exc)
-        else:  # llama-cpp-python
-            if not llamacpp_available():
-                skipped.append((family, "llama-cpp-python is not installed"))
-                continue
-            if not target.source.endswith(".gguf"):
-                skipped.append((family, "needs a GGUF model (--model NAME or a .gguf path)"))
-                continue
-            try:
-                methods.append(llamacpp_method(family, target.source, eos, sampling, config.max_new_tokens,
-                                               budget_ctx, lookup_tokens=lookup_k if family.endswith("lookup") else None))
-            except Exception as exc:
-                failed[family] = f"{type(exc).__name__}: {exc}"
-    reasons: dict[str, list[str]] = {}
-    for name, why in skipped:
-        reasons.setdefault(why, []).append(name)
-    for why, names in reasons.items():  # one line per reason
-        notes.append(f"{why.replace(' is not installed', '')} is not installed: skipped {', '.join(names)}"
-                     if why.endswith("is not installed") else f"skipped {', '.join(names)}: {why}")
-    return methods, skipped, failed, notes
+            method = engine_method(family, g, model, sampling, config.max_new_tokens, loaded.draft, skip,
+                                   config.ngram_sizes, config.gamma_max, config.controller_file,
+                                   record=config.record_steps is not None and family != PLAIN,
+                                   cache=config.cache, draft_cache=config.draft_cache, head=head,
+                                   draft_vocab=config.draft_vocab, tree_width=config.tree_width)
+            method.name += suffix
+            built.methods.append(method)
+
+
+def _add_transformers(built: _Built, family: str, config: BenchConfig, loaded: _Loaded,
+                      sampling: SamplingParams) -> None:
+    if not transformers_available():
+        built.skipped.append((family, "transformers is not installed"))
+        return
+    if loaded.hf_error is not None:
+        built.failed[family] = loaded.hf_error
+        return
+    eos = loaded.target.tokenizer.eos_token_ids
+    options: dict[str, Any] = {"hf": {}, "hf-assisted": {"assistant": loaded.hf_draft}}.get(family, {
+        "lookup_tokens": max(config.int_gammas, default=8), "lookup_ngram": config.ngram_sizes[1]})
+    built.methods.append(hf_method(family, loaded.hf_target, eos, sampling, config.max_new_tokens, **options))
+
+
+def _add_server_peer(built: _Built, family: str, config: BenchConfig, loaded: _Loaded, sampling: SamplingParams,
+                     budget_ctx: int) -> None:
+    target, draft = loaded.target, loaded.draft
+    if not target.source.endswith(".gguf") or (family.endswith("-draft") and not (
+            draft and draft.source.endswith(".gguf"))):
+        built.skipped.append((family, "needs GGUF models (--model and, drafted, --draft-model NAME or a .gguf path)"))
+        return
+    try:
+        built.methods.append(llamacpp_server_method(family, target.source, sampling, config.max_new_tokens,
+                                                    budget_ctx, draft.source if draft else None,
+                                                    draft_max=max(config.int_gammas, default=16),
+                                                    lookup_ngram=config.ngram_sizes[1]))
+    except PeerMissing as exc:
+        built.skipped.append((family, str(exc)))
+    except RuntimeError as exc:
+        built.failed[family] = str(exc)
+
+
+def _add_llamacpp_python(built: _Built, family: str, config: BenchConfig, loaded: _Loaded,
+                         sampling: SamplingParams, budget_ctx: int) -> None:
+    if not llamacpp_available():
+        built.skipped.append((family, "llama-cpp-python is not installed"))
+        return
+    target = loaded.target
+    if not target.source.endswith(".gguf"):
+        built.skipped.append((family, "needs a GGUF model (--model NAME or a .gguf path)"))
+        return
+    lookup = max(config.int_gammas, default=8) if family.endswith("lookup") else None
+    try:
+        built.methods.append(llamacpp_method(family, target.source, target.tokenizer.eos_token_ids, sampling,
+                                             config.max_new_tokens, budget_ctx, lookup_tokens=lookup))
+    except Exception as exc:
+        built.failed[family] = f"{type(exc).__name__}: {exc}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -518,10 +547,10 @@ class _Identity:
     def check(self, methods: list[Method], outputs: dict[str, Output], prompt: Prompt, repeat: int,
               bar: ProgressBar) -> None:
         """Compares one turn's ``outputs`` (method name -> output) on ``prompt``."""
-        first_plain = next((m.name for m in methods if m.family == "none"), "none")
+        first_plain = next((m.name for m in methods if m.family == PLAIN), PLAIN)
         for method in methods:
             reference = outputs.get(plain_of(method.name) if method.kind == "ours" else first_plain)
-            if method.family == "none" or method.name not in outputs or reference is None:
+            if method.family == PLAIN or method.name not in outputs or reference is None:
                 continue
             got, expected = outputs[method.name].token_ids, reference.token_ids
             if method.kind == "ours":
@@ -651,7 +680,7 @@ def _run_methods(config: BenchConfig, prompts: list[Prompt], loaded: _Loaded, re
     return RunResult(
         config=config, prompts=prompts, prompt_tokens={pid: len(ids) for pid, ids in rendered.items()},
         methods=methods, samples=samples, skipped=skipped, failed=failed, notes=notes,
-        identity_checked=config.greedy and any(m.family == "none" for m in methods),
+        identity_checked=config.greedy and any(m.family == PLAIN for m in methods),
         identity_comparisons=identity.comparisons, identity_mismatches=identity.mismatches,
         peer_agreement=identity.peer_agreement, rss_mb=calls.rss, peak_rss_mb=peak_rss_mb(),
         rss_after_load_mb=rss_after_load, model_source=loaded.target.source,

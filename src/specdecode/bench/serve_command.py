@@ -35,6 +35,7 @@ from specdecode.bench.prompts import default_prompts, packaged_prompts, select
 from specdecode.bench import llamacpp_tools
 from specdecode.cores import server_threads, usable_cores
 from specdecode.bench.llamacpp_server import ServerOptions
+from specdecode.drafter_setup import PLAIN
 from specdecode.drafters import registry
 from specdecode.flags import add_model_arguments
 from specdecode.models.native import cpu_flags, cpu_model
@@ -86,13 +87,13 @@ def _methods(value: str) -> list[str]:
         if _peer(m):
             continue
         drafter, _, gamma = _on_ray(m)[1].partition(":")
-        if drafter not in ("none", *SERVED_DRAFTERS) or bool(gamma) != (drafter != "none"):
-            raise argparse.ArgumentTypeError(f"method {m!r}: expected 'none', DRAFTER:GAMMA with DRAFTER one of "
+        if drafter not in (PLAIN, *SERVED_DRAFTERS) or bool(gamma) != (drafter != PLAIN):
+            raise argparse.ArgumentTypeError(f"method {m!r}: expected {PLAIN!r}, DRAFTER:GAMMA with DRAFTER one of "
                                              f"{', '.join(SERVED_DRAFTERS)} (e.g. ngram:adaptive, eagle:4), either "
                                              f"prefixed by rayN: for N replicas on Ray Serve, or a peer: "
                                              f"{', '.join(PEERS)}, each optionally :tN for N threads")
-    if "none" not in methods:
-        methods.insert(0, "none")  # the reference every ratio is taken against
+    if PLAIN not in methods:
+        methods.insert(0, PLAIN)  # the reference every ratio is taken against
     return methods
 
 
@@ -163,7 +164,7 @@ class BenchServeConfig:
     linear: str = "auto"
     weights: str = "auto"
     threads: int | None = None
-    methods: tuple[str, ...] = ("none", "ngram:adaptive")
+    methods: tuple[str, ...] = (PLAIN, "ngram:adaptive")
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     requests: int | None = None
     max_tokens: int = 96
@@ -258,7 +259,7 @@ def chat_bodies(prompts: list, max_tokens: int, count: int) -> list[dict[str, An
 def _given(method: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The requests as ``method`` gets them: predictions go to our drafting methods only (plain decoding, the
     reference, and peers get none)."""
-    if not _peer(method) and _on_ray(method)[1] != "none":
+    if not _peer(method) and _on_ray(method)[1] != PLAIN:
         return requests
     return [{k: v for k, v in r.items() if k != "prediction"} for r in requests]
 
@@ -266,7 +267,7 @@ def _given(method: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _learns(method: str) -> bool:
     """Whether ``method``'s drafter keeps what earlier requests generated (``DrafterSpec.learns``)."""
     drafter = _on_ray(method)[1].partition(":")[0]
-    return not _peer(method) and drafter != "none" and registry.spec(drafter).learns
+    return not _peer(method) and drafter != PLAIN and registry.spec(drafter).learns
 
 
 def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
@@ -343,18 +344,18 @@ def _median(values: list[float | None]) -> float | None:
 def _report(config: BenchServeConfig, levels: list[int], runs: dict, texts: dict) -> dict[str, Any]:
     rows = []
     for level in levels:
-        plain = {m: _median([r[m] for r in runs[("none", level)]]) for m in METRICS}
+        plain = {m: _median([r[m] for r in runs[(PLAIN, level)]]) for m in METRICS}
         for method in config.methods:
             row = {"method": method, "concurrency": level,
                    **{m: _median([r[m] for r in runs[(method, level)]]) for m in METRICS},
                    "errors": sum(r["errors"] for r in runs[(method, level)]),
-                   "identical": all(t == texts[("none", level)][0] for t in texts[(method, level)])}
+                   "identical": all(t == texts[(PLAIN, level)][0] for t in texts[(method, level)])}
             row["vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
             library = _median([r.get("library_tokens_per_s") for r in runs[(method, level)]])
             row["library_tokens_per_s"] = library
             row["vs_library"] = row["tokens_per_s"] / library if library else None
             rows.append(row)
-    single = next(r for r in rows if r["method"] == "none" and r["concurrency"] == min(levels))
+    single = next(r for r in rows if r["method"] == PLAIN and r["concurrency"] == min(levels))
     step_s = single["itl_p50_s"]
     summary = {"bench": "serve", "model": config.model, "max_tokens": config.max_tokens, "repeats": config.repeats,
                "cpu": cpu_model(), "flags": sorted(cpu_flags() & {

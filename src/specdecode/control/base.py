@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 from specdecode.drafters.base import Signal
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepContext:
     """What the engine knows before a step.
 
@@ -48,7 +48,7 @@ class StepContext:
         return self.context_used if self.cache_fill is None else max(self.context_used, self.cache_fill)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepRecord:
     """What one step did, as the engine measured it.
 

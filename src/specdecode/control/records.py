@@ -93,7 +93,8 @@ def read_records(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
 
 def step_record(line: dict[str, Any]) -> StepRecord:
     """The :class:`StepRecord` a checked line describes."""
-    ctx = StepContext(int(line["remaining"]), int(line["context_len"]), int(line["max_context"]),
-                      line["cache_fill"], line["kv"])
-    return StepRecord(ctx, int(line["requested"]), int(line["drafted"]), int(line["accepted"]), line["draft_s"],
-                      line["verify_s"], [tuple(float(x) for x in s) for s in line["signals"]])
+    ctx = StepContext(remaining=int(line["remaining"]), context_len=int(line["context_len"]),
+                      max_context=int(line["max_context"]), cache_fill=line["cache_fill"], kv=line["kv"])
+    return StepRecord(ctx=ctx, requested=int(line["requested"]), drafted=int(line["drafted"]),
+                      accepted=int(line["accepted"]), draft_s=line["draft_s"], verify_s=line["verify_s"],
+                      signals=[tuple(float(x) for x in s) for s in line["signals"]])

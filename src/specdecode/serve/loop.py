@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from specdecode.batch.executor import BatchEngine
-from specdecode.batch.sequence import Output, Sequence
+from specdecode.batch.sequence import Output, SequenceState
 from specdecode.serve.kernel_team import use_kernel_threads
 
 log = logging.getLogger("specdecode.serve")
@@ -50,8 +50,8 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, on_output: Callable[[Sequence, Output], None], **request: Any) -> Future:
-        """Queues a request (keyword arguments of ``BatchEngine.submit``); the future gives its Sequence, or
+    def submit(self, on_output: Callable[[SequenceState, Output], None], **request: Any) -> Future:
+        """Queues a request (keyword arguments of ``BatchEngine.submit``); the future gives its SequenceState, or
         the ValueError / QueueFullError that refused it."""
         future: Future = Future()
 
@@ -63,7 +63,7 @@ class EngineLoop:
         self._post(command)
         return future
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: SequenceState) -> None:
         """Ends a sequence at the next step boundary, freeing its slot (a client went away)."""
         self._post(lambda: self.engine.cancel(seq))
 

@@ -15,7 +15,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                disable_created_metrics, generate_latest)
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdecode.batch.sequence import Sequence
+from specdecode.batch.sequence import SequenceState
 from specdecode.control import StepRecord
 
 disable_created_metrics()  # no ``*_created`` series, as vLLM's /metrics
@@ -69,10 +69,10 @@ class ServeMetrics:
         self._label = {"model_name": model_name}
         self._last: dict[int, float] = {}  # sequence id -> when its previous tokens came
 
-    def admitted(self, seq: Sequence) -> None:
+    def admitted(self, seq: SequenceState) -> None:
         self._prompt.labels(**self._label).inc(len(seq.request.prompt_ids))
 
-    def stepped(self, seq: Sequence, record: StepRecord, emitted: int, now: float) -> None:
+    def stepped(self, seq: SequenceState, record: StepRecord, emitted: int, now: float) -> None:
         """One sequence's step: its draft, what was accepted and the tokens it emitted at ``now``."""
         label = self._label
         if record.drafted:
@@ -93,7 +93,7 @@ class ServeMetrics:
                 self._itl.labels(**label).observe(now - previous)
             self._last[seq.id] = now
 
-    def finished(self, seq: Sequence) -> None:
+    def finished(self, seq: SequenceState) -> None:
         self._last.pop(seq.id, None)
 
     def gauges(self, running: int, waiting: int, kv_usage: float, learned: tuple[int, int] = (0, 0)) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import threading
 import time
 
-from specdecode.batch.sequence import Output, Sequence
+from specdecode.batch.sequence import Output, SequenceState
 from specdecode.logprobs import TokenLogprob
 
 
@@ -63,11 +63,11 @@ class Handle:
         self.outputs: asyncio.Queue[Output] = asyncio.Queue()
         self.texts: list[str] = []  # a whole request's texts before its last output
         self.logprobs: list[TokenLogprob] = []  # and their tokens' log-probabilities, if asked
-        self.seq: Sequence | None = None
+        self.seq: SequenceState | None = None
         self.came = time.monotonic()
         self.timed_out = False  # cancelled at its deadline
 
-    def on_output(self, seq: Sequence, output: Output) -> None:
+    def on_output(self, seq: SequenceState, output: Output) -> None:
         if not self.stream and output.finish_reason is None:
             self.texts.append(output.text)  # read only after the last output, which the loop gets after this
             self.logprobs += output.logprobs or []

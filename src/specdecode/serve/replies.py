@@ -11,14 +11,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.batch.sequence import Sequence
+from specdecode.batch.sequence import SequenceState
 from specdecode.logprobs import TokenLogprob
 from specdecode.serve.errors import APIError
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 
 
-def usage(seq: Sequence) -> dict[str, Any]:
+def usage(seq: SequenceState) -> dict[str, Any]:
     """A finished request's ``usage``, with its speculation figures."""
     s = seq.stats
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(seq.generated),
@@ -32,7 +32,7 @@ def usage(seq: Sequence) -> dict[str, Any]:
                             "mean_accepted_length": round(s.mean_accepted_length, 4)}}
 
 
-def failed(seq: Sequence) -> APIError:
+def failed(seq: SequenceState) -> APIError:
     return APIError(500, f"generation failed: {seq.error}", kind="server_error")
 
 

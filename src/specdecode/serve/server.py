@@ -60,7 +60,7 @@ def build_server(config: ServeConfig, log: Callable[[str], None], lifespan: Call
     metrics = ServeMetrics(config.name)
     engine.observer = metrics  # the warm-up request is not counted
     loop = EngineLoop(engine, threads, on_step=lambda e: metrics.gauges(len(e.scheduler.running),
-                                                                        len(e.scheduler.waiting), e.kv_usage,
+                                                                        len(e.scheduler.waiting), e.kv.usage,
                                                                         e.learned))
     return Served(build_app(loop, config.name, metrics, config.http, lifespan=lifespan), loop, metrics, config.name,
                   config.drafter.kind)
@@ -73,7 +73,7 @@ def _warm_engine(config: ServeConfig, log: Callable[[str], None]) -> BatchEngine
     engine = BatchEngine(loaded.model, loaded.tokenizer, new_drafter, config.speculation, config.cache,
                          config.scheduler, config.max_len)
     log(f"warming up ({config.scheduler.max_running} slots of {engine.max_len} tokens, "
-        f"KV {engine.cache.nbytes / 2**20:.0f} MiB) ...")
+        f"KV {engine.kv.cache.nbytes / 2**20:.0f} MiB) ...")
     engine.warmup()
     try:
         tick = time.perf_counter()
