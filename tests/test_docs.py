@@ -151,8 +151,9 @@ def parse_layers(lines: list[str]) -> list[frozenset[str]]:
 def contract_layers() -> list[frozenset[str]]:
     """The ``layers`` of pyproject.toml's import-linter contract of type "layers" over ``specdecode``."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    contracts = [c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
-    assert len(contracts) == 1, f"expected one layers contract, found {len(contracts)}"
+    contracts = [c for c in config["tool"]["importlinter"]["contracts"]
+                 if c["type"] == "layers" and c["containers"] == ["specdecode"]]
+    assert len(contracts) == 1, f"expected one layers contract over specdecode, found {len(contracts)}"
     return parse_layers(contracts[0]["layers"])
 
 
