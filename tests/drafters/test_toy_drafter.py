@@ -37,7 +37,7 @@ def test_the_toy_is_one_small_file_that_registers_itself(toy):
     assert f"`tests/drafters/toy_drafter.py` ({len(TOY.read_text().splitlines())} lines)" in documented.read_text()
 
 
-@pytest.mark.parametrize("setting", ["auto", "int4-window"])
+@pytest.mark.parametrize("setting", conformance.CACHE_SETTINGS)  # all five, as every drafter
 def test_the_toy_passes_the_conformance_checks(toy, target, draft_model, plain, tmp_path, setting):
     conformance.test_greedy_tokens_are_plain_decodings_alone_and_batched(target, draft_model, plain, tmp_path, toy,
                                                                          setting)
