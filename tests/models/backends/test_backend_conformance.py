@@ -2,7 +2,8 @@
 skip with the reason): our kernels fused and unfused, oneDNN, torch (also on a GPU where torch sees one).
 
 - Its greedy tokens are the float32 reference's: teacher-forced, the argmax agrees at >= 80% of positions (the
-  tolerance the other tests of one model under other rounding use), and the logits stay within bf16 noise.
+  tolerance the other tests of one model under other rounding use), and the logits stay within bf16 noise: no
+  further from the float32 logits than 1.5x the distance of torch's own bf16 model (the same weights, unpacked).
 - Greedy speculation on it reproduces plain greedy decoding on it token for token (the engine's claim).
 - A row-invariant backend computes each row bitwise the same whatever else shares the forward.
 - ``synchronize`` returns once the device is idle (a no-op on the CPU).
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9], [90, 3, 17, 44, 2, 60], [50, 51, 50, 51, 52, 50, 51, 50, 51, 52]]
 NEW_TOKENS = 24
 AGREEMENT = 0.8
+BF16_NOISE_FACTOR = 1.5  # other rounding orders than torch's, same bf16 weights and activations
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False")
 CASES = [*[pytest.param(p.values[0], True, "cpu", id=p.id, marks=p.marks) for p in path_params()],
          *[pytest.param(p.values[0], False, "cpu", id=f"{p.id}-unfused", marks=p.marks)
@@ -46,18 +48,24 @@ def reference() -> list[list[int]]:
     return [Engine(model).generate(p, max_new_tokens=NEW_TOKENS, eos_token_ids=()).token_ids for p in PROMPTS]
 
 
+def _teacher_forced_logits(model, prompt: list[int], want: list[int], device: str = "cpu") -> torch.Tensor:
+    """[len(want), vocab] float32 logits at the positions that predict ``want``."""
+    ids = torch.tensor([prompt + want[:-1]], device=device)
+    with torch.inference_mode():
+        return model(ids, model.new_cache(CacheConfig(max_len=64))).logits[0, len(prompt) - 1:].float().cpu()
+
+
 @pytest.mark.parametrize("path,fuse,device", CASES)
 def test_greedy_tokens_are_the_references(path, fuse, device, reference):
-    model, ref = _on(path, fuse, device), varied_model(0)
+    model, ref, torch_bf16 = _on(path, fuse, device), varied_model(0), varied_model(0, dtype=torch.bfloat16)
     hits = total = 0
-    with torch.inference_mode():
-        for prompt, want in zip(PROMPTS, reference):
-            ids = torch.tensor([prompt + want[:-1]])
-            got = model(ids.to(device), model.new_cache(CacheConfig(max_len=64))).logits[0, len(prompt) - 1:]
-            exact = ref(ids, ref.new_cache(CacheConfig(max_len=64))).logits[0, len(prompt) - 1:]
-            assert (got.cpu() - exact).abs().max() < 0.05 * exact.abs().max()  # bf16 weights and activations
-            hits += int((got.argmax(-1).cpu() == torch.tensor(want)).sum())
-            total += len(want)
+    for prompt, want in zip(PROMPTS, reference):
+        got = _teacher_forced_logits(model, prompt, want, device)
+        exact = _teacher_forced_logits(ref, prompt, want)
+        noise = (_teacher_forced_logits(torch_bf16, prompt, want) - exact).abs().max()
+        assert (got - exact).abs().max() <= BF16_NOISE_FACTOR * noise, (path, fuse, prompt)
+        hits += int((got.argmax(-1) == torch.tensor(want)).sum())
+        total += len(want)
     assert hits / total >= AGREEMENT, (path, fuse, hits, total)
 
 
