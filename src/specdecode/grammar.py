@@ -135,6 +135,12 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         return template.deep_copy()
 
+    def special_id(self, text: str) -> int | None:
+        """The id of ``text`` where it is one token that grammars must name (``<[id]>`` in lark) rather than spell:
+        llguidance takes every added token (Qwen's ``<tool_call>``, ...) for a special one; else None."""
+        ids = self._tokenizer.tokenize_str(text)
+        return ids[0] if len(ids) == 1 and self._tokenizer.is_special_token(ids[0]) else None
+
     def start(self, grammar: Grammar) -> Constraint:
         return Constraint(self.compile(grammar), self.vocab_size)
 

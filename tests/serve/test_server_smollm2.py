@@ -239,8 +239,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
 
 @pytest.mark.parametrize("extra, param", [
     ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"),
     ({"suffix": "end"}, "suffix"),
     ({"best_of": 2}, "best_of"),
     ({"logit_bias": {"42": 5}}, "logit_bias"),

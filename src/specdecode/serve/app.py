@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over an :class:`~specdecode.serve.loop.EngineLoop` (FastAPI).
 
-Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (JSON or SSE streaming; n = 1),
+Endpoints: ``POST /v1/completions``, ``/v1/chat/completions`` (JSON or SSE streaming; n = 1; tool calls on
+chat, ``tools.py``) and ``/v1/responses`` (stateless, ``responses.py``),
 ``GET /v1/models``, ``/health`` and ``/metrics`` (Prometheus, vLLM's names). Bad input gets a 400 with
 an OpenAI-style error body naming the field (``{"error": {"message", "type", "param", "code"}}``); a
 full queue a 429 with ``Retry-After``; a client that goes away cancels its request, which frees its KV
@@ -35,8 +36,11 @@ from specdecode.serve.loop import EngineLoop
 from specdecode.serve.metrics import ServeMetrics
 from specdecode.serve.relay import Handle, OutputRelay
 from specdecode.serve.replies import FINISH, Reply, failed, sse, usage
+from specdecode.serve.fields import check_extra_fields
 from specdecode.serve.requests import ChatMessage, ChatRequest, CompletionRequest, SamplingFields, check_fields, joined
+from specdecode.serve.responses import ResponseEvents, ResponseShape, ResponsesRequest
 from specdecode.serve.structured import FieldError, grammar_of
+from specdecode.serve.tools import StreamedCalls, ToolPlan, check_schemas, message_of, plan_tools, render_messages
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 1.0  # how often a waiting request checks that its client is still there
@@ -95,18 +99,19 @@ class ServedModel:
             raise APIError(400, "the prompt is empty", "prompt")
         return ids
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        if not self.tokenizer.chat_template:
+    def encode_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
+        template = self.tokenizer.chat_template
+        if not template:
             raise APIError(400, f"model {self.name!r} has no chat template; use /v1/completions", "messages")
-        # No content (OpenAI allows it beside tool calls) renders as empty: templates add strings to it.
-        rendered = [{"role": m.role, "content": "" if m.content is None else joined(m.content)} for m in messages]
+        rendered, variables = render_messages(messages, tools, template)
         try:
-            return self.tokenizer.encode_prompt(self.tokenizer.apply_chat_template(rendered))
+            return self.tokenizer.encode_prompt(self.tokenizer.apply_chat_template(rendered, **variables))
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "messages") from None
 
-    async def start(self, ids: list[int], body: SamplingFields) -> Handle:
-        """Submits the request to the engine loop; a full queue is a 429, a refused request a 400."""
+    async def start(self, ids: list[int], body: SamplingFields, tools: ToolPlan | None = None) -> Handle:
+        """Submits the request to the engine loop; a full queue is a 429, a refused request a 400. ``tools``' grammar
+        constrains the reply (with ``response_format`` also asking for one: a 400)."""
         if not self.accepting or not self.loop.alive:
             raise APIError(503, "the server is shutting down", kind="service_unavailable")
         running = asyncio.get_running_loop()
@@ -119,6 +124,11 @@ class ServedModel:
         except FieldError as exc:
             raise APIError(400, str(exc), exc.param) from None
         grammar, grammar_field = structured if structured is not None else (None, None)
+        if tools is not None:
+            if grammar is not None:
+                raise APIError(400, f"{grammar_field} cannot be combined with tools unless tool_choice is none",
+                               grammar_field)
+            grammar, grammar_field = tools.grammar, "tools"
         if grammar is not None:  # compiled here, so that a large schema does not hold up the engine's thread
             try:
                 await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(grammar))
@@ -182,21 +192,29 @@ class ServedModel:
         return APIError(504, f"the request ran past this server's {self.timeout_s:g} s deadline (--request-timeout) "
                              "and was cancelled", kind="timeout")
 
-    async def respond(self, request: Request, body: SamplingFields, ids: list[int], chat: bool) -> Response:
-        """The answer to a completion (``chat`` false) or chat request: one JSON body, or an SSE stream."""
-        handle = await self.start(ids, body)
+    async def respond(self, request: Request, body: SamplingFields, ids: list[int], chat: bool,
+                      tools: ToolPlan | None = None) -> Response:
+        """The answer to a completion (``chat`` false) or chat request: one JSON body, or an SSE stream; with
+        ``tools``, the reply is read for tool calls."""
+        handle = await self.start(ids, body, tools)
         reply = Reply(chat, {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                               "model": self.name}, self.tokenizer)
         if not body.stream:
-            return await self._whole(request, handle, reply)
+            return await self._whole(request, handle, reply, tools)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(self._events(request, handle, reply, include_usage), media_type="text/event-stream",
+        calls = StreamedCalls(tools) if tools is not None else None
+        return StreamingResponse(self._events(request, handle, reply, include_usage, calls),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _whole(self, request: Request, handle: Handle, reply: Reply) -> Response:
+    async def collect(self, request: Request, handle: Handle) -> tuple[str, str, list | None] | None:
+        """A whole request's text, finish reason and log-probabilities (if asked); None when its client has gone.
+
+        Raises:
+            APIError: the generation failed (500) or ran past the deadline (504).
+        """
         async with contextlib.aclosing(self.outputs(handle, request)) as outputs:
             last = [out async for out in outputs]
-        text = handle.texts + [out.text for out in last]
         seq = handle.seq
         finish = last[-1].finish_reason  # the engine's, or the watcher's when the engine stopped
         if finish == "error":
@@ -204,13 +222,33 @@ class ServedModel:
         if finish == "cancelled":
             if handle.timed_out:
                 raise self.deadline_error()
-            return Response(status_code=499)  # the client is gone: nobody reads this
+            return None
         logprobs = [*handle.logprobs, *(lp for out in last for lp in out.logprobs or [])] \
             if seq.request.logprobs is not None else None
-        return JSONResponse(reply.whole("".join(text), FINISH[finish], usage(seq), logprobs))
+        return "".join(handle.texts + [out.text for out in last]), finish, logprobs
 
-    async def _events(self, request: Request, handle: Handle, reply: Reply,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _whole(self, request: Request, handle: Handle, reply: Reply, tools: ToolPlan | None) -> Response:
+        collected = await self.collect(request, handle)
+        if collected is None:
+            return Response(status_code=499)  # the client is gone: nobody reads this
+        text, finish, logprobs = collected
+        message, called = message_of(text, tools, cut=finish == "length") if reply.chat else (None, False)
+        finish = "tool_calls" if called and finish != "length" else FINISH[finish]
+        return JSONResponse(reply.whole(text, finish, usage(handle.seq), logprobs, message))
+
+    async def prepare_chat(self, body: ChatRequest) -> tuple[list[int], ToolPlan | None]:
+        """A chat request's prompt ids and its tools' plan (each tool's schema compiled off the event loop, so that
+        a bad one is a 400 naming it)."""
+        check_fields(body)
+        self.check_model(body.model)
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tokenizer.chat_template,
+                           lambda text: self.engine.grammar_compiler().special_id(text))
+        if tools is not None:
+            await asyncio.to_thread(check_schemas, body.tools, self.engine.grammar_compiler().compile)
+        return self.encode_chat(body.messages, tools), tools
+
+    async def _events(self, request: Request, handle: Handle, reply: Reply, include_usage: bool,
+                      calls: StreamedCalls | None = None) -> AsyncIterator[str]:
         if reply.chat:
             yield sse(reply.chunk(None, None, first=True))
         ended = None  # the last output's finish reason (the watcher's when the engine did not answer)
@@ -223,11 +261,41 @@ class ServedModel:
                     yield sse(error_body(err.message, kind=err.kind))
                     break
                 finish = FINISH[out.finish_reason] if out.finish_reason else None
-                if out.text or finish or out.logprobs:
+                if calls is not None:  # the text goes out as content and tool-call deltas
+                    deltas = calls.feed(out.text) + (calls.finish() if finish else [])
+                    for delta in deltas:
+                        yield sse(reply.delta_chunk(delta))
+                    if finish or out.logprobs:
+                        yield sse(reply.chunk(None, "tool_calls" if finish == "stop" and calls.called else finish,
+                                              logprobs=out.logprobs))
+                elif out.text or finish or out.logprobs:
                     yield sse(reply.chunk(out.text, finish, logprobs=out.logprobs))
         if include_usage and ended not in (None, "error", "cancelled"):
             yield sse(reply.usage_chunk(usage(handle.seq)))
         yield "data: [DONE]\n\n"
+
+
+    async def response_events(self, request: Request, handle: Handle, events: ResponseEvents,
+                              tools: ToolPlan | None) -> AsyncIterator[str]:
+        """A streamed ``/v1/responses`` answer: its typed events, then an ``error`` event if generation fails."""
+        for event in events.start():
+            yield event
+        calls = StreamedCalls(tools) if tools is not None else None
+        async with contextlib.aclosing(self.outputs(handle, request)) as outputs:
+            async for out in outputs:
+                if out.finish_reason in ("error", "cancelled"):
+                    if out.finish_reason == "error" or handle.timed_out:
+                        err = self.deadline_error() if out.finish_reason == "cancelled" else failed(handle.seq)
+                        yield events.shape.event("error", code=err.kind, message=err.message, param=None)
+                    return
+                deltas = ([{"content": out.text}] if out.text else []) if calls is None else \
+                    calls.feed(out.text) + (calls.finish() if out.finish_reason else [])
+                for delta in deltas:
+                    for event in events.delta(delta):
+                        yield event
+                if out.finish_reason:
+                    for event in events.finish(usage(handle.seq), out.finish_reason):
+                        yield event
 
 
 def _served(request: Request) -> ServedModel:
@@ -243,9 +311,29 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
 
 async def chat_completions(request: Request, body: ChatRequest) -> Response:
     served = _served(request)
-    check_fields(body)
-    served.check_model(body.model)
-    return await served.respond(request, body, served.encode_chat(body.messages), chat=True)
+    ids, tools = await served.prepare_chat(body)
+    return await served.respond(request, body, ids, chat=True, tools=tools)
+
+
+async def responses(request: Request, body: ResponsesRequest) -> Response:
+    served = _served(request)
+    refused = check_extra_fields(body.model_extra or {})
+    if refused is not None:
+        raise APIError(400, refused[1], refused[0])
+    chat = body.as_chat()
+    ids, tools = await served.prepare_chat(chat)
+    handle = await served.start(ids, chat, tools)
+    shape = ResponseShape(body, served.name)
+    if not body.stream:
+        collected = await served.collect(request, handle)
+        if collected is None:
+            return Response(status_code=499)
+        text, finish, _ = collected
+        message, _ = message_of(text, tools, cut=finish == "length")
+        return JSONResponse(shape.whole(message, usage(handle.seq), finish))
+    return StreamingResponse(served.response_events(request, handle, ResponseEvents(shape), tools),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                      "X-Accel-Buffering": "no"})
 
 
 async def models(request: Request) -> dict[str, Any]:
@@ -280,6 +368,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics: ServeMetrics, policy: 
                 **error_responses(400, 401, 413, 429, 500, 503, 504)}  # 500: a failed step ends the requests it served
     app.add_api_route("/v1/completions", completions, methods=["POST"], responses=generate)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], responses=generate)
+    app.add_api_route("/v1/responses", responses, methods=["POST"], responses=generate)
     app.add_api_route("/v1/models", models, methods=["GET"], responses=error_responses(401))
     app.add_api_route("/health", health, methods=["GET"], responses={503: {"description": "the engine stopped"}})
     app.add_api_route("/metrics", metrics_endpoint, methods=["GET"], responses=error_responses(401),

@@ -1,7 +1,8 @@
 """Which request fields the server honours, refuses or ignores, and text it cannot encode.
 
-OpenAI's request fields that change what a completion is but are not implemented here (tools, penalties,
-...) are refused with a 400 naming the field whenever they ask for something other than their default;
+OpenAI's request fields that change what a completion is but are not implemented here (penalties, the legacy
+``functions``, tools on ``/v1/completions``, ...) are refused with a 400 naming the field whenever they ask for
+something other than their default;
 fields that do not change the completion (``user``, ``metadata``, ``store``, ...) are accepted and ignored;
 any other unknown field is ignored too and logged once per name, since a client library may send fields
 newer than this server. Text fields holding a lone surrogate (``"\\udfff"``, valid
@@ -19,7 +20,8 @@ log = logging.getLogger("specdecode.serve")
 
 # Field -> the values that ask for nothing (the field's default or an explicit "off"); anything else is refused.
 REFUSED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"),  # reach here from completions only
+    "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "top_logprobs": (None, 0),  # reaches here from completions only, whose count is `logprobs`
     "audio": (None,), "modalities": (None, ["text"]),
@@ -33,7 +35,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
 }
 # Accepted and ignored: they do not change the completion.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                     "reasoning_effort", "verbosity", "parallel_tool_calls"})
+                     "reasoning_effort", "verbosity"})
 MAX_LOGGED = 64  # unknown names logged, then one line saying that no more will be
 
 _logged: set[str] = set()
@@ -59,7 +61,7 @@ def check_extra_fields(extra: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-TEXT_FIELDS = ("prompt", "messages", "stop", "prediction", "response_format", "structured_outputs")
+TEXT_FIELDS = ("prompt", "messages", "stop", "prediction", "response_format", "structured_outputs", "tools")
 
 
 def unencodable_text(body: dict[str, Any]) -> str | None:

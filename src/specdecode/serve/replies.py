@@ -53,9 +53,10 @@ class Reply:
     def chunk_kind(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def whole(self, content: str, finish: str, usage: dict[str, Any],
-              logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if self.chat else
+    def whole(self, content: str, finish: str, usage: dict[str, Any], logprobs: list[TokenLogprob] | None = None,
+              message: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The whole answer; a chat's ``message`` (with its tool calls) where it is more than ``content``."""
+        choice = ({"index": 0, "message": message or {"role": "assistant", "content": content}} if self.chat else
                   {"index": 0, "text": content})
         choice["logprobs"] = self.logprobs(logprobs)
         choice["finish_reason"] = finish
@@ -72,6 +73,11 @@ class Reply:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         return {**self.base, "object": self.chunk_kind, "choices": [choice]}
+
+    def delta_chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
+        """A chat chunk carrying ``delta`` as it is (content or ``tool_calls`` entries)."""
+        return {**self.base, "object": self.chunk_kind,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` of a choice: chat's ``content`` list, or a completion's parallel lists."""

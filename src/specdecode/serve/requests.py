@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specdecode.sampling import SamplingParams
 from specdecode.serve.errors import APIError
 from specdecode.serve.fields import TEXT_FIELDS, check_extra_fields, unencodable_text
 from specdecode.serve.structured import ResponseFormat, StructuredOutputs
+from specdecode.serve.tools import ToolCallSpec, ToolChoice, ToolSpec
 
 
 class StreamOptions(BaseModel):
@@ -93,12 +94,26 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallSpec] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def top_logprobs_asked(self) -> int | None:
         if self.top_logprobs and not self.logprobs:

@@ -1,0 +1,117 @@
+"""A streamed reply read as it comes: content until the family's opener, then each call's name as soon as it is
+written and its arguments in fragments, as OpenAI streams ``delta.tool_calls``.
+
+Text that might be the start of an opener is held back until it is known not to be. A call is expected as
+``{"name": "...", "<arguments key>": {...}}`` (the form the grammars write, name first); the fragments of its
+arguments joined are exactly the arguments' JSON text. A format without an opener (Llama 3's bare JSON) or with
+one list of calls (Mistral) is read whole when the reply ends. It does not decide what a finished reply holds
+(``formats.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from specdecode.tool_calls.formats import CallFormat
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of a streamed reply: content text, or, for call ``index``, its name (once) or an argument fragment."""
+
+    content: str = ""
+    index: int = -1
+    name: str | None = None
+    arguments: str = ""
+
+
+def _held(text: str, mark: str) -> int:
+    """How many characters at the end of ``text`` could begin ``mark``."""
+    for n in range(min(len(text), len(mark) - 1), 0, -1):
+        if mark.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class CallStream:
+    """Reads one streamed reply in ``fmt``: :meth:`feed` each new piece of text, :meth:`finish` at the end."""
+
+    def __init__(self, fmt: CallFormat) -> None:
+        self.fmt = fmt
+        self._head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(fmt.arguments_key)
+                                + r'"\s*:\s*')
+        self._text = ""
+        self._shown = 0  # characters of _text given out as content
+        self._opened = False  # the first opener was seen
+        self._region: int | None = None  # where the current call's JSON starts (None: between calls)
+        self._after = 0  # where the text after the last closed call starts
+        self._named = False
+        self._sent = 0  # characters of the current call's arguments given out
+        self.calls = 0  # calls given out (named)
+        self._whole = not fmt.opener or fmt.as_list
+        self._plain = False  # (read-whole formats) the reply is plainly text
+
+    def feed(self, piece: str) -> list[Delta]:
+        self._text += piece
+        if self._whole:
+            start = self._text.lstrip()
+            if not self._plain and start and not (self.fmt.opener or "{").startswith(start[:len(self.fmt.opener or "{")]):
+                self._plain = True
+            return self._content(len(self._text)) if self._plain else []
+        if not self._opened:
+            found = self._text.find(self.fmt.opener, self._shown)
+            if found < 0:
+                return self._content(len(self._text) - _held(self._text, self.fmt.opener))
+            self._opened, self._region = True, found + len(self.fmt.opener)
+            return self._content(found) + self._call_deltas()
+        return self._call_deltas()
+
+    def finish(self) -> list[Delta]:
+        """What is left when the reply ends: held-back content, or the calls of a format read whole."""
+        if self._whole and not self._plain:
+            parsed = self.fmt.parse(self._text)
+            if parsed is not None:
+                out = [Delta(content=parsed.content)] if parsed.content else []
+                for i, call in enumerate(parsed.calls):
+                    out += [Delta(index=i, name=call.name), Delta(index=i, arguments=call.arguments)]
+                self.calls = len(parsed.calls)
+                return out
+        return [] if self._opened else self._content(len(self._text))
+
+    def _content(self, upto: int) -> list[Delta]:
+        if upto <= self._shown:
+            return []
+        text, self._shown = self._text[self._shown:upto], upto
+        return [Delta(content=text)]
+
+    def _call_deltas(self) -> list[Delta]:
+        out: list[Delta] = []
+        while True:
+            if self._region is None:
+                found = self._text.find(self.fmt.opener, self._after)
+                if found < 0:
+                    return out
+                self._region = found + len(self.fmt.opener)
+            head = self._head.match(self._text, self._region)
+            if head is None:
+                return out
+            if not self._named:
+                out.append(Delta(index=self.calls, name=json.loads(f'"{head.group(1)}"')))
+                self._named = True
+            args = self._text[head.end():]
+            close = args.find(self.fmt.closer)
+            if close < 0:  # hold back what may be the closer's start, then the call object's own "}"
+                shown = args[:len(args) - _held(args, self.fmt.closer)].rstrip()
+                self._send(shown[:-1] if shown.endswith("}") else shown, out)
+                return out
+            final = args[:close].rstrip()
+            self._send(final[:-1].rstrip() if final.endswith("}") else final, out)
+            self.calls, self._sent, self._named = self.calls + 1, 0, False
+            self._after, self._region = head.end() + close + len(self.fmt.closer), None
+
+    def _send(self, args: str, out: list[Delta]) -> None:
+        if len(args) > self._sent:
+            out.append(Delta(index=self.calls, arguments=args[self._sent:]))
+            self._sent = len(args)
