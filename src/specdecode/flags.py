@@ -156,8 +156,9 @@ def drafter_config(args: argparse.Namespace) -> DrafterConfig:
     return DrafterConfig(kind, **{name: getattr(args, name) for name in FLAG_FIELDS.values()})
 
 
-def add_kv_arguments(p: argparse.ArgumentParser) -> None:
-    """The KV cache flags shared by ``generate``, ``serve`` and ``bench``."""
+def add_kv_arguments(p: argparse.ArgumentParser, prefix_cache: bool = False) -> None:
+    """The KV cache flags shared by ``generate``, ``serve`` and ``bench``; ``prefix_cache``: its default (on for a
+    server, whose conversations come back with their history; off where each run should start cold)."""
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="target KV cache: auto (the model's dtype), bfloat16, float32, or int8/int4 (verified tokens "
                         "quantized group-wise; recent ones stay full precision)")
@@ -167,8 +168,9 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-sinks", type=nonnegative_int, default=0, help="with --kv-window: also keep the first S tokens")
     p.add_argument("--kv-budget", type=byte_size, default=None,
                    help="bytes all KV caches and prefix caches may hold, e.g. 512M; a request that cannot fit fails")
-    p.add_argument("--prefix-cache", type=on_off, default=False, metavar="on|off",
-                   help="reuse the K/V of prompt prefixes seen in earlier requests (default off)")
+    p.add_argument("--prefix-cache", type=on_off, default=prefix_cache, metavar="on|off",
+                   help="reuse the K/V of prompt prefixes seen in earlier requests, least recently used out when full "
+                        f"(default {'on' if prefix_cache else 'off'})")
 
 
 # CacheConfig's fields as the KV flags name them, so that its own checks speak the command line's language.

@@ -3,7 +3,7 @@
 Starting a sequence gives it its seed and generator, its grammar's matcher, its drafter chain (the slot's drafter
 with the request's prediction and grammar in front, ``drafters/chain.py``), a controller (wrapped for long drafts
 where a source may run past ``gamma_max``), and prefills its prompt: now, or row by row inside the decode steps
-where those take prompts (``chunked``). Retiring it records its last figures (KV bytes, the prediction's counts,
+where those take prompts (``chunked``; a stored prefix is loaded first). Retiring it records its last figures (KV bytes, the prediction's counts,
 the plain step's cost at its context), lets drafters that learn across requests keep its output, and empties the
 slot. Each KV slot has a drafter of its own, reset for every sequence the slot serves and handed that slot.
 
@@ -90,6 +90,7 @@ class Admission:
         prompt = seq.tokens[:-1]
         if self.chunked:
             self.kv.cache.commit(seq.slot, len(prompt))  # prompt tokens are verified before they are written
+            seq.prefilled = seq.stats.prefix_hit_tokens = self.kv.load_prefix(seq.slot, prompt)
             return
         observe = seq.drafter.observe if self.features else None
         seq.stats.prefix_hit_tokens = prefill(self.kv.cache, seq.slot, prompt, self.target, self.kv.prefix,

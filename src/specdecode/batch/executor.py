@@ -93,8 +93,8 @@ class BatchEngine:
                                             probe.signal_names if probe else (), self.spec.controller_file,
                                             scheduler.max_rows)
         # Prompts are prefilled a few rows at a time inside the decode forwards where rows are computed alike in any
-        # forward (our kernels) and the cache neither compresses nor shares prefixes (those prefill at admission).
-        chunked = target.backend.row_invariant and not cache.compressed and not cache.prefix_cache
+        # forward (our kernels) and the cache does not compress (a compressing cache prefills at admission).
+        chunked = target.backend.row_invariant and not cache.compressed
         self.admission = Admission(target=target, kv=self.kv, drafters=drafters, new_controller=new_controller,
                                    spec=self.spec, grammars=self.grammar_compiler, timer=self.timer,
                                    scheduler=self.scheduler, tokenizer=tokenizer, chunked=chunked, features=features)

@@ -85,6 +85,8 @@ class StepForward:
             if out.features is not None and n:  # a head drafter reads the prompt's features as they are computed
                 seq.drafter.observe(seq.prefilled, out.features[rows.first[seq]:rows.first[seq] + n])
             seq.prefilled += n
+            if n and not seq.prompt_pending:  # the prompt is whole: its blocks go to the prefix cache
+                self.kv.store_prefix(seq.slot, seq.tokens[:seq.prefilled])
         return ForwardResult(decoding=decoding, rows=rows, logits=logits, features=out.features, real_rows=real)
 
     def _pad(self, rows: ForwardRows) -> None:

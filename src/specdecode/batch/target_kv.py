@@ -66,6 +66,34 @@ class TargetKV:
                              "while others are served; retry when the engine is idle")
         self.allocate(tokens)
 
+    def load_prefix(self, slot: int, prompt: list[int]) -> int:
+        """Writes the longest stored prefix of ``prompt`` (whole blocks) into the empty ``slot``; returns its length
+        (0 without a prefix cache). For prompts prefilled inside the decode steps (``admission.py``'s chunked mode)."""
+        if self.prefix is None:
+            return 0
+        hit = self.prefix.match(prompt)
+        try:
+            if hit.length:
+                for layer, (k, v) in enumerate(self.prefix.kv(hit)):  # [kv_heads, hit, head_dim]
+                    self.cache.update(layer, [slot], [0], k[None], v[None])
+                self.cache.advance([slot], hit.length)
+            return hit.length
+        finally:
+            self.prefix.release(hit)
+
+    def store_prefix(self, slot: int, prompt: list[int]) -> None:
+        """Stores the whole blocks of a prompt the decode steps have just finished prefilling into ``slot``. Its K/V
+        are what a prefill would have computed: rows are computed alike in any forward where prompts are chunked."""
+        if self.prefix is None:
+            return
+        whole = len(prompt) // self.prefix.block * self.prefix.block
+        hit = self.prefix.match(prompt[:whole])
+        try:
+            if whole > hit.length:
+                self.prefix.insert(prompt[:whole], self.cache.read(slot, hit.length, whole), hit)
+        finally:
+            self.prefix.release(hit)
+
     @property
     def usage(self) -> float:
         """Share of the cache's token room held by running sequences (0..1)."""

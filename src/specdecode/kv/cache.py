@@ -251,6 +251,11 @@ class KVCache(SlotLengths):
             raise CacheFullError(f"KV cache holds {self.max_len} tokens per sequence; a write up to {end} was asked")
         return [self.k[i] for i in layers], [self.v[i] for i in layers]
 
+    def read(self, slot: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the slot's keys and values at positions ``[start, end)``, per layer ``[kv_heads, n, head_dim]``
+        (what the prefix cache stores)."""
+        return [(k[slot, :, start:end].clone(), v[slot, :, start:end].clone()) for k, v in zip(self.k, self.v)]
+
     def _move_rows(self, slot: int, start: int, rows: Sequence[int]) -> None:
         """Moves the kept tokens ``start + rows[j]`` to ``start + j`` in every layer (a few rows each, never the
         whole slot); ``compact`` (see :class:`~specdecode.kv.slots.SlotLengths`) checks and sets the length."""

@@ -3,7 +3,8 @@
 A cache is sized before it is allocated (built on the "meta" device, so the figure is the allocation's
 own), and refused with :class:`KVBudgetError`, naming the numbers, when it cannot fit even after every
 unreferenced prefix entry has been evicted: a request that does not fit fails before any buffer is
-allocated, never with an out-of-memory crash. Prefix caches grow into whatever the caches leave.
+allocated, never with an out-of-memory crash. Prefix caches grow into whatever the caches leave of the budget, or,
+with no budget, up to the caches' own size; least recently used entries go first.
 
 Not counted: transient tensors of a forward (activations, dequantized views), which do not outlive it.
 This module does not decide what a cache holds (see ``compressed.py``) or what a prefix is (``prefix.py``).
@@ -95,15 +96,23 @@ class KVMemory:
         return self.prefixes[key]
 
     def _prefix_room(self, tree: PrefixCache) -> int | None:
-        """Bytes ``tree`` may hold: the budget less the caches and the other prefix caches."""
-        if self.budget is None:
+        """Bytes ``tree`` may hold: the budget less the caches and the other prefix caches; with no budget, as many
+        bytes as the caches are allocated (prefixes at most double the KV memory; no limit before any cache is)."""
+        if self.budget is None and not self.caches:
             return None
         others = sum(t.nbytes for t in self.prefixes.values() if t is not tree)
-        return max(0, self.budget - sum(c.nbytes for c in self.caches.values()) - others)
+        caches = sum(c.nbytes for c in self.caches.values())
+        limit = caches if self.budget is None else self.budget - caches
+        return max(0, limit - others)
 
     @property
     def prefix_bytes(self) -> int:
         return sum(t.nbytes for t in self.prefixes.values())
+
+    @property
+    def prefix_evicted_tokens(self) -> int:
+        """Tokens the prefix caches have dropped to make room."""
+        return sum(t.evicted_tokens for t in self.prefixes.values())
 
     @property
     def bytes_in_use(self) -> int:

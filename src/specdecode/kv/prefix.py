@@ -66,6 +66,7 @@ class PrefixCache:
         self.room = room
         self.root = _Node((), [], None, 0)
         self.nbytes = 0
+        self.evicted_tokens = 0  # tokens dropped to make room, over the tree's life
         self._tick = 0
 
     # ------------------------------------------------------------------ reading
@@ -196,6 +197,7 @@ class PrefixCache:
             del victim.parent.children[victim.tokens[0]]
             freed += victim.nbytes
             self.nbytes -= victim.nbytes
+            self.evicted_tokens += len(victim.tokens)
         return freed
 
     def _nodes(self) -> Iterator[_Node]:

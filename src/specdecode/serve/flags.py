@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
                    help="cancel a request still running this long after it was accepted (read, checked and "
                         "tokenized): a 504, or an error event ending its stream (default: no deadline)")
-    add_kv_arguments(p)
+    add_kv_arguments(p, prefix_cache=True)
     _add_ray_arguments(p)
 
 

@@ -36,7 +36,8 @@ class ServeMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix_cache: bool = False) -> None:
+        self.prefix_cache = prefix_cache  # whether admitted prompts were looked up in a prefix cache
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -64,13 +65,31 @@ class ServeMetrics:
         self._itl = Histogram("vllm:inter_token_latency_seconds",
                               "Time between a request's successive steps that produced tokens.", labels,
                               buckets=ITL_BUCKETS, registry=r)
+        self._prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                       labels, registry=r)
+        self._prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens whose K/V came from the prefix cache.",
+                                    labels, registry=r)
+        self._prefix_hit_requests = Counter("specdecode:prefix_cache_hit_requests",
+                                            "Requests that reused a stored prefix.", labels, registry=r)
+        self._prefix_evicted = Counter("specdecode:prefix_cache_evicted_tokens",
+                                       "Tokens the prefix cache dropped to make room (least recently used first).",
+                                       labels, registry=r)
+        self._prefix_bytes = Gauge("specdecode:prefix_cache_bytes", "Bytes the prefix cache holds.", labels,
+                                   registry=r)
         self._prompt = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests.", labels, registry=r)
         self._generated = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=r)
         self._label = {"model_name": model_name}
         self._last: dict[int, float] = {}  # sequence id -> when its previous tokens came
+        self._evicted_seen = 0  # the prefix cache's evicted tokens already counted
 
     def admitted(self, seq: SequenceState) -> None:
         self._prompt.labels(**self._label).inc(len(seq.request.prompt_ids))
+        if self.prefix_cache:
+            hit = seq.stats.prefix_hit_tokens
+            self._prefix_queries.labels(**self._label).inc(len(seq.request.prompt_ids) - 1)  # the last is fed
+            self._prefix_hits.labels(**self._label).inc(hit)
+            if hit:
+                self._prefix_hit_requests.labels(**self._label).inc()
 
     def stepped(self, seq: SequenceState, record: StepRecord, emitted: int, now: float) -> None:
         """One sequence's step: its draft, what was accepted and the tokens it emitted at ``now``."""
@@ -96,9 +115,15 @@ class ServeMetrics:
     def finished(self, seq: SequenceState) -> None:
         self._last.pop(seq.id, None)
 
-    def gauges(self, running: int, waiting: int, kv_usage: float, learned: tuple[int, int] = (0, 0)) -> None:
-        """Per step: requests running and waiting, the KV cache's use, and the drafter's (requests, bytes) kept
-        from finished requests."""
+    def gauges(self, running: int, waiting: int, kv_usage: float, learned: tuple[int, int] = (0, 0),
+               prefix: tuple[int, int] = (0, 0)) -> None:
+        """Per step: requests running and waiting, the KV cache's use, the drafter's (requests, bytes) kept from
+        finished requests and the prefix cache's (bytes, tokens evicted so far)."""
+        self._prefix_bytes.labels(**self._label).set(prefix[0])
+        evicted = prefix[1] - self._evicted_seen
+        if evicted > 0:
+            self._prefix_evicted.labels(**self._label).inc(evicted)
+            self._evicted_seen = prefix[1]
         self._running.labels(**self._label).set(running)
         self._waiting.labels(**self._label).set(waiting)
         self._kv.labels(**self._label).set(kv_usage)

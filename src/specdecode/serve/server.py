@@ -57,11 +57,11 @@ def build_server(config: ServeConfig, log: Callable[[str], None], lifespan: Call
     threads = threads or config.kernel_threads
     use_kernel_threads(1)
     engine = on_passing_thread(lambda: _warm_engine(config, log), threads)
-    metrics = ServeMetrics(config.name)
+    metrics = ServeMetrics(config.name, prefix_cache=config.cache.prefix_cache)
     engine.observer = metrics  # the warm-up request is not counted
-    loop = EngineLoop(engine, threads, on_step=lambda e: metrics.gauges(len(e.scheduler.running),
-                                                                        len(e.scheduler.waiting), e.kv.usage,
-                                                                        e.learned))
+    loop = EngineLoop(engine, threads, on_step=lambda e: metrics.gauges(
+        len(e.scheduler.running), len(e.scheduler.waiting), e.kv.usage, e.learned,
+        (e.memory.prefix_bytes, e.memory.prefix_evicted_tokens)))
     return Served(build_app(loop, config.name, metrics, config.http, lifespan=lifespan), loop, metrics, config.name,
                   config.drafter.kind)
 

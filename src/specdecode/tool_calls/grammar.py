@@ -63,13 +63,13 @@ def call_grammar(fmt: CallFormat, functions: Sequence[Function], parallel: bool,
         rules.insert(0, f"start: call {more}")
     elif not fmt.opener:
         rules[:0] = [f"start: TEXT | call {more}", "TEXT: /[^{](?s:.*)/"]
-    elif "<" in opener:  # a special token ends any text lexeme by itself
+    elif "<[" in opener:  # a special token ends any text lexeme by itself
         rules[:0] = [f"start: TEXT | TEXT? call {more}", f"TEXT: /(?s:.+)/ & ~/(?s:.*{_regex_text(fmt.opener.strip())}.*)/"]
     else:
         rules[:0] = [f"start: TEXT | OPEN body {more}",
                      # text that never holds the opener; or text up to the first opener, which ends the lexeme
                      f"TEXT: /(?s:.+)/ & ~/(?s:.*{spelled}.*)/",
-                     f"OPEN: /(?s:.*){spelled}/ & ~/(?s:.*{spelled}.+{spelled}.*)/"]
+                     f"OPEN: /(?s:.*){spelled}/ & ~/(?s:.*{spelled}.*{spelled}.*)/"]
     try:
         return Grammar(llguidance.LLMatcher.grammar_from_lark("\n".join(rules)), "tool_calls")
     except (ValueError, UnicodeError) as exc:

@@ -50,38 +50,46 @@ class CallStream:
         self._named = False
         self._sent = 0  # characters of the current call's arguments given out
         self.calls = 0  # calls given out (named)
-        self._whole = not fmt.opener or fmt.as_list
-        self._plain = False  # (read-whole formats) the reply is plainly text
+        self._plain = False  # (a format without an opener) the reply is plainly text
 
     def feed(self, piece: str) -> list[Delta]:
         self._text += piece
-        if self._whole:
+        if not self.fmt.opener:  # a call only from the reply's first character
             start = self._text.lstrip()
-            if not self._plain and start and not (self.fmt.opener or "{").startswith(start[:len(self.fmt.opener or "{")]):
+            if not self._plain and start and not start.startswith("{"):
                 self._plain = True
             return self._content(len(self._text)) if self._plain else []
         if not self._opened:
             found = self._text.find(self.fmt.opener, self._shown)
             if found < 0:
                 return self._content(len(self._text) - _held(self._text, self.fmt.opener))
-            self._opened, self._region = True, found + len(self.fmt.opener)
-            return self._content(found) + self._call_deltas()
-        return self._call_deltas()
+            self._opened = True
+            out = self._content(found)
+            self._shown = found  # what comes before a call is content only when it is more than whitespace
+            if self.fmt.as_list:  # the list is read whole when the reply ends
+                return out
+            self._region = found + len(self.fmt.opener)
+            return out + self._call_deltas()
+        return [] if self.fmt.as_list else self._call_deltas()
 
     def finish(self) -> list[Delta]:
         """What is left when the reply ends: held-back content, or the calls of a format read whole."""
-        if self._whole and not self._plain:
+        if self._opened and not self.fmt.as_list:
+            return []
+        if (self._opened or (not self.fmt.opener and not self._plain)):
             parsed = self.fmt.parse(self._text)
             if parsed is not None:
-                out = [Delta(content=parsed.content)] if parsed.content else []
+                out = []
                 for i, call in enumerate(parsed.calls):
                     out += [Delta(index=i, name=call.name), Delta(index=i, arguments=call.arguments)]
                 self.calls = len(parsed.calls)
                 return out
-        return [] if self._opened else self._content(len(self._text))
+        return self._content(len(self._text), whole=True)
 
-    def _content(self, upto: int) -> list[Delta]:
-        if upto <= self._shown:
+    def _content(self, upto: int, whole: bool = False) -> list[Delta]:
+        """Content up to ``upto``; held while it is only whitespace (which before a call is no content), unless the
+        reply is ``whole``."""
+        if upto <= self._shown or (not whole and not self._text[:upto].strip()):
             return []
         text, self._shown = self._text[self._shown:upto], upto
         return [Delta(content=text)]
@@ -104,7 +112,7 @@ class CallStream:
             close = args.find(self.fmt.closer)
             if close < 0:  # hold back what may be the closer's start, then the call object's own "}"
                 shown = args[:len(args) - _held(args, self.fmt.closer)].rstrip()
-                self._send(shown[:-1] if shown.endswith("}") else shown, out)
+                self._send(shown[:-1].rstrip() if shown.endswith("}") else shown, out)
                 return out
             final = args[:close].rstrip()
             self._send(final[:-1].rstrip() if final.endswith("}") else final, out)
