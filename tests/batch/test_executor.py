@@ -10,6 +10,7 @@ from batch_cases import CACHE_SETTINGS, PROMPTS, requests
 from kernel_paths import NATIVE_PATHS, path_params, require_path
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import QueueFullError, SchedulerConfig
+from specdecode.batch.target_kv import CHUNKED_PREFIX_BLOCK
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
@@ -101,6 +102,32 @@ def test_prompts_prefilled_inside_decode_steps_change_no_token(path, kind):
                              scheduler=SchedulerConfig(max_running=4, max_rows=rows, prefill_chunk=chunk))
         assert engine.admission.chunked
         assert [r.token_ids for r in engine.run(requests())] == want, (path, kind, rows)
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
+@pytest.mark.parametrize("kind", ["none", "ngram", "eagle"])
+def test_prompts_prefilled_inside_decode_steps_reuse_stored_prefixes_bitwise(path, kind):
+    """With the prefix cache (the server's default), a prompt read inside the decode steps first loads the longest
+    stored prefix, and a prompt once read is stored: a conversation's next turn (its history plus a new message)
+    starts from the stored history and gets, bitwise, what it gets with no prefix cache."""
+    require_path(path)
+    model = varied_model(0, dtype=torch.bfloat16)
+    pack_model(model, path)
+    new = _new_drafter(kind, model, None, CacheConfig())
+    solo = Engine(model, drafter=new() if new else None, spec=SpeculativeConfig(gamma=4))
+    histories = [dict(r, prompt=r["prompt"] * 3) for r in requests()]
+    turns = [dict(r, prompt=r["prompt"] + [23, 24, 25, 26, 27, 28]) for r in histories]  # each history, followed up
+    want = [solo.generate(**r).token_ids for r in histories + turns]
+    engine = BatchEngine(model, new_drafter=new, spec=SpeculativeConfig(gamma=4), max_len=160,
+                         cache=CacheConfig(prefix_cache=True), scheduler=SchedulerConfig(max_running=4, max_rows=7))
+    assert engine.admission.chunked
+    first, follow = engine.run(histories), engine.run(turns)
+    assert [r.token_ids for r in first + follow] == want, (path, kind)
+    held = [len(r["prompt"]) - 1 for r in histories]  # each first turn's prompt rows, whole blocks of them stored
+    block = CHUNKED_PREFIX_BLOCK
+    assert [r.stats.prefix_hit_tokens for r in follow] == [n // block * block for n in held]
+    assert sum(r.stats.prefix_hit_tokens for r in follow) >= 3 * block
+    assert all(t.referenced == 0 for t in engine.memory.prefixes.values())
 
 
 def test_a_tight_row_budget_shortens_drafts_and_changes_no_token(target):

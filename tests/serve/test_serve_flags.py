@@ -26,6 +26,12 @@ def test_the_flags_land_in_their_parts():
     assert serve_flags(["--model", "x"]).name == "x"  # no --served-model-name: the model's
 
 
+def test_a_server_keeps_prefixes_unless_told_not_to():
+    """A conversation comes back with its history: serve's prefix cache is on by default (generate's is off)."""
+    assert serve_flags(["--model", "x"]).cache.prefix_cache
+    assert not serve_flags(["--model", "x", "--prefix-cache", "off"]).cache.prefix_cache
+
+
 def test_ray_flags_make_the_ray_part():
     config = serve_flags(["--ray", "--replicas", "3", "--cpus-per-replica", "0.5", "--ingress-replicas", "2",
                           "--memory-per-replica", "2G", "--routing", "pow2", "--ray-address", "auto"])

@@ -181,6 +181,28 @@ def test_tools_on_legacy_completions_are_refused(server):
     assert status == 400 and reply["error"]["param"] == "tools"
 
 
+def _metric(base: str, name: str) -> float:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+
+
+def test_a_follow_up_turn_reuses_its_history_from_the_prefix_cache(client, server):
+    """With default flags an agent's next turn loads the turns before it: the prompt tokens of the first request
+    come back as prefix-cache hits (whole blocks), counted in /metrics, and the answer is what a cold server gives
+    (the chat-completions equivalence tests above run on this same, warm, server)."""
+    history = [{"role": "system", "content": "You are a careful assistant. " * 40}, *ASK]
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    hits, queries = _metric(server, "vllm:prefix_cache_hits_total"), _metric(server, "vllm:prefix_cache_queries_total")
+    follow = history + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And 3 plus 4?"}]
+    client.chat.completions.create(model=MODEL, messages=follow, max_tokens=8, temperature=0)
+    reused = _metric(server, "vllm:prefix_cache_hits_total") - hits
+    assert reused >= first.usage.prompt_tokens - 64, reused  # all but the last, partial block
+    assert _metric(server, "vllm:prefix_cache_queries_total") > queries + reused
+    assert _metric(server, "specdecode:prefix_cache_bytes") > 0
+
+
 # ------------------------------------------------------------------ the Responses API
 
 def test_a_response_is_the_chat_completions_answer(client):

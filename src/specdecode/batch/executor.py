@@ -37,7 +37,7 @@ from specdecode.batch.records import record_step
 from specdecode.batch.scheduler import Scheduler, SchedulerConfig
 from specdecode.batch.sequence import (MAX_TOP_LOGPROBS, GenerationResult, Request, SequenceState, eos_ids,
                                        predicted, prompt_ids, stop_strings)
-from specdecode.batch.target_kv import TargetKV, kv_setting
+from specdecode.batch.target_kv import CHUNKED_PREFIX_BLOCK, TargetKV, kv_setting
 from specdecode.control import controller_factory
 from specdecode.control.config import SpeculativeConfig
 from specdecode.drafters.base import Drafter
@@ -83,18 +83,20 @@ class BatchEngine:
         self._limit_name = "the model's context length" if self.max_len == context else \
             "the engine's max_len per sequence"
         self.scheduler = Scheduler(scheduler)
+        # Prompts are prefilled a few rows at a time inside the decode forwards where rows are computed alike in any
+        # forward (our kernels) and the cache does not compress (a compressing cache prefills at admission); such
+        # prompts reuse prefixes in small blocks, so that a follow-up turn recomputes few of its history's tokens.
+        chunked = target.backend.row_invariant and not cache.compressed
         self.memory = KVMemory(cache.budget, cache.prefix_cache)
         self.kv = TargetKV(target=target, memory=self.memory, base=replace(cache, slots=scheduler.max_running),
-                           step_rows=max(self.spec.longest_draft, MAX_PADDED_ROWS) + 1)
+                           step_rows=max(self.spec.longest_draft, MAX_PADDED_ROWS) + 1,
+                           prefix_block=CHUNKED_PREFIX_BLOCK if chunked else None)
         self.kv.allocate(self.max_len if slot_len is None else min(slot_len, self.max_len))
         self.timer = StepTimer(target=target, kv=self.kv, padding=RowPadding(1 if target.backend.row_invariant else 2))
         features = tuple(probe.feature_layers) if probe is not None else ()
         new_controller = controller_factory(self.spec.gamma, self.spec.gamma_max, probe.name if probe else None,
                                             probe.signal_names if probe else (), self.spec.controller_file,
                                             scheduler.max_rows)
-        # Prompts are prefilled a few rows at a time inside the decode forwards where rows are computed alike in any
-        # forward (our kernels) and the cache does not compress (a compressing cache prefills at admission).
-        chunked = target.backend.row_invariant and not cache.compressed
         self.admission = Admission(target=target, kv=self.kv, drafters=drafters, new_controller=new_controller,
                                    spec=self.spec, grammars=self.grammar_compiler, timer=self.timer,
                                    scheduler=self.scheduler, tokenizer=tokenizer, chunked=chunked, features=features)

@@ -18,6 +18,11 @@ from specdecode.kv.prefix import PrefixCache
 from specdecode.models.transformer import Transformer
 
 
+# Prefix blocks of prompts read inside the decode steps (any size reuses bitwise there): a conversation's next turn
+# recomputes at most this many of its history's tokens, and a block costs one radix-tree node's bookkeeping.
+CHUNKED_PREFIX_BLOCK = 16
+
+
 def kv_setting(cache: CacheConfig, dtype: torch.dtype) -> str:
     """A target cache's storage as the controllers see it: "int8", "int4", "window" or a dtype."""
     if cache.kv_dtype in ("int8", "int4"):
@@ -36,12 +41,14 @@ class TargetKV:
         memory: the engine's KV budget and prefix caches.
         base: the cache settings (``slots`` = the scheduler's ``max_running``; ``max_len`` is set here).
         step_rows: rows a step may write past a slot's tokens (the fed token and the longest draft or padding).
+        prefix_block: tokens per reusable prefix block (None: the prefill chunk, as a prefill at admission needs).
     """
 
     target: Transformer
     memory: KVMemory
     base: CacheConfig
     step_rows: int
+    prefix_block: int | None = None
     cache: Cache = field(init=False)
     config: CacheConfig = field(init=False)
     prefix: PrefixCache | None = field(init=False, default=None)
@@ -51,7 +58,7 @@ class TargetKV:
         room = tokens + self.step_rows
         self.config = replace(self.base, max_len=-(-room // 64) * 64)
         self.cache = self.memory.new_cache("target", self.target, self.config)
-        self.prefix = self.memory.prefix_for(self.target, self.config)
+        self.prefix = self.memory.prefix_for(self.target, self.config, self.prefix_block)
 
     def grow_for(self, tokens: int, busy: bool) -> None:
         """Makes the slots hold a request of ``tokens`` tokens, which only an idle engine (not ``busy``) can do.

@@ -84,13 +84,15 @@ class KVMemory:
                 f"{held} plus {format_bytes(self.prefix_bytes)} of prefixes in use are held; raise --kv-budget, ask "
                 "for fewer tokens, or compress more (--kv-dtype int8/int4, --kv-window)")
 
-    def prefix_for(self, model: Any, config: CacheConfig) -> PrefixCache | None:
-        """The prefix cache of ``model`` under ``config``'s layout (None when prefix caching is off)."""
+    def prefix_for(self, model: Any, config: CacheConfig, block: int | None = None) -> PrefixCache | None:
+        """The prefix cache of ``model`` under ``config``'s layout, reused in whole ``block``s (default: the prefill
+        chunk, which a prefill at admission needs; prompts read inside the decode steps may use any); None when
+        prefix caching is off."""
         if not self.prefix_cache:
             return None
-        key = (model, config.layout)
+        key = (model, config.layout, block or config.prefill_chunk)
         if key not in self.prefixes:
-            tree = PrefixCache(config.prefill_chunk)
+            tree = PrefixCache(block or config.prefill_chunk)
             tree.room = lambda tree=tree: self._prefix_room(tree)
             self.prefixes[key] = tree
         return self.prefixes[key]
