@@ -10,6 +10,8 @@ is shown by the negative control in test_distribution.py (the seed document's lo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import Callable
 
 import torch
@@ -129,7 +131,7 @@ def sample_counts(engine: Engine, sampling: SamplingParams, samples: int = SAMPL
     (``request``: more arguments of ``Engine.generate``)."""
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     for seed in range(samples):
-        params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
+        params = replace(sampling, seed=seed)
         result = engine.generate(PROMPT, params, max_new_tokens=NEW_TOKENS, eos_token_ids=(), **request)
         counts[tuple(result.token_ids)] += 1
         if on_result is not None:

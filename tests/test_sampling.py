@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specdecode.sampling import SamplingParams, probs_from_logits, sample
+from specdecode.sampling import Penalties, SamplingParams, penalize, probs_from_logits, sample
 
 
 def _logits(probs: list[float]) -> torch.Tensor:
@@ -157,3 +157,29 @@ def test_extreme_but_valid_parameters_give_a_distribution():
     tiny = SamplingParams(temperature=1e-300)
     assert tiny.greedy and torch.equal(probs_from_logits(logits, tiny), probs)
     assert not SamplingParams(temperature=1e-4).greedy
+
+
+def test_penalties_by_hand():
+    """Row 0 follows the request's tokens, row 1 also drafted token 1, row 2 tokens 1 and 3: presence and frequency
+    count generated tokens (the drafted ones on the row's path too), repetition also the prompt's, bias adds."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]] * 3)
+    penalize(logits, Penalties(presence=0.5, frequency=0.25, repetition=2.0, bias=((3, 1.0),)), prompt=[2],
+             generated=[0, 0], paths=[[], [1], [1, 3]])
+    assert logits.tolist() == [[0.0, 1.0, -2.0, 1.5], [0.0, -0.25, -2.0, 1.5], [0.0, -0.25, -2.0, 0.5]]
+
+
+def test_penalties_leave_masked_tokens_masked_and_refuse_a_nonpositive_repetition():
+    logits = torch.tensor([[float("-inf"), 1.0, 0.0]])
+    penalize(logits, Penalties(presence=-2.0, repetition=0.5, bias=((0, 100.0),)), [0], [0], [[]])
+    assert logits[0, 0] == float("-inf")
+    with pytest.raises(ValueError, match="repetition"):
+        Penalties(repetition=0.0)
+
+
+def test_min_p_drops_tokens_under_its_share_of_the_top_one_and_keeps_the_top():
+    probs = probs_from_logits(torch.tensor([3.0, 1.0, 0.0, 2.9]), SamplingParams(temperature=1.0, min_p=0.2))
+    kept = probs > 0
+    assert kept.tolist() == [True, False, False, True] and abs(float(probs.sum()) - 1.0) < 1e-6
+    assert probs_from_logits(torch.tensor([1.0, 1.0]), SamplingParams(temperature=1.0, min_p=1.0)).tolist() == [0.5, 0.5]
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)

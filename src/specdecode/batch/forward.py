@@ -15,6 +15,7 @@ import torch
 
 from specdecode.batch.costs import RowPadding
 from specdecode.batch.grammar_rows import decided, grammar_masks, mask_constrained, one_hot
+from specdecode.batch.penalty_rows import penalize_rows
 from specdecode.batch.proposing import NO_DRAFT, StepPlan
 from specdecode.batch.rows import ForwardRows, SequenceRows, lay_out
 from specdecode.batch.sequence import SequenceState
@@ -80,6 +81,7 @@ class StepForward:
             logits = one_hot(sole, self.target.config.vocab_size, self.target.device)  # [scored, V]
         else:
             logits = out.logits  # [scored, V]
+            penalize_rows(logits, decoding)
             mask_constrained(logits, decoding, masks)
         for seq, n in plan.chunk.items():
             if out.features is not None and n:  # a head drafter reads the prompt's features as they are computed

@@ -134,7 +134,7 @@ class ServedModel:
                 await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(grammar))
             except GrammarError as exc:
                 raise APIError(400, str(exc), grammar_field) from None
-        future = self.loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(),
+        future = self.loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(self.engine.target.config.vocab_size),
                                   max_new_tokens=self.budget(body, len(ids)), stop=body.stops(), prediction=prediction,
                                   logprobs=body.top_logprobs_asked(), grammar=grammar)
         try:

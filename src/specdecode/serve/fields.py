@@ -1,6 +1,6 @@
 """Which request fields the server honours, refuses or ignores, and text it cannot encode.
 
-OpenAI's request fields that change what a completion is but are not implemented here (penalties, the legacy
+OpenAI's request fields that change what a completion is but are not implemented here (``best_of``, the legacy
 ``functions``, tools on ``/v1/completions``, ...) are refused with a 400 naming the field whenever they ask for
 something other than their default;
 fields that do not change the completion (``user``, ``metadata``, ``store``, ...) are accepted and ignored;
@@ -25,11 +25,10 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none", "auto"),
     "top_logprobs": (None, 0),  # reaches here from completions only, whose count is `logprobs`
     "audio": (None,), "modalities": (None, ["text"]),
-    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "web_search_options": (None,),
-    # vLLM's sampling extensions (we take its top_k): refused unless neutral, as OpenAI's own.
-    "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "ignore_eos": (None, False),
+    # vLLM's sampling extensions (we take its top_k, min_p and repetition_penalty): refused unless neutral.
+    "min_tokens": (None, 0), "ignore_eos": (None, False),
     "stop_token_ids": (None, []), "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
 }

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import Penalties, SamplingParams
 from specdecode.serve.errors import APIError
 from specdecode.serve.fields import TEXT_FIELDS, check_extra_fields, unencodable_text
 from specdecode.serve.structured import ResponseFormat, StructuredOutputs
@@ -56,12 +56,27 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> -100..100
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension
     prediction: PredictedOutput | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension: json, regex, choice
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, max(0, self.top_k), self.top_p, self.seed)
+    def sampling(self, vocab_size: int) -> SamplingParams:
+        """The engine's sampling settings; a ``logit_bias`` key that is not a token id of ``vocab_size``, or a bias
+        outside -100..100, is a 400 naming the field."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+                raise APIError(400, f"logit_bias keys are token ids in 0..{vocab_size - 1} (got {key!r})", "logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise APIError(400, f"logit_bias values are in -100..100 (got {value} for {key})", "logit_bias")
+            bias.append((int(key), float(value)))
+        penalties = Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, tuple(bias))
+        return SamplingParams(self.temperature, max(0, self.top_k), self.top_p, self.seed, self.min_p, penalties)
 
     def top_logprobs_asked(self) -> int | None:
         """Alternatives per token to report with log-probabilities; None = no log-probabilities."""

@@ -1,4 +1,5 @@
-"""Tool calls and the Responses API for real: a `specdecode serve` process on loopback serving SmolLM2 (whose chat
+"""What agents need from `specdecode serve`, for real — tool calls, the Responses API, the prefix cache on by
+default and the sampling fields clients send: a `specdecode serve` process on loopback serving SmolLM2 (whose chat
 template knows no tools: they go in a system message, and calls are read in the Hermes form), driven by the
 `openai` package and by two agent frameworks as their users run them (the OpenAI Agents SDK with its chat-completions
 model and its default Responses model; LangChain's `ChatOpenAI`).
@@ -321,3 +322,36 @@ def test_a_langchain_chat_model_calls_its_tool_and_reads_the_result(server):
                                                                              tool_call_id=call["id"])])
     assert isinstance(answer.content, str) and answer.response_metadata["finish_reason"] in ("stop", "length",
                                                                                              "tool_calls")
+
+
+# ------------------------------------------------------------------ sampling fields
+
+def test_penalties_bias_and_min_p_give_the_library_s_answer(client, smollm2):
+    """Served greedy answers with presence/frequency/repetition penalties, a logit bias and min-p (speculating with
+    the default drafter) are what the library's plain decoding gives with the same settings."""
+    from specdecode.engine import Engine
+    from specdecode.sampling import Penalties, SamplingParams
+    messages = [{"role": "user", "content": "List the days of the week, then list them again."}]
+    prompt = smollm2.tokenizer.apply_chat_template(messages)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0)
+    banned = smollm2.tokenizer.encode(" Monday")[0]
+    asked = dict(presence_penalty=0.8, frequency_penalty=0.4, logit_bias={str(banned): -100},
+                 extra_body={"repetition_penalty": 1.2, "min_p": 0.05})
+    served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0, **asked)
+    sampling = SamplingParams(min_p=0.05, penalties=Penalties(0.8, 0.4, 1.2, ((banned, -100.0),)))
+    want = Engine(smollm2.model, smollm2.tokenizer).generate(prompt, sampling, max_new_tokens=48)
+    assert served.choices[0].message.content == want.text != plain.choices[0].message.content
+    assert banned not in want.token_ids
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+])
+def test_bad_sampling_fields_get_a_400_naming_them(server, body, param):
+    status, reply = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
+    assert status == 400 and reply["error"]["param"] == param, reply
