@@ -265,7 +265,10 @@ def test_a_response_follows_its_text_format(client):
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"store": True}, "store"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "5"}]}, "messages[0].tool_call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "5"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "", "output": "5"}]}, "input"),
+    ({"tools": [{"type": "function", "name": "has space"}]}, "tools[0].name"),
+    ({"input": "\udfff"}, "input"),
     ({"input": []}, "input"),
 ])
 def test_bad_responses_requests_get_a_400_naming_the_field(server, body, param):

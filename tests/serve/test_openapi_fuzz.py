@@ -34,6 +34,7 @@ def api_schema(smollm2_path):
 # The GET routes take no input, so they have no invalid requests to generate.
 OPERATIONS = [("POST /v1/completions", "positive"), ("POST /v1/completions", "negative"),
               ("POST /v1/chat/completions", "positive"), ("POST /v1/chat/completions", "negative"),
+              ("POST /v1/responses", "positive"), ("POST /v1/responses", "negative"),
               ("GET /v1/models", "positive"), ("GET /health", "positive"), ("GET /metrics", "positive")]
 
 

@@ -321,7 +321,12 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
     if refused is not None:
         raise APIError(400, refused[1], refused[0])
     chat = body.as_chat()
-    ids, tools = await served.prepare_chat(chat)
+    try:
+        ids, tools = await served.prepare_chat(chat)
+    except APIError as exc:  # the conversation's errors name its messages: here they are the input's items
+        if exc.param is not None and exc.param.startswith("messages"):
+            exc.param = "input"
+        raise
     handle = await served.start(ids, chat, tools)
     shape = ResponseShape(body, served.name)
     if not body.stream:

@@ -16,9 +16,10 @@ import time
 import uuid
 from typing import Any, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specdecode.serve.errors import APIError
+from specdecode.serve.fields import first_unencodable
 from specdecode.serve.requests import ChatMessage, ChatRequest, ContentPart
 from specdecode.serve.structured import JsonSchemaFormat, ResponseFormat
 from specdecode.serve.tools import CalledFunction, FunctionName, FunctionSpec, NamedToolChoice, ToolCallSpec, ToolSpec
@@ -108,8 +109,22 @@ class ResponsesRequest(BaseModel):
         """The chat completion request this asks for.
 
         Raises:
-            APIError: ``store`` true or a ``previous_response_id`` (nothing is kept here), or no message at all.
+            APIError: ``store`` true or a ``previous_response_id`` (nothing is kept here), no message at all, text
+                that is not Unicode, or an item or tool the chat request refuses (a 400 naming the field).
         """
+        bad = first_unencodable(self.model_dump(include={"input", "instructions", "tools", "text"}, by_alias=True,
+                                                exclude_none=True))
+        if bad is not None:
+            raise APIError(400, f"{bad}: the text is not valid Unicode (a lone surrogate)", bad)
+        try:
+            return self._as_chat()
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            loc = [str(part) for part in error["loc"]]
+            param = {"messages": "input", "tools": "tools"}.get(loc[0], loc[0]) if loc else "input"
+            raise APIError(400, f"{param}: {error['msg']}", param) from None
+
+    def _as_chat(self) -> ChatRequest:
         if self.previous_response_id is not None:
             raise APIError(400, "previous_response_id: this server keeps no responses; send the whole conversation "
                                 "as input", "previous_response_id")
@@ -121,15 +136,24 @@ class ResponsesRequest(BaseModel):
             schema = JsonSchemaFormat(name=fmt.name or "output", schema=fmt.schema_ or {}, strict=fmt.strict) \
                 if fmt.type == "json_schema" else None
             response_format = ResponseFormat(type=fmt.type, json_schema=schema)
-        tools = [ToolSpec(type="function", function=FunctionSpec(name=t.name, description=t.description,
-                                                                 parameters=t.parameters, strict=t.strict))
-                 for t in self.tools or []] or None
+        tools = [self._tool(i, t) for i, t in enumerate(self.tools or [])] or None
         choice = NamedToolChoice(type="function", function=FunctionName(name=self.tool_choice.name)) \
             if isinstance(self.tool_choice, NamedFunction) else self.tool_choice
         return ChatRequest(model=self.model, messages=self._messages(), tools=tools, tool_choice=choice,
                            parallel_tool_calls=self.parallel_tool_calls, max_tokens=self.max_output_tokens,
                            temperature=self.temperature, top_p=self.top_p, response_format=response_format,
                            stream=self.stream)
+
+    @staticmethod
+    def _tool(index: int, tool: FunctionTool) -> ToolSpec:
+        try:
+            function = FunctionSpec(name=tool.name, description=tool.description, parameters=tool.parameters,
+                                    strict=tool.strict)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            param = ".".join([f"tools[{index}]", *(str(part) for part in error["loc"])])
+            raise APIError(400, f"{param}: {error['msg']}", param) from None
+        return ToolSpec(type="function", function=function)
 
     def _messages(self) -> list[ChatMessage]:
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
