@@ -358,3 +358,29 @@ def test_penalties_bias_and_min_p_give_the_library_s_answer(client, smollm2):
 def test_bad_sampling_fields_get_a_400_naming_them(server, body, param):
     status, reply = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
     assert status == 400 and reply["error"]["param"] == param, reply
+
+
+def test_n_choices_are_each_their_own_sequence_streamed_and_not(client):
+    """``n`` > 1: each choice is decoded as its own request (greedy: all alike, each the single answer; seeded
+    sampling: choice i as a request with seed + i), streamed interleaved by index, usage summed over the choices."""
+    single = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, temperature=0)
+    greedy = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.message.content for c in greedy.choices} == {single.choices[0].message.content}
+    assert greedy.usage.prompt_tokens == single.usage.prompt_tokens
+    assert greedy.usage.completion_tokens == 3 * single.usage.completion_tokens
+    sampled = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, temperature=1.0, seed=5, n=3)
+    alone = [client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, temperature=1.0, seed=5 + i)
+             for i in range(3)]
+    assert [c.message.content for c in sampled.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in sampled.choices}) > 1
+    texts, finishes = {}, {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, temperature=1.0, seed=5,
+                                                n=3, stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == sampled.usage.completion_tokens
+    assert [texts[i] for i in range(3)] == [c.message.content for c in sampled.choices]
+    assert all(finishes[i] in ("stop", "length") for i in range(3))

@@ -224,7 +224,7 @@ def test_a_dropped_whole_request_frees_its_slot(server):
     ({"model": "gpt-4", "prompt": "x"}, "model", "is not served here"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, "max_tokens", "exceed the 4096 tokens"),
     ({"model": MODEL, "prompt": "word " * 5000}, "prompt", "at most 4096 tokens"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "n", "less than or equal to 1"),
+    ({"model": MODEL, "prompt": "x", "n": 9}, "n", "less than or equal to 8"),
     ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "must not be empty"),
     ({"model": MODEL, "prompt": [1, 10 ** 9]}, "prompt", "token ids must be in"),
 ])

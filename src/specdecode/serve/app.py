@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -30,17 +30,18 @@ from specdecode.batch.scheduler import QueueFullError
 from specdecode.batch.sequence import Output
 from specdecode.grammar import GrammarError
 from specdecode.models.tokenizer import ChatTemplateError
+from specdecode.serve.answers import SSE_HEADERS, answer, response_events
 from specdecode.serve.errors import APIError, api_error, bad_request, error_responses, http_error
-from specdecode.serve.guard import Guard, HttpPolicy, error_body
+from specdecode.serve.fields import check_extra_fields
+from specdecode.serve.guard import Guard, HttpPolicy
 from specdecode.serve.loop import EngineLoop
 from specdecode.serve.metrics import ServeMetrics
 from specdecode.serve.relay import Handle, OutputRelay
-from specdecode.serve.replies import FINISH, Reply, failed, sse, usage
-from specdecode.serve.fields import check_extra_fields
+from specdecode.serve.replies import failed, usage
 from specdecode.serve.requests import ChatMessage, ChatRequest, CompletionRequest, SamplingFields, check_fields, joined
 from specdecode.serve.responses import ResponseEvents, ResponseShape, ResponsesRequest
 from specdecode.serve.structured import FieldError, grammar_of
-from specdecode.serve.tools import StreamedCalls, ToolPlan, check_schemas, message_of, plan_tools, render_messages
+from specdecode.serve.tools import ToolPlan, check_schemas, message_of, plan_tools, render_messages
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 1.0  # how often a waiting request checks that its client is still there
@@ -109,9 +110,11 @@ class ServedModel:
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), "messages") from None
 
-    async def start(self, ids: list[int], body: SamplingFields, tools: ToolPlan | None = None) -> Handle:
-        """Submits the request to the engine loop; a full queue is a 429, a refused request a 400. ``tools``' grammar
-        constrains the reply (with ``response_format`` also asking for one: a 400)."""
+    async def start(self, ids: list[int], body: SamplingFields, tools: ToolPlan | None = None,
+                    choice: int = 0) -> Handle:
+        """Submits the request (its choice ``choice``: a seed asked for is the first choice's, ``seed + choice`` the
+        others') to the engine loop; a full queue is a 429, a refused request a 400. ``tools``' grammar constrains the
+        reply (with ``response_format`` also asking for one: a 400)."""
         if not self.accepting or not self.loop.alive:
             raise APIError(503, "the server is shutting down", kind="service_unavailable")
         running = asyncio.get_running_loop()
@@ -134,7 +137,10 @@ class ServedModel:
                 await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(grammar))
             except GrammarError as exc:
                 raise APIError(400, str(exc), grammar_field) from None
-        future = self.loop.submit(handle.on_output, prompt=ids, sampling=body.sampling(self.engine.target.config.vocab_size),
+        sampling = body.sampling(self.engine.target.config.vocab_size)
+        if choice and sampling.seed is not None:
+            sampling = replace(sampling, seed=sampling.seed + choice)
+        future = self.loop.submit(handle.on_output, prompt=ids, sampling=sampling,
                                   max_new_tokens=self.budget(body, len(ids)), stop=body.stops(), prediction=prediction,
                                   logprobs=body.top_logprobs_asked(), grammar=grammar)
         try:
@@ -192,21 +198,6 @@ class ServedModel:
         return APIError(504, f"the request ran past this server's {self.timeout_s:g} s deadline (--request-timeout) "
                              "and was cancelled", kind="timeout")
 
-    async def respond(self, request: Request, body: SamplingFields, ids: list[int], chat: bool,
-                      tools: ToolPlan | None = None) -> Response:
-        """The answer to a completion (``chat`` false) or chat request: one JSON body, or an SSE stream; with
-        ``tools``, the reply is read for tool calls."""
-        handle = await self.start(ids, body, tools)
-        reply = Reply(chat, {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                              "model": self.name}, self.tokenizer)
-        if not body.stream:
-            return await self._whole(request, handle, reply, tools)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        calls = StreamedCalls(tools) if tools is not None else None
-        return StreamingResponse(self._events(request, handle, reply, include_usage, calls),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
     async def collect(self, request: Request, handle: Handle) -> tuple[str, str, list | None] | None:
         """A whole request's text, finish reason and log-probabilities (if asked); None when its client has gone.
 
@@ -227,15 +218,6 @@ class ServedModel:
             if seq.request.logprobs is not None else None
         return "".join(handle.texts + [out.text for out in last]), finish, logprobs
 
-    async def _whole(self, request: Request, handle: Handle, reply: Reply, tools: ToolPlan | None) -> Response:
-        collected = await self.collect(request, handle)
-        if collected is None:
-            return Response(status_code=499)  # the client is gone: nobody reads this
-        text, finish, logprobs = collected
-        message, called = message_of(text, tools, cut=finish == "length") if reply.chat else (None, False)
-        finish = "tool_calls" if called and finish != "length" else FINISH[finish]
-        return JSONResponse(reply.whole(text, finish, usage(handle.seq), logprobs, message))
-
     async def prepare_chat(self, body: ChatRequest) -> tuple[list[int], ToolPlan | None]:
         """A chat request's prompt ids and its tools' plan (each tool's schema compiled off the event loop, so that
         a bad one is a 400 naming it)."""
@@ -247,72 +229,36 @@ class ServedModel:
             await asyncio.to_thread(check_schemas, body.tools, self.engine.grammar_compiler().compile)
         return self.encode_chat(body.messages, tools), tools
 
-    async def _events(self, request: Request, handle: Handle, reply: Reply, include_usage: bool,
-                      calls: StreamedCalls | None = None) -> AsyncIterator[str]:
-        if reply.chat:
-            yield sse(reply.chunk(None, None, first=True))
-        ended = None  # the last output's finish reason (the watcher's when the engine did not answer)
-        async with contextlib.aclosing(self.outputs(handle, request)) as outputs:
-            async for out in outputs:
-                ended = out.finish_reason
-                late = out.finish_reason == "cancelled" and handle.timed_out
-                if out.finish_reason == "error" or late:
-                    err = self.deadline_error() if late else failed(handle.seq)
-                    yield sse(error_body(err.message, kind=err.kind))
-                    break
-                finish = FINISH[out.finish_reason] if out.finish_reason else None
-                if calls is not None:  # the text goes out as content and tool-call deltas
-                    deltas = calls.feed(out.text) + (calls.finish() if finish else [])
-                    for delta in deltas:
-                        yield sse(reply.delta_chunk(delta))
-                    if finish or out.logprobs:
-                        yield sse(reply.chunk(None, "tool_calls" if finish == "stop" and calls.called else finish,
-                                              logprobs=out.logprobs))
-                elif out.text or finish or out.logprobs:
-                    yield sse(reply.chunk(out.text, finish, logprobs=out.logprobs))
-        if include_usage and ended not in (None, "error", "cancelled"):
-            yield sse(reply.usage_chunk(usage(handle.seq)))
-        yield "data: [DONE]\n\n"
-
-
-    async def response_events(self, request: Request, handle: Handle, events: ResponseEvents,
-                              tools: ToolPlan | None) -> AsyncIterator[str]:
-        """A streamed ``/v1/responses`` answer: its typed events, then an ``error`` event if generation fails."""
-        for event in events.start():
-            yield event
-        calls = StreamedCalls(tools) if tools is not None else None
-        async with contextlib.aclosing(self.outputs(handle, request)) as outputs:
-            async for out in outputs:
-                if out.finish_reason in ("error", "cancelled"):
-                    if out.finish_reason == "error" or handle.timed_out:
-                        err = self.deadline_error() if out.finish_reason == "cancelled" else failed(handle.seq)
-                        yield events.shape.event("error", code=err.kind, message=err.message, param=None)
-                    return
-                deltas = ([{"content": out.text}] if out.text else []) if calls is None else \
-                    calls.feed(out.text) + (calls.finish() if out.finish_reason else [])
-                for delta in deltas:
-                    for event in events.delta(delta):
-                        yield event
-                if out.finish_reason:
-                    for event in events.finish(usage(handle.seq), out.finish_reason):
-                        yield event
-
-
 def _served(request: Request) -> ServedModel:
     return request.app.state.served
+
+
+async def _respond(request: Request, body: SamplingFields, ids: list[int], chat: bool,
+                   tools: ToolPlan | None = None) -> Response:
+    """The answer to a completion or chat request: its ``n`` choices started (a refused one cancels those before it),
+    then answered together."""
+    served, handles = _served(request), []
+    try:
+        for choice in range(body.n):
+            handles.append(await served.start(ids, body, tools, choice))
+    except APIError:
+        for handle in handles:
+            served.loop.cancel(handle.seq)
+        raise
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return await answer(served, request, handles, chat, body.stream, include_usage, tools)
 
 
 async def completions(request: Request, body: CompletionRequest) -> Response:
     served = _served(request)
     check_fields(body)
     served.check_model(body.model)
-    return await served.respond(request, body, served.encode_prompt(body.prompt), chat=False)
+    return await _respond(request, body, served.encode_prompt(body.prompt), chat=False)
 
 
 async def chat_completions(request: Request, body: ChatRequest) -> Response:
-    served = _served(request)
-    ids, tools = await served.prepare_chat(body)
-    return await served.respond(request, body, ids, chat=True, tools=tools)
+    ids, tools = await _served(request).prepare_chat(body)
+    return await _respond(request, body, ids, chat=True, tools=tools)
 
 
 async def responses(request: Request, body: ResponsesRequest) -> Response:
@@ -336,9 +282,8 @@ async def responses(request: Request, body: ResponsesRequest) -> Response:
         text, finish, _ = collected
         message, _ = message_of(text, tools, cut=finish == "length")
         return JSONResponse(shape.whole(message, usage(handle.seq), finish))
-    return StreamingResponse(served.response_events(request, handle, ResponseEvents(shape), tools),
-                             media_type="text/event-stream", headers={"Cache-Control": "no-cache",
-                                                                      "X-Accel-Buffering": "no"})
+    return StreamingResponse(response_events(served, request, handle, ResponseEvents(shape), tools),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def models(request: Request) -> dict[str, Any]:

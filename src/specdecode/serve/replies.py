@@ -47,6 +47,7 @@ class Reply:
     chat: bool
     base: dict[str, Any]
     tokenizer: Any = None  # names the tokens of log-probabilities
+    index: int = 0  # the choice's index (n > 1)
     text_offset: int = 0  # a completion's characters before the next log-probabilities' first token
 
     @property
@@ -56,8 +57,8 @@ class Reply:
     def whole(self, content: str, finish: str, usage: dict[str, Any], logprobs: list[TokenLogprob] | None = None,
               message: dict[str, Any] | None = None) -> dict[str, Any]:
         """The whole answer; a chat's ``message`` (with its tool calls) where it is more than ``content``."""
-        choice = ({"index": 0, "message": message or {"role": "assistant", "content": content}} if self.chat else
-                  {"index": 0, "text": content})
+        choice = ({"index": self.index, "message": message or {"role": "assistant", "content": content}}
+                  if self.chat else {"index": self.index, "text": content})
         choice["logprobs"] = self.logprobs(logprobs)
         choice["finish_reason"] = finish
         kind = "chat.completion" if self.chat else "text_completion"
@@ -69,15 +70,16 @@ class Reply:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            choice = {"index": self.index, "text": text or "", "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish}
         return {**self.base, "object": self.chunk_kind, "choices": [choice]}
 
     def delta_chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
         """A chat chunk carrying ``delta`` as it is (content or ``tool_calls`` entries)."""
         return {**self.base, "object": self.chunk_kind,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+                "choices": [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}]}
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` of a choice: chat's ``content`` list, or a completion's parallel lists."""
