@@ -178,3 +178,20 @@ def test_format_for_reads_the_template(template, family):
 ])
 def test_template_knows_tools(template, knows):
     assert template_knows_tools(template) is knows
+
+
+FENCED = '```json\n{\n  "name": "calculate",\n  "arguments": {\n    "expression": "17 * 23"\n  }\n}\n```'
+
+
+def test_hermes_reads_a_reply_of_fenced_call_objects_as_calls():
+    """Qwen2.5-Coder writes its calls as fenced JSON under auto: a reply of only such blocks is calls."""
+    assert HERMES.parse(FENCED) == Parsed(None, (Call("calculate", '{"expression": "17 * 23"}'),))
+    two = FENCED + "\n\n```json\n[" + '{"name": "search", "arguments": {"query": "x"}}' + "]\n```"
+    assert [c.name for c in HERMES.parse(two).calls] == ["calculate", "search"]
+
+
+@pytest.mark.parametrize("text", ["Here it is:\n" + FENCED, '```json\n{"a": 1}\n```', "```python\nprint(1)\n```",
+                                  '```json\n{"name": "f", "arguments": 3}\n```', "```json\n{broken\n```"])
+def test_fenced_json_that_is_not_only_calls_is_text(text):
+    assert HERMES.parse(text) is None
+    assert LLAMA3.parse(text) is None and MISTRAL.parse(text) is None

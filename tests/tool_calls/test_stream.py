@@ -200,3 +200,20 @@ def test_a_malformed_call_read_whole_is_content():
 def test_mistral_content_before_the_calls_streams_as_the_whole_reply_parses():
     text = "Sure. " + MISTRAL.write(CALLS[:2])
     assert read(stream(MISTRAL, pieces(text, 5))) == expected(MISTRAL, text)
+
+
+def test_a_reply_of_fenced_calls_is_held_and_read_whole_and_other_fences_stream_at_once():
+    fenced = '```json\n{\n  "name": "calculate",\n  "arguments": {"expression": "6 * 7"}\n}\n```'
+    stream, out = CallStream(HERMES), []
+    for ch in fenced:
+        out += stream.feed(ch)
+    assert out == []  # held: it may be a call
+    out = stream.finish()
+    assert [(d.index, d.name) for d in out if d.name] == [(0, "calculate")]
+    assert "".join(d.arguments for d in out) == '{"expression": "6 * 7"}' and stream.calls == 1
+    code, stream, shown = "```python\nprint(1)\n```", CallStream(HERMES), []
+    for i, ch in enumerate(code):
+        shown += stream.feed(ch)
+        if i == len("```p") - 1:
+            assert "".join(d.content for d in shown) == "```p"  # not a JSON fence: out at once
+    assert "".join(d.content for d in shown + stream.finish()) == code

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specdecode.argtypes import positive_int
+from specdecode.bench.agents import AGENT_WORKLOAD, run_sessions, summarize_sessions
 from specdecode.bench.child_server import Server
 from specdecode.bench.library import Library
 from specdecode.bench.load import run_level, summarize
@@ -119,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay a prompt file's requests (or a packaged suite's, e.g. agentic or edit) once each, in "
                         "file order, instead of --prompts/--limit; a server whose "
                         "drafter learns across requests (suffix) is restarted before each timed run, so that it "
-                        "learns only from the run's earlier requests")
+                        "learns only from the run's earlier requests; `agent`: multi-turn sessions that call tools "
+                        "(a calculator, a file reader, a search) and read their results (bench/agents.py)")
     p.add_argument("--max-running", type=positive_int, default=None,
                    help="the servers' --max-running (default: the highest concurrency level)")
     p.add_argument("--max-rows", type=positive_int, default=None, help="the servers' --max-rows (default: theirs)")
@@ -181,6 +183,8 @@ class BenchServeConfig:
     def __post_init__(self) -> None:
         if self.workload and (self.prompts or self.requests):
             raise ValueError("--workload replays its own requests; drop --prompts and --requests")
+        if self.workload == AGENT_WORKLOAD and any(_peer(m) or _on_ray(m)[0] for m in self.methods):
+            raise ValueError("--workload agent runs our own servers only (no peers, no Ray methods)")
 
 
 def bench_serve_config(args: argparse.Namespace) -> BenchServeConfig:
@@ -273,6 +277,8 @@ def _learns(method: str) -> bool:
 def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
     levels = sorted(set(config.concurrency))
     max_running = config.max_running or max(levels)
+    if config.workload == AGENT_WORKLOAD:
+        return _run_agents(config, levels, max_running, log)
     if config.workload:
         path = Path(config.workload)
         prompts = load_prompts(path) if path.exists() else packaged_prompts([config.workload])
@@ -328,6 +334,55 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
     if config.out:
         _write(report, Path(config.out), log)
     print(json.dumps(report["summary"]))
+    return 0
+
+
+def _run_agents(config: BenchServeConfig, levels: list[int], max_running: int, log: Callable[[str], None]) -> int:
+    """The agent workload (``agents.py``): each method's server, fresh for every timed run (a learning drafter, the
+    prefix cache: each run starts cold), every session at each level; a table and one JSON line."""
+    rows, transcripts = [], {}
+    for level in levels:
+        for r in range(config.repeats):
+            for method in config.methods:
+                server = Server(method, _server_flags(method, config, max_running))
+                try:
+                    log(f"starting the {method} server on port {server.port} ...")
+                    server.wait_ready()
+                    sessions, wall = run_sessions(server.port, level, config.max_tokens)
+                finally:
+                    server.stop()
+                summary = summarize_sessions(sessions, wall)
+                rows.append({"method": method, "concurrency": level, "repeat": r, **summary})
+                transcripts.setdefault((method, level), []).append([s.transcript for s in sessions])
+                log(f"c={level} {method}: {summary['tokens_per_s']:.1f} tok/s, {summary['turns']} turns, "
+                    f"{summary['valid_calls']}/{summary['calls']} valid calls, errors {summary['errors']}")
+    table = []
+    for level in levels:
+        plain = _median([r["tokens_per_s"] for r in rows if r["method"] == PLAIN and r["concurrency"] == level])
+        for method in config.methods:
+            mine = [r for r in rows if r["method"] == method and r["concurrency"] == level]
+            row = {"method": method, "concurrency": level,
+                   **{k: _median([r[k] for r in mine]) for k in ("tokens_per_s", "wall_s", "ttft_p50_s",
+                                                                 "follow_up_ttft_p50_s")},
+                   "turns": mine[0]["turns"], "calls": mine[0]["calls"], "valid_calls": mine[0]["valid_calls"],
+                   "errors": sum(r["errors"] for r in mine),
+                   "identical": all(t == transcripts[(PLAIN, level)][0] for t in transcripts[(method, level)])}
+            row["vs_plain"] = row["tokens_per_s"] / plain if plain else None
+            table.append(row)
+    log(f"{'method':<18}{'conc':>5}{'tok/s':>9}{'vs plain':>10}{'wall':>8}{'TTFT p50':>10}{'follow-up':>10}"
+        f"{'turns':>7}{'calls':>7}{'valid':>7}  identical")
+    for t in table:
+        ms = lambda v: f"{1e3 * v:.0f}ms" if v is not None else "-"  # noqa: E731
+        log(f"{t['method']:<18}{t['concurrency']:>5}{t['tokens_per_s']:>9.1f}{t['vs_plain'] or 0:>10.2f}"
+            f"{t['wall_s']:>7.1f}s{ms(t['ttft_p50_s']):>10}{ms(t['follow_up_ttft_p50_s']):>10}{t['turns']:>7}"
+            f"{t['calls']:>7}{t['valid_calls']:>7}  {t['identical']}")
+    summary = {"bench": "serve", "workload": AGENT_WORKLOAD, "model": config.model, "max_tokens": config.max_tokens,
+               "repeats": config.repeats, "cpu": cpu_model(),
+               "rows": [{k: (round(v, 5) if isinstance(v, float) else v) for k, v in t.items()} for t in table]}
+    if config.out:
+        Path(config.out).mkdir(parents=True, exist_ok=True)
+        (Path(config.out) / "bench-serve.json").write_text(json.dumps({"summary": summary, "runs": rows}, indent=1))
+    print(json.dumps(summary))
     return 0
 
 

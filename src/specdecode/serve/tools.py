@@ -207,6 +207,8 @@ def message_of(text: str, plan: ToolPlan | None, cut: bool = False) -> tuple[dic
     parsed: Parsed | None = plan.fmt.parse(text) if plan is not None else None
     if parsed is None and cut and plan is not None and plan.fmt.closer and plan.fmt.closer in text:
         parsed = plan.fmt.parse(text[:text.rindex(plan.fmt.closer) + len(plan.fmt.closer)])
+    if parsed is not None and not {c.name for c in parsed.calls} <= {f.name for f in plan.functions}:
+        parsed = None  # a call to no tool of the request's: the reply is text
     if parsed is None:
         return {"role": "assistant", "content": text}, False
     calls = [{"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

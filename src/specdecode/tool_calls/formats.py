@@ -4,7 +4,8 @@ A :class:`CallFormat` says what opens a call, what closes it, what separates par
 the arguments go. Three families are known, told apart by the chat template's own text (:func:`format_for`):
 
 - ``hermes`` (Qwen2.5, Qwen3, Hermes, and every template that knows no tools): ``<tool_call>\\n{"name": ...,
-  "arguments": {...}}\\n</tool_call>``, one block per call;
+  "arguments": {...}}\\n</tool_call>``, one block per call; a reply that is nothing but fenced JSON blocks of such
+  objects (```` ```json ````), as Qwen2.5-Coder writes its calls, is read as calls too;
 - ``llama3`` (Llama 3.1-3.3 JSON tool calling): the reply is ``{"name": ..., "parameters": {...}}``, calls
   separated by ``; ``;
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
@@ -15,8 +16,12 @@ It does not build grammars (``grammar.py``), stream (``stream.py``) or know HTTP
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+
+FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?[ \t]*```", re.DOTALL)  # a fenced block's body
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class CallFormat:
         separator: text between parallel calls.
         arguments_key: the JSON key of the arguments object (``arguments``; Llama 3's ``parameters``).
         as_list: the calls are one JSON list after the opener (Mistral), not one object per call.
+        fenced: a reply made only of fenced JSON blocks of call objects is read as calls (not constrained: a
+            grammar starts at the opener only).
     """
 
     family: str
@@ -71,6 +78,7 @@ class CallFormat:
     separator: str
     arguments_key: str = "arguments"
     as_list: bool = False
+    fenced: bool = False
 
     def call_schema(self, functions: Sequence[Function]) -> dict[str, Any]:
         """The JSON schema of one call object to any of ``functions`` (the name first, then the arguments)."""
@@ -92,19 +100,39 @@ class CallFormat:
         (the reply is then plain text)."""
         start = text.find(self.opener) if self.opener else (0 if text.lstrip().startswith("{") else -1)
         if start < 0:
-            return None
+            return self._fenced(text) if self.fenced else None
         content = text[:start] if start and text[:start].strip() else None
         body = text[start + len(self.opener):] if self.opener else text.lstrip()
         objects = self._objects(body)
         if not objects:
             return None
+        calls = self._calls(objects)
+        return Parsed(content, calls) if calls else None
+
+    def _calls(self, objects: list[Any]) -> tuple[Call, ...]:
+        """The calls of decoded call objects; none when one of them is not a call."""
         calls = []
         for obj in objects:
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or \
                     not isinstance(obj.get(self.arguments_key, {}), dict):
-                return None
+                return ()
             calls.append(Call(obj["name"], json.dumps(obj.get(self.arguments_key, {}), ensure_ascii=False)))
-        return Parsed(content, tuple(calls))
+        return tuple(calls)
+
+    def _fenced(self, text: str) -> Parsed | None:
+        """A reply that is only fenced JSON blocks, each a call object or a list of them, read as calls."""
+        blocks = FENCE.findall(text)
+        if not blocks or FENCE.sub("", text).strip():
+            return None
+        objects: list[Any] = []
+        for block in blocks:
+            try:
+                value = json.loads(block)
+            except json.JSONDecodeError:
+                return None
+            objects += value if isinstance(value, list) else [value]
+        calls = self._calls(objects)
+        return Parsed(None, calls) if calls else None
 
     def _objects(self, body: str) -> list[Any] | None:
         """The call objects in ``body`` (what follows the first opener), or None when malformed."""
@@ -146,7 +174,7 @@ def _loads_or_text(arguments: str) -> Any:
         return arguments  # a client's own malformed history: rendered as it came
 
 
-HERMES = CallFormat("hermes", opener="<tool_call>\n", closer="\n</tool_call>", separator="\n")
+HERMES = CallFormat("hermes", opener="<tool_call>\n", closer="\n</tool_call>", separator="\n", fenced=True)
 LLAMA3 = CallFormat("llama3", opener="", closer="", separator="; ", arguments_key="parameters")
 MISTRAL = CallFormat("mistral", opener="[TOOL_CALLS]", closer="", separator="", as_list=True)
 FORMATS = {f.family: f for f in (HERMES, LLAMA3, MISTRAL)}

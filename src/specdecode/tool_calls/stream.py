@@ -3,8 +3,9 @@ written and its arguments in fragments, as OpenAI streams ``delta.tool_calls``.
 
 Text that might be the start of an opener is held back until it is known not to be. A call is expected as
 ``{"name": "...", "<arguments key>": {...}}`` (the form the grammars write, name first); the fragments of its
-arguments joined are exactly the arguments' JSON text. A format without an opener (Llama 3's bare JSON) or with
-one list of calls (Mistral) is read whole when the reply ends. It does not decide what a finished reply holds
+arguments joined are exactly the arguments' JSON text. A format without an opener (Llama 3's bare JSON), with
+one list of calls (Mistral), or a reply that starts with a fence (Qwen2.5-Coder's fenced calls) is read whole when
+the reply ends. It does not decide what a finished reply holds
 (``formats.py``).
 """
 
@@ -15,6 +16,9 @@ import re
 from dataclasses import dataclass
 
 from specdecode.tool_calls.formats import CallFormat
+
+FENCE_MARK = "```"
+FENCED_OBJECT = re.compile(r"(?:json)?[ \t]*(?:\n\s*(?:\{.*)?)?\Z", re.DOTALL)  # after a fence: a JSON object's start
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class CallStream:
             if not self._plain and start and not start.startswith("{"):
                 self._plain = True
             return self._content(len(self._text)) if self._plain else []
+        if self._fence_held():  # perhaps only fenced calls: read when the reply ends
+            return []
         if not self._opened:
             found = self._text.find(self.fmt.opener, self._shown)
             if found < 0:
@@ -72,14 +78,25 @@ class CallStream:
             return out + self._call_deltas()
         return [] if self.fmt.as_list else self._call_deltas()
 
+    def _fence_held(self) -> bool:
+        """Whether the reply so far may be fenced calls (a format that reads them; nothing shown yet): a fence
+        that opens a JSON object, or the start of one. A fence of anything else streams as it comes."""
+        if not self.fmt.fenced or self._opened or self._shown:
+            return False
+        start = self._text.lstrip()
+        if not start.startswith(FENCE_MARK):
+            return FENCE_MARK.startswith(start)
+        rest = start[len(FENCE_MARK):]
+        return "json".startswith(rest) or FENCED_OBJECT.match(rest) is not None
+
     def finish(self) -> list[Delta]:
-        """What is left when the reply ends: held-back content, or the calls of a format read whole."""
+        """What is left when the reply ends: held-back content, or the calls of a reply read whole."""
         if self._opened and not self.fmt.as_list:
             return []
-        if (self._opened or (not self.fmt.opener and not self._plain)):
+        if self._opened or (not self.fmt.opener and not self._plain) or self._fence_held():
             parsed = self.fmt.parse(self._text)
             if parsed is not None:
-                out = []
+                out = [Delta(content=parsed.content)] if parsed.content and not self._opened else []
                 for i, call in enumerate(parsed.calls):
                     out += [Delta(index=i, name=call.name), Delta(index=i, arguments=call.arguments)]
                 self.calls = len(parsed.calls)
