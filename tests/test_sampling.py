@@ -168,12 +168,13 @@ def test_penalties_by_hand():
     assert logits.tolist() == [[0.0, 1.0, -2.0, 1.5], [0.0, -0.25, -2.0, 1.5], [0.0, -0.25, -2.0, 0.5]]
 
 
-def test_penalties_leave_masked_tokens_masked_and_refuse_a_nonpositive_repetition():
+def test_penalties_leave_masked_tokens_masked_and_refuse_a_repetition_that_would_overflow():
     logits = torch.tensor([[float("-inf"), 1.0, 0.0]])
     penalize(logits, Penalties(presence=-2.0, repetition=0.5, bias=((0, 100.0),)), [0], [0], [[]])
     assert logits[0, 0] == float("-inf")
-    with pytest.raises(ValueError, match="repetition"):
-        Penalties(repetition=0.0)
+    for bad in (0.0, 5e-324, 1e6):
+        with pytest.raises(ValueError, match="repetition"):
+            Penalties(repetition=bad)
 
 
 def test_min_p_drops_tokens_under_its_share_of_the_top_one_and_keeps_the_top():

@@ -28,7 +28,7 @@ class Penalties:
         presence: subtracted once from every token generated at least once (OpenAI: -2..2).
         frequency: subtracted per time a token was generated (OpenAI: -2..2).
         repetition: a token of the prompt or the output has its logit divided by this where positive, multiplied
-            where negative (1 = off; > 1 discourages repeats).
+            where negative (1 = off; > 1 discourages repeats; 0.01..100).
         bias: (token, value) pairs added to the logits (OpenAI's ``logit_bias``: -100..100).
     """
 
@@ -38,8 +38,8 @@ class Penalties:
     bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.repetition > 0:
-            raise ValueError(f"Penalties.repetition must be > 0, got {self.repetition}")
+        if not 0.01 <= self.repetition <= 100.0:  # logits divided by less would overflow float32 to inf
+            raise ValueError(f"Penalties.repetition must be in [0.01, 100], got {self.repetition}")
 
     @property
     def active(self) -> bool:

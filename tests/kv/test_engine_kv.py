@@ -119,8 +119,8 @@ def test_a_prefix_hit_gives_the_output_of_a_cold_cache_for_target_and_draft(targ
     assert cold.stats.prefix_hit_tokens == 0
     assert got.token_ids == cold.token_ids and got.stats.accepted_tokens > 0
     trees = warm.memory.prefixes
-    assert {model for model, _ in trees} == {target, draft_model}  # the draft model's cache is shared too
-    draft_tree = next(t for (m, _), t in trees.items() if m is draft_model)
+    assert {key[0] for key in trees} == {target, draft_model}  # the draft model's cache is shared too
+    draft_tree = next(t for key, t in trees.items() if key[0] is draft_model)
     assert draft_tree.tokens == 16 + 2  # first's 16 prefilled tokens; second's 16 share 14 of them
     assert all(t.referenced == 0 for t in trees.values())
 

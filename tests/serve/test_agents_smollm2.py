@@ -353,6 +353,7 @@ def test_penalties_bias_and_min_p_give_the_library_s_answer(client, smollm2):
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),
     ({"min_p": 1.5}, "min_p"),
 ])
 def test_bad_sampling_fields_get_a_400_naming_them(server, body, param):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 from specdecode.batch.sequence import Request as EngineRequest, SequenceState
 from specdecode.grammar import GrammarError
@@ -14,6 +15,9 @@ from specdecode.serve.app import ServedModel
 from specdecode.serve.errors import APIError
 from specdecode.serve.requests import CompletionRequest
 from specdecode.serve.metrics import ServeMetrics
+
+
+_TARGET = SimpleNamespace(config=SimpleNamespace(vocab_size=100))  # what the server reads of the model
 
 
 class _Compiler:
@@ -31,7 +35,7 @@ class _Loop:
 
     def __init__(self, compiler: _Compiler) -> None:
         self.alive, self.compiled_before_submit = True, []
-        self.engine = type("Engine", (), {"tokenizer": None, "max_len": 64, "grammar_compiler": lambda _: compiler})()
+        self.engine = type("Engine", (), {"tokenizer": None, "max_len": 64, "target": _TARGET, "grammar_compiler": lambda _: compiler})()
         self._compiler = compiler
 
     def submit(self, on_output, **request) -> Future:

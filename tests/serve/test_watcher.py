@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 from starlette.requests import Request
@@ -16,12 +17,15 @@ from specdecode.serve.errors import APIError
 from specdecode.serve.requests import CompletionRequest
 
 
+_TARGET = SimpleNamespace(config=SimpleNamespace(vocab_size=100))  # what the server reads of the model
+
+
 class _SilentLoop:
     """An engine loop that takes requests and never steps them; ``alive`` as the test sets it."""
 
     def __init__(self) -> None:
         self.alive, self.cancelled = True, []
-        self.engine = type("Engine", (), {"tokenizer": None, "max_len": 64})()
+        self.engine = type("Engine", (), {"tokenizer": None, "max_len": 64, "target": _TARGET})()
 
     def submit(self, on_output, **request) -> Future:
         future: Future = Future()

@@ -18,7 +18,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import openai
 
@@ -202,3 +202,38 @@ def summarize_sessions(sessions: list[Session], wall_s: float) -> dict[str, Any]
             "follow_up_ttft_p50_s": statistics.median(later) if later else None,
             "calls": sum(t.calls for t in turns), "valid_calls": sum(t.valid for t in turns),
             "errors": sum(s.error is not None for s in sessions)}
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def agent_table(rows: list[dict[str, Any]], transcripts: dict, levels: list[int], methods: tuple[str, ...],
+                plain: str) -> list[dict[str, Any]]:
+    """One row per method and level over the runs' ``rows`` (medians), with tokens/s against ``plain``'s and
+    whether every transcript equals ``plain``'s first."""
+    table = []
+    for level in levels:
+        reference = _median([r["tokens_per_s"] for r in rows if r["method"] == plain and r["concurrency"] == level])
+        for method in methods:
+            mine = [r for r in rows if r["method"] == method and r["concurrency"] == level]
+            row = {"method": method, "concurrency": level,
+                   **{k: _median([r[k] for r in mine]) for k in ("tokens_per_s", "wall_s", "ttft_p50_s",
+                                                                 "follow_up_ttft_p50_s")},
+                   "turns": mine[0]["turns"], "calls": mine[0]["calls"], "valid_calls": mine[0]["valid_calls"],
+                   "errors": sum(r["errors"] for r in mine),
+                   "identical": all(t == transcripts[(plain, level)][0] for t in transcripts[(method, level)])}
+            row["vs_plain"] = row["tokens_per_s"] / reference if reference else None
+            table.append(row)
+    return table
+
+
+def print_agent_table(table: list[dict[str, Any]], log: Callable[[str], None]) -> None:
+    log(f"{'method':<18}{'conc':>5}{'tok/s':>9}{'vs plain':>10}{'wall':>8}{'TTFT p50':>10}{'follow-up':>10}"
+        f"{'turns':>7}{'calls':>7}{'valid':>7}  identical")
+    for t in table:
+        ms = lambda v: f"{1e3 * v:.0f}ms" if v is not None else "-"  # noqa: E731
+        log(f"{t['method']:<18}{t['concurrency']:>5}{t['tokens_per_s']:>9.1f}{t['vs_plain'] or 0:>10.2f}"
+            f"{t['wall_s']:>7.1f}s{ms(t['ttft_p50_s']):>10}{ms(t['follow_up_ttft_p50_s']):>10}{t['turns']:>7}"
+            f"{t['calls']:>7}{t['valid_calls']:>7}  {t['identical']}")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specdecode.argtypes import positive_int
-from specdecode.bench.agents import AGENT_WORKLOAD, run_sessions, summarize_sessions
+from specdecode.bench.agents import AGENT_WORKLOAD, agent_table, print_agent_table, run_sessions, summarize_sessions
 from specdecode.bench.child_server import Server
 from specdecode.bench.library import Library
 from specdecode.bench.load import run_level, summarize
@@ -274,16 +274,20 @@ def _learns(method: str) -> bool:
     return not _peer(method) and drafter != PLAIN and registry.spec(drafter).learns
 
 
+def _prompts(config: BenchServeConfig) -> list:
+    """The prompts a run sends: its workload's (a file, or a packaged suite), else ``--prompts`` or the suites'."""
+    if config.workload:
+        path = Path(config.workload)
+        return load_prompts(path) if path.exists() else packaged_prompts([config.workload])
+    return select(load_prompts(config.prompts) if config.prompts else default_prompts(), limit=config.limit)
+
+
 def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
     levels = sorted(set(config.concurrency))
     max_running = config.max_running or max(levels)
     if config.workload == AGENT_WORKLOAD:
         return _run_agents(config, levels, max_running, log)
-    if config.workload:
-        path = Path(config.workload)
-        prompts = load_prompts(path) if path.exists() else packaged_prompts([config.workload])
-    else:
-        prompts = select(load_prompts(config.prompts) if config.prompts else default_prompts(), limit=config.limit)
+    prompts = _prompts(config)
     peer_kinds = {m: _peer(m) for m in config.methods}
     peers = {m: _peer_command(m, config, max_running) for m in config.methods if peer_kinds[m]}  # before any starts
     servers: list[Server] = []
@@ -356,26 +360,8 @@ def _run_agents(config: BenchServeConfig, levels: list[int], max_running: int, l
                 transcripts.setdefault((method, level), []).append([s.transcript for s in sessions])
                 log(f"c={level} {method}: {summary['tokens_per_s']:.1f} tok/s, {summary['turns']} turns, "
                     f"{summary['valid_calls']}/{summary['calls']} valid calls, errors {summary['errors']}")
-    table = []
-    for level in levels:
-        plain = _median([r["tokens_per_s"] for r in rows if r["method"] == PLAIN and r["concurrency"] == level])
-        for method in config.methods:
-            mine = [r for r in rows if r["method"] == method and r["concurrency"] == level]
-            row = {"method": method, "concurrency": level,
-                   **{k: _median([r[k] for r in mine]) for k in ("tokens_per_s", "wall_s", "ttft_p50_s",
-                                                                 "follow_up_ttft_p50_s")},
-                   "turns": mine[0]["turns"], "calls": mine[0]["calls"], "valid_calls": mine[0]["valid_calls"],
-                   "errors": sum(r["errors"] for r in mine),
-                   "identical": all(t == transcripts[(PLAIN, level)][0] for t in transcripts[(method, level)])}
-            row["vs_plain"] = row["tokens_per_s"] / plain if plain else None
-            table.append(row)
-    log(f"{'method':<18}{'conc':>5}{'tok/s':>9}{'vs plain':>10}{'wall':>8}{'TTFT p50':>10}{'follow-up':>10}"
-        f"{'turns':>7}{'calls':>7}{'valid':>7}  identical")
-    for t in table:
-        ms = lambda v: f"{1e3 * v:.0f}ms" if v is not None else "-"  # noqa: E731
-        log(f"{t['method']:<18}{t['concurrency']:>5}{t['tokens_per_s']:>9.1f}{t['vs_plain'] or 0:>10.2f}"
-            f"{t['wall_s']:>7.1f}s{ms(t['ttft_p50_s']):>10}{ms(t['follow_up_ttft_p50_s']):>10}{t['turns']:>7}"
-            f"{t['calls']:>7}{t['valid_calls']:>7}  {t['identical']}")
+    table = agent_table(rows, transcripts, levels, config.methods, PLAIN)
+    print_agent_table(table, log)
     summary = {"bench": "serve", "workload": AGENT_WORKLOAD, "model": config.model, "max_tokens": config.max_tokens,
                "repeats": config.repeats, "cpu": cpu_model(),
                "rows": [{k: (round(v, 5) if isinstance(v, float) else v) for k, v in t.items()} for t in table]}

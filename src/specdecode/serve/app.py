@@ -198,6 +198,21 @@ class ServedModel:
         return APIError(504, f"the request ran past this server's {self.timeout_s:g} s deadline (--request-timeout) "
                              "and was cancelled", kind="timeout")
 
+    async def respond(self, request: Request, body: SamplingFields, ids: list[int], chat: bool,
+                      tools: ToolPlan | None = None) -> Response:
+        """The answer to a completion (``chat`` false) or chat request: its ``n`` choices started (a refused one
+        cancels those before it), then answered together (``answers.py``); with ``tools``, read for tool calls."""
+        handles: list[Handle] = []
+        try:
+            for choice in range(body.n):
+                handles.append(await self.start(ids, body, tools, choice))
+        except APIError:
+            for handle in handles:
+                self.loop.cancel(handle.seq)
+            raise
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return await answer(self, request, handles, chat, body.stream, include_usage, tools)
+
     async def collect(self, request: Request, handle: Handle) -> tuple[str, str, list | None] | None:
         """A whole request's text, finish reason and log-probabilities (if asked); None when its client has gone.
 
@@ -233,32 +248,17 @@ def _served(request: Request) -> ServedModel:
     return request.app.state.served
 
 
-async def _respond(request: Request, body: SamplingFields, ids: list[int], chat: bool,
-                   tools: ToolPlan | None = None) -> Response:
-    """The answer to a completion or chat request: its ``n`` choices started (a refused one cancels those before it),
-    then answered together."""
-    served, handles = _served(request), []
-    try:
-        for choice in range(body.n):
-            handles.append(await served.start(ids, body, tools, choice))
-    except APIError:
-        for handle in handles:
-            served.loop.cancel(handle.seq)
-        raise
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return await answer(served, request, handles, chat, body.stream, include_usage, tools)
-
-
 async def completions(request: Request, body: CompletionRequest) -> Response:
     served = _served(request)
     check_fields(body)
     served.check_model(body.model)
-    return await _respond(request, body, served.encode_prompt(body.prompt), chat=False)
+    return await served.respond(request, body, served.encode_prompt(body.prompt), chat=False)
 
 
 async def chat_completions(request: Request, body: ChatRequest) -> Response:
-    ids, tools = await _served(request).prepare_chat(body)
-    return await _respond(request, body, ids, chat=True, tools=tools)
+    served = _served(request)
+    ids, tools = await served.prepare_chat(body)
+    return await served.respond(request, body, ids, chat=True, tools=tools)
 
 
 async def responses(request: Request, body: ResponsesRequest) -> Response:

@@ -58,7 +58,7 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=8)  # choices, each its own sequence
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's extension
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)  # vLLM's extension (which takes any > 0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> -100..100
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension
     prediction: PredictedOutput | None = None
