@@ -157,7 +157,8 @@ def run_session(base_url: str, task: int, max_tokens: int, first_choice: str = "
         for turn_index in range(MAX_TURNS):
             turn, message = _streamed_turn(client, messages, max_tokens, first_choice if turn_index == 0 else "auto")
             session.turns.append(turn)
-            session.transcript.append(json.dumps(message, sort_keys=True))
+            calls = [c["function"] for c in message.get("tool_calls", [])]  # their ids are random: not compared
+            session.transcript.append(json.dumps({"content": message["content"], "calls": calls}, sort_keys=True))
             messages.append(message)
             if "tool_calls" not in message:
                 break
