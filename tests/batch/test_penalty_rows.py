@@ -48,8 +48,9 @@ def target():
     return varied_model(0)
 
 
-@pytest.mark.parametrize("name", PENALTIES)
-@pytest.mark.parametrize("kind", DRAFTERS)
+# Every penalty with n-gram lookup; trees (ngram-tree) with all of them at once, the rest with `-m slow`.
+@pytest.mark.parametrize("name, kind", [(name, "ngram") for name in PENALTIES] + [
+    pytest.param(name, "ngram-tree", marks=[] if name == "all" else pytest.mark.slow) for name in PENALTIES])
 def test_penalized_greedy_speculation_is_plain_penalized_greedy_alone_and_batched(target, name, kind):
     sampling = SamplingParams(penalties=PENALTIES[name])
     asked = [dict(r, sampling=sampling) for r in requests()]
@@ -97,13 +98,14 @@ def _penalized_joint(model, sampling: SamplingParams) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3.view(VOCAB, VOCAB, VOCAB)
 
 
+# One sampled case in the default suite (with the negative control); the others with `-m slow`.
 SAMPLED = [
     pytest.param("ngram", SamplingParams(temperature=1.0, penalties=Penalties(presence=1.0, frequency=0.7)),
                  id="ngram-presence-frequency"),
     pytest.param("draft", SamplingParams(temperature=1.0, penalties=Penalties(repetition=1.6, bias=((2, 1.5),))),
-                 id="draft-repetition-bias"),
+                 id="draft-repetition-bias", marks=pytest.mark.slow),
     pytest.param("draft", SamplingParams(temperature=0.8, min_p=0.1, penalties=Penalties(frequency=1.0)),
-                 id="draft-min_p-frequency"),
+                 id="draft-min_p-frequency", marks=pytest.mark.slow),
 ]
 
 

@@ -52,8 +52,9 @@ def _run(engine: BatchEngine, prompts, grammar, sampling=SamplingParams(temperat
     return [r.token_ids for r in results], sum(r.stats.accepted_tokens for r in results)
 
 
-@pytest.mark.parametrize("kind", list(GRAMMARS))
-@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+# n-gram under every grammar; suffix decoding under auto's, the others with `-m slow`.
+@pytest.mark.parametrize("kind, drafter", [(kind, "ngram") for kind in GRAMMARS] + [
+    pytest.param(kind, "suffix", marks=[] if kind == "auto" else pytest.mark.slow) for kind in GRAMMARS])
 def test_greedy_tool_calls_are_plain_constrained_greedy_alone_and_batched(smollm2, prompts, kind, drafter):
     grammar = GRAMMARS[kind]
     plain, _ = _run(_engine(smollm2, "none", 1), prompts, grammar)
