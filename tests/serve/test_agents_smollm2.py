@@ -267,8 +267,11 @@ def test_a_response_follows_its_text_format(client):
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "5"}]}, "input"),
     ({"input": [{"type": "function_call_output", "call_id": "", "output": "5"}]}, "input"),
-    ({"tools": [{"type": "function", "name": "has space"}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "has space"}]}, "tools.0.name"),
     ({"input": "\udfff"}, "input"),
+    ({"conversation": "conv_123"}, "conversation"),
+    ({"background": True}, "background"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"input": []}, "input"),
 ])
 def test_bad_responses_requests_get_a_400_naming_the_field(server, body, param):

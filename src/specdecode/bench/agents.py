@@ -15,12 +15,13 @@ import ast
 import json
 import operator
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import openai
+
+from specdecode.bench.load import closed_loop
 
 AGENT_WORKLOAD = "agent"  # bench-serve's --workload name for these sessions
 MAX_TURNS = 4
@@ -173,25 +174,8 @@ def run_session(base_url: str, task: int, max_tokens: int, first_choice: str = "
 
 def run_sessions(port: int, concurrency: int, max_tokens: int) -> tuple[list[Session], float]:
     """Every task's session, ``concurrency`` at a time (a closed loop); the sessions and the wall time."""
-    base_url, pending, done = f"http://127.0.0.1:{port}/v1", list(range(len(TASKS))), []
-    lock = threading.Lock()
-
-    def client() -> None:
-        while True:
-            with lock:
-                if not pending:
-                    return
-                task = pending.pop(0)
-            session = run_session(base_url, task, max_tokens)
-            with lock:
-                done.append(session)
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sorted(done, key=lambda s: s.task), time.perf_counter() - start
+    base_url = f"http://127.0.0.1:{port}/v1"
+    return closed_loop(len(TASKS), concurrency, lambda task: run_session(base_url, task, max_tokens))
 
 
 def summarize_sessions(sessions: list[Session], wall_s: float) -> dict[str, Any]:

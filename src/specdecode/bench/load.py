@@ -16,7 +16,9 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -86,9 +88,10 @@ def stream_chat(host: str, port: int, body: dict[str, Any], index: int, timeout:
     return result
 
 
-def run_level(host: str, port: int, bodies: list[dict[str, Any]], concurrency: int) -> tuple[list[RequestResult], float]:
-    """Sends every body with ``concurrency`` clients; returns the results (in body order) and the wall seconds."""
-    results: list[RequestResult | None] = [None] * len(bodies)
+def closed_loop(count: int, concurrency: int, work: Callable[[int], T]) -> tuple[list[T], float]:
+    """``work(i)`` for i in 0..count-1 from ``concurrency`` client threads, each taking the next index when its
+    previous one ends; returns the results in index order and the wall seconds."""
+    results: list[T | None] = [None] * count
     lock = threading.Lock()
     next_index = [0]
 
@@ -97,9 +100,9 @@ def run_level(host: str, port: int, bodies: list[dict[str, Any]], concurrency: i
             with lock:
                 i = next_index[0]
                 next_index[0] += 1
-            if i >= len(bodies):
+            if i >= count:
                 return
-            results[i] = stream_chat(host, port, bodies[i], i)
+            results[i] = work(i)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -108,6 +111,11 @@ def run_level(host: str, port: int, bodies: list[dict[str, Any]], concurrency: i
     for t in threads:
         t.join()
     return results, time.perf_counter() - start
+
+
+def run_level(host: str, port: int, bodies: list[dict[str, Any]], concurrency: int) -> tuple[list[RequestResult], float]:
+    """Sends every body with ``concurrency`` clients; returns the results (in body order) and the wall seconds."""
+    return closed_loop(len(bodies), concurrency, lambda i: stream_chat(host, port, bodies[i], i))
 
 
 def percentile(values: list[float], q: float) -> float | None:

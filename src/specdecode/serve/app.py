@@ -32,7 +32,7 @@ from specdecode.grammar import GrammarError
 from specdecode.models.tokenizer import ChatTemplateError
 from specdecode.serve.answers import SSE_HEADERS, answer, response_events
 from specdecode.serve.errors import APIError, api_error, bad_request, error_responses, http_error
-from specdecode.serve.fields import check_extra_fields
+from specdecode.serve.fields import RESPONSES_REFUSED, check_extra_fields
 from specdecode.serve.guard import Guard, HttpPolicy
 from specdecode.serve.loop import EngineLoop
 from specdecode.serve.metrics import ServeMetrics
@@ -263,7 +263,7 @@ async def chat_completions(request: Request, body: ChatRequest) -> Response:
 
 async def responses(request: Request, body: ResponsesRequest) -> Response:
     served = _served(request)
-    refused = check_extra_fields(body.model_extra or {})
+    refused = check_extra_fields(body.model_extra or {}, RESPONSES_REFUSED)
     if refused is not None:
         raise APIError(400, refused[1], refused[0])
     chat = body.as_chat()

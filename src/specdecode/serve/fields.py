@@ -32,6 +32,12 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "stop_token_ids": (None, []), "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
 }
+# The Responses API's fields for what this stateless server does not do (stored state, background runs, prompt
+# templates, other outputs), refused unless they ask for nothing; its sampling and tool fields are declared.
+RESPONSES_REFUSED: dict[str, tuple[Any, ...]] = {
+    **REFUSED, "conversation": (None,), "background": (None, False), "prompt": (None,), "include": (None, []),
+    "max_tool_calls": (None,), "top_logprobs": (None, 0), "truncation": (None, "disabled"),
+}
 # Accepted and ignored: they do not change the completion.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                      "reasoning_effort", "verbosity"})
@@ -44,12 +50,13 @@ def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
     return any(value == o and type(value) is type(o) for o in off)  # True is not 1 here
 
 
-def check_extra_fields(extra: dict[str, Any]) -> tuple[str, str] | None:
+def check_extra_fields(extra: dict[str, Any], refused: dict[str, tuple[Any, ...]] = REFUSED) -> tuple[str, str] | None:
     """The first field of ``extra`` (fields the request models do not declare) that asks for what this server
-    does not do, as (field, message); unknown fields are logged once per name and ignored."""
+    does not do (``refused``: field -> the values that ask for nothing), as (field, message); unknown fields are
+    logged once per name and ignored."""
     for name, value in extra.items():
-        if name in REFUSED:
-            if not _is_off(value, REFUSED[name]):
+        if name in refused:
+            if not _is_off(value, refused[name]):
                 return name, f"{name} is not supported by this server (got {_short(value)})"
         elif name not in IGNORED and name not in _logged and len(_logged) <= MAX_LOGGED:
             _logged.add(name)

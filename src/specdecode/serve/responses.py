@@ -49,14 +49,13 @@ class FunctionCallOutputItem(BaseModel):
     output: str | list[TextPart]
 
 
-class FunctionTool(BaseModel):
-    """A function tool in the Responses API's flat form."""
-
+class _FunctionType(BaseModel):
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+
+
+class FunctionTool(FunctionSpec, _FunctionType):
+    """A function tool in the Responses API's flat form: the chat API's function with its ``type`` beside it (checked
+    first, so that another kind of tool is refused by its type)."""
 
 
 class NamedFunction(BaseModel):
@@ -136,24 +135,14 @@ class ResponsesRequest(BaseModel):
             schema = JsonSchemaFormat(name=fmt.name or "output", schema=fmt.schema_ or {}, strict=fmt.strict) \
                 if fmt.type == "json_schema" else None
             response_format = ResponseFormat(type=fmt.type, json_schema=schema)
-        tools = [self._tool(i, t) for i, t in enumerate(self.tools or [])] or None
+        tools = [ToolSpec(type="function", function=FunctionSpec(**t.model_dump(exclude={"type"})))
+                 for t in self.tools or []] or None
         choice = NamedToolChoice(type="function", function=FunctionName(name=self.tool_choice.name)) \
             if isinstance(self.tool_choice, NamedFunction) else self.tool_choice
         return ChatRequest(model=self.model, messages=self._messages(), tools=tools, tool_choice=choice,
                            parallel_tool_calls=self.parallel_tool_calls, max_tokens=self.max_output_tokens,
                            temperature=self.temperature, top_p=self.top_p, response_format=response_format,
                            stream=self.stream)
-
-    @staticmethod
-    def _tool(index: int, tool: FunctionTool) -> ToolSpec:
-        try:
-            function = FunctionSpec(name=tool.name, description=tool.description, parameters=tool.parameters,
-                                    strict=tool.strict)
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            param = ".".join([f"tools[{index}]", *(str(part) for part in error["loc"])])
-            raise APIError(400, f"{param}: {error['msg']}", param) from None
-        return ToolSpec(type="function", function=function)
 
     def _messages(self) -> list[ChatMessage]:
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []

@@ -20,7 +20,8 @@ from pydantic import BaseModel, Field
 
 from specdecode.grammar import Grammar, GrammarError
 from specdecode.serve.errors import APIError
-from specdecode.tool_calls.formats import Call, CallFormat, Function, Parsed, format_for, template_knows_tools
+from specdecode.tool_calls.formats import (Call, CallFormat, Function, Parsed, arguments_value, format_for,
+                                           template_knows_tools)
 from specdecode.tool_calls.grammar import call_grammar
 from specdecode.tool_calls.stream import CallStream, Delta
 
@@ -145,7 +146,7 @@ def render_messages(messages: list[Any], plan: ToolPlan | None, template: str | 
             called.update(c.id for c in m.tool_calls)
             if native:
                 calls = [{"id": c.id, "type": "function", "function": {
-                    "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+                    "name": c.function.name, "arguments": arguments_value(c.function.arguments)}} for c in m.tool_calls]
                 out.append({"role": "assistant", "content": content, "tool_calls": calls})
             else:
                 written = fmt.write([Call(c.function.name, c.function.arguments) for c in m.tool_calls])
@@ -158,14 +159,12 @@ def render_messages(messages: list[Any], plan: ToolPlan | None, template: str | 
                 out.append({"role": "tool", "content": content, "tool_call_id": m.tool_call_id})
             else:
                 block = f"<tool_response>\n{content}\n</tool_response>"
-                if out and out[-1].get("tool_results"):
+                if messages[i - 1].role == "tool":  # a run of results: one user turn (its first opened it)
                     out[-1]["content"] += "\n" + block
                 else:
-                    out.append({"role": "user", "content": block, "tool_results": True})
+                    out.append({"role": "user", "content": block})
         else:
             out.append({"role": m.role, "content": content})
-    for message in out:
-        message.pop("tool_results", None)
     if plan is None:
         return out, {}
     if native:
@@ -175,13 +174,6 @@ def render_messages(messages: list[Any], plan: ToolPlan | None, template: str | 
 
 def _joined(content: Any) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 def _tools_prompt(plan: ToolPlan) -> str:

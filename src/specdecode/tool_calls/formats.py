@@ -89,7 +89,7 @@ class CallFormat:
 
     def write(self, calls: Sequence[Call]) -> str:
         """The text of ``calls`` as this family writes them (an assistant turn's calls in the history)."""
-        objects = [{"name": c.name, self.arguments_key: _loads_or_text(c.arguments)} for c in calls]
+        objects = [{"name": c.name, self.arguments_key: arguments_value(c.arguments)} for c in calls]
         if self.as_list:
             return self.opener + json.dumps(objects, ensure_ascii=False)
         blocks = [self.opener + json.dumps(o, ensure_ascii=False) + self.closer for o in objects]
@@ -167,7 +167,8 @@ class CallFormat:
                 rest = rest[len(opener):]
 
 
-def _loads_or_text(arguments: str) -> Any:
+def arguments_value(arguments: str) -> Any:
+    """Arguments' JSON text as a value (what templates and written calls take), or the text where it is not JSON."""
     try:
         return json.loads(arguments)
     except json.JSONDecodeError:
