@@ -42,13 +42,13 @@ QUESTIONS = [
 ]
 
 
-def run(client: openai.OpenAI, choice, temperature: float) -> dict:
+def run(client: openai.OpenAI, choice, temperature: float, max_tokens: int) -> dict:
     calls = valid = replies = accepted = drafted = 0
     for question, tool in QUESTIONS:
         chosen = {"type": "function", "function": {"name": tool}} if choice == "named" else choice
         reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}],
                                                tools=TOOLS, tool_choice=chosen, parallel_tool_calls=False,
-                                               max_tokens=96, temperature=temperature, seed=7)
+                                               max_tokens=max_tokens, temperature=temperature, seed=7)
         replies += 1
         spec = reply.usage.model_extra["speculation"]
         accepted, drafted = accepted + spec["accepted_tokens"], drafted + spec["drafted_tokens"]
@@ -67,6 +67,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-1.5b-instruct")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=96, help="each reply's budget (a call cut by it is no call)")
     args = p.parse_args()
     results = []
     for name in args.models.split(","):
@@ -78,7 +79,7 @@ def main() -> None:
             for choice in ("required", "named", "auto"):
                 for temperature in (0.0, 0.7):
                     results.append({"model": name, "tool_choice": choice, "temperature": temperature,
-                                    **run(client, choice, temperature)})
+                                    **run(client, choice, temperature, args.max_tokens)})
         finally:
             server.proc.kill()
             server.proc.wait()
@@ -86,7 +87,8 @@ def main() -> None:
     for r in results:
         print(f"{r['model']:<30} {r['tool_choice']:<9} {r['temperature']:>4} {r['calls']:>6} {r['valid']:>6} "
               f"{r['replies']:>8} {r['accepted_tokens']:>8}/{r['drafted_tokens']:<8}")
-    print(json.dumps({"bench": "tool_call_validity", "threads": args.threads, "rows": results}))
+    print(json.dumps({"bench": "tool_call_validity", "threads": args.threads, "max_tokens": args.max_tokens,
+                      "rows": results}))
 
 
 if __name__ == "__main__":
