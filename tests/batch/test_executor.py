@@ -216,6 +216,32 @@ class _RowSpy:
         pass
 
 
+class _RecordSpy(_RowSpy):
+    """A _RowSpy that keeps every step record it is handed."""
+
+    def __init__(self, seen: list, records: list) -> None:
+        super().__init__(seen)
+        self.records = records
+
+    def update(self, record) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
+def test_a_step_that_ends_a_prompt_is_recorded_with_the_prompt_rows_it_held(path):
+    # Drift fixed: a sequence whose last prompt rows shared its first decode step recorded the step as run alone
+    # with nothing else in it, so the controllers learnt a prompt chunk's forward as a plain one-row step.
+    require_path(path)
+    model = varied_model(0, dtype=torch.bfloat16)
+    pack_model(model, path)
+    engine = BatchEngine(model, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=2), max_len=96,
+                         scheduler=SchedulerConfig(max_running=1, max_rows=4, prefill_chunk=8))
+    records: list = []
+    engine.admission.new_controller = lambda: _RecordSpy([], records)
+    engine.run([dict(prompt=list(range(20, 40)), max_new_tokens=4, eos_token_ids=())])  # 19 prompt rows: 8 + 8 + 3
+    assert [r.others_rows for r in records][:2] == [3, 0]
+
+
 def _rows_seen(target, draft_model, max_rows: int) -> list[list]:
     """Two long requests under _RowSpy controllers: per step where both decode with room for whole drafts (no
     prompt rows, no budget's end), (controller, others' rows it was told, what it asked for) in drafting order."""

@@ -208,6 +208,24 @@ def test_in_a_batch_a_draft_also_pays_for_slowing_the_others():
     assert costs.verify_s(15) == pytest.approx(0.022) and costs.step_s(2, 3) == pytest.approx(2e-5 + 0.010)
 
 
+def test_rows_past_the_curve_cost_its_mean_row_and_teach_it_nothing():
+    # Drift fixed: past max_rows (prompt rows beside decoding ones) the curve was read at its last point, so a
+    # draft there looked free; and a 256-row prompt chunk's forward was learnt as the curve's last point.
+    costs = StepCosts(gamma_max=8, max_rows=16)
+    costs.seed([0.010 + 0.002 * (rows - 1) for rows in range(1, 17)])
+    costs.draft_per_token = 1e-5
+    assert costs.verify_s(20) == pytest.approx(0.010 + 0.002 * 20)
+    longer = StepCosts(gamma_max=8, max_rows=24)  # the same line, measured that far
+    longer.seed([0.010 + 0.002 * (rows - 1) for rows in range(1, 25)])
+    longer.draft_per_token = 1e-5
+    cumulative = [0.6 ** i for i in range(1, 9)]
+    chosen = best_gamma(cumulative, costs, others_rows=15, others_tokens=1.0)
+    assert chosen == best_gamma(cumulative, longer, others_rows=15, others_tokens=1.0) < 8  # was 8: rows free
+    base, shape = costs.base, list(costs.shape)
+    costs.update(drafted=0, draft_s=0.0, verify_s=0.5, others=255)
+    assert (costs.base, costs.shape) == (base, shape)
+
+
 def test_in_a_batch_probes_are_spaced_by_the_sequences_sharing_the_step():
     # A probe slows every sequence's step and each of them probes: four sharers, four times the spacing (and
     # its bound); a lone sequence's spacing is what it was.

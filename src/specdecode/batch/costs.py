@@ -99,21 +99,25 @@ def fastest(times: Sequence[Sequence[float]]) -> list[float]:
     return [min(t) for t in times]
 
 
-def remembered_curve(what: dict[str, Any], measure: Callable[[], list[float]], folder: Path) -> list[float]:
-    """A cost curve (seconds per size) measured on an earlier start for the same ``what`` (everything the cost
-    depends on: the model's shape and weight formats, the backend, threads, CPU, the sizes timed), else
-    ``measure()`` now and remembered as ``folder/<hash of what>.json``. Costs depend on no weight value, so
-    models of one shape share a curve; delete the folder to measure again."""
+def remembered_curve(what: dict[str, Any], sizes: Sequence[int], measure: Callable[[Sequence[int]], list[float]],
+                     folder: Path, tolerance: float = 0.2) -> list[float]:
+    """A cost curve (seconds per size of ``sizes``) measured on an earlier start for the same ``what`` (everything
+    the cost depends on: the model's shape and weight formats, the backend, threads, CPU, the sizes timed), else
+    ``measure(sizes)`` now and remembered as ``folder/<hash of what>.json``. Costs depend on no weight value, so
+    models of one shape share a curve; delete the folder to measure again.
+
+    A remembered curve is checked at each start: its first and last sizes are timed again, and a curve that was
+    timed while something else held the cores (either size now more than ``tolerance`` faster than remembered) is
+    measured again and replaced. A machine busier now than then keeps the remembered curve: noise only adds time.
+    """
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = folder / f"{key}.json"
-    try:
-        saved = json.loads(path.read_text())
-        if saved.get("what") == json.loads(json.dumps(what, default=str)) and len(saved.get("seconds", ())) \
-                == len(what.get("sizes", ())) and all(isinstance(x, float) and x > 0 for x in saved["seconds"]):
-            return saved["seconds"]
-    except (OSError, ValueError, AttributeError):
-        pass
-    seconds = measure()
+    saved = _saved_curve(path, what, len(sizes))
+    if saved is not None:
+        ends = [sizes[0], sizes[-1]]
+        if all(now >= then * (1 - tolerance) for now, then in zip(measure(ends), (saved[0], saved[-1]))):
+            return saved
+    seconds = measure(sizes)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -123,6 +127,18 @@ def remembered_curve(what: dict[str, Any], measure: Callable[[], list[float]], f
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
     return seconds
+
+
+def _saved_curve(path: Path, what: dict[str, Any], sizes: int) -> list[float] | None:
+    """The curve saved at ``path`` for ``what``; None when there is none, or it is for something else or broken."""
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("what") == json.loads(json.dumps(what, default=str)) and len(saved.get("seconds", ())) \
+                == sizes and all(isinstance(x, float) and x > 0 for x in saved["seconds"]):
+            return saved["seconds"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
 
 
 @dataclass(kw_only=True)
@@ -188,12 +204,12 @@ class StepTimer:
             return
         sizes = range(1, min(max_rows, SEEDED_ROWS) + 1)
 
-        def measure() -> list[float]:
-            return fastest(interleaved_timings(lambda rows: self.time_rows(slot, rows), sizes, repeats))
+        def measure(rows: Sequence[int]) -> list[float]:
+            return fastest(interleaved_timings(lambda n: self.time_rows(slot, n), rows, repeats))
 
         # elsewhere the padding just tuned is part of the cost: measured at every start
-        curve = remembered_curve(self.setting(sizes, repeats), measure, cache_dir() / "costs") if invariant \
-            else measure()
+        curve = remembered_curve(self.setting(sizes, repeats), sizes, measure, cache_dir() / "costs") if invariant \
+            else measure(sizes)
         controllers.seed_costs(curve)
 
     def setting(self, sizes: range, repeats: int) -> dict[str, object]:

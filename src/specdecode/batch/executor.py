@@ -215,7 +215,7 @@ class BatchEngine:
         proposal = plan.proposals[seq]
         seq.last_rows = 1 + len(proposal.draft.tokens)
         record_step(seq, proposal, outcome.verdict, len(kept), verify_s=verify_s,
-                    others_rows=real_rows - seq.last_rows - plan.chunk.get(seq, 0), observer=self.observer)
+                    others_rows=real_rows - seq.last_rows, observer=self.observer)  # its prompt rows too
         if seq.finished:
             self._retire(seq)
         seq.emit(kept, None if outcome.logprobs is None else outcome.logprobs[:len(kept)])

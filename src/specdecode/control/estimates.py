@@ -99,7 +99,10 @@ class StepCosts:
     (see :class:`SharedEstimates`).
 
     In a batch (``others`` > 0) the forward also holds other sequences' rows: the curve is then read at
-    the forward's total rows, ``others + k + 1``, up to ``max_rows``.
+    the forward's total rows, ``others + k + 1``. Past the rows it covers (prompt rows beside decoding ones
+    reach further) each row costs the curve's mean row, and those steps teach it nothing: a curve that stopped
+    there would price rows past it at nothing, and a prompt chunk's forward learnt at the top would price
+    every full batch step as that chunk.
 
     Args:
         gamma_max: longest draft tracked.
@@ -150,16 +153,19 @@ class StepCosts:
         """Learns from one step; ``draft_timed`` False leaves the draft cost out (a step whose drafting
         time includes catching up on tokens the drafter missed while speculation was off); ``others``:
         rows other sequences had in the same forward."""
-        k = min(drafted + others, self.top)
-        seen = verify_s / self.shape[k]
-        self.base = smoothed(self.base, seen, self.smoothing)
-        self.shape[k] += self.shape_smoothing * (verify_s / self.base - self.shape[k])
+        k = drafted + others
+        if k <= self.top:
+            self.base = smoothed(self.base, verify_s / self.shape[k], self.smoothing)
+            self.shape[k] += self.shape_smoothing * (verify_s / self.base - self.shape[k])
         if drafted and draft_timed:
             self.draft_per_token = smoothed(self.draft_per_token, draft_s / drafted, self.smoothing)
 
     def verify_s(self, k: int) -> float:
-        """Seconds of a forward of k + 1 rows."""
-        return self.base * self.shape[min(k, self.top)]
+        """Seconds of a forward of k + 1 rows (past the curve, its last point and the mean row's cost per row)."""
+        if k <= self.top:
+            return self.base * self.shape[k]
+        mean_row = max(self.shape[self.top] - self.shape[0], 0.0) / max(self.top, 1)
+        return self.base * (self.shape[self.top] + (k - self.top) * mean_row)
 
     def step_s(self, k: int, others: int = 0) -> float:
         """Seconds of a step that drafts k tokens and verifies them, with ``others`` rows of other sequences
