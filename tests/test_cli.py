@@ -236,7 +236,7 @@ def test_bad_arguments_before_any_loading(tiny, capsys, flags, needles):
     (["--drafter", "ngram", "--draft-weights", "q8_0"], ["--draft-weights is only used by --drafter draft|draft-tree", "ngram"]),
     (["--draft-model", "DRAFT", "--draft-quant", "int8", "--draft-weights", "q8_0"],
      ["--draft-quant int8 and --draft-weights both"]),
-    (["--draft-model", "DRAFT", "--ngram", "2,4"], ["--ngram is only used by --drafter ngram|ngram-tree, not draft"]),
+    (["--draft-model", "DRAFT", "--ngram", "2,4"], ["--ngram is only used by --drafter ngram|ngram-tree|auto, not draft"]),
     (["--drafter", "none", "--suffix-cache-mb", "8"], ["--suffix-cache-mb is only used by --drafter suffix|suffix-tree",
                                                         "not none"]),
 ])

@@ -80,11 +80,11 @@ def test_skip_layers_belong_to_layerskip_and_are_resolved_when_it_is_loaded(tmp_
 
 
 def test_the_suffix_cache_flags_belong_to_the_suffix_drafters_and_bound_one_shared_cache(tmp_path):
-    with pytest.raises(ValueError, match=re.escape("--suffix-cache-mb is only used by --drafter suffix|suffix-tree, "
-                                                   "not ngram")):
+    with pytest.raises(ValueError, match=re.escape("--suffix-cache-mb is only used by --drafter "
+                                                   "suffix|suffix-tree|auto, not ngram")):
         DrafterConfig(kind="ngram", suffix_cache_mb=8)
-    with pytest.raises(ValueError, match=re.escape("--no-suffix-cache is only used by --drafter suffix|suffix-tree, "
-                                                   "not none")):
+    with pytest.raises(ValueError, match=re.escape("--no-suffix-cache is only used by --drafter "
+                                                   "suffix|suffix-tree|auto, not none")):
         DrafterConfig(kind=PLAIN, suffix_cache=False)
     target_config = TargetConfig(str(write_tiny_hf_model(tmp_path / "tiny")), dtype="float32", device="cpu")
     target = target_config.load()

@@ -84,6 +84,7 @@ def test_bench_end_to_end(tiny_model_dirs, prompt_file, tmp_path, capsys):
     assert by_name["hf"]["overall"]["mean_accepted_length"] is None
     assert by_name["layerskip:g2"]["params"]["skip_layers"] == [1, 2]
     assert by_name["hf-lookup"]["params"]["prompt_lookup_num_tokens"] == 2
+    assert not any(m["given_predictions"] for m in doc["methods"])  # only auto and the prediction family get them
 
     # greedy: every speculative method of ours on every prompt is compared with none, and all agree
     assert doc["identity_comparisons"] == (len(ours) - 1) * 4
@@ -402,3 +403,17 @@ def test_peers_are_skipped_when_prompts_ask_for_json_schemas(tiny_model_dirs, tm
     assert rc == 1 and "cannot be used with a grammar" in captured.out
     doc = json.loads(captured.out)
     assert [s["name"] for s in doc["skipped"]] == ["hf"] and "JSON schemas" in doc["skipped"][0]["reason"]
+
+
+def test_auto_is_handed_each_prompts_prediction_as_a_client_would_send_it(tiny_model_dirs, tmp_path):
+    prompts = tmp_path / "edits.jsonl"
+    prompts.write_text(json.dumps({"id": "e1", "category": "edit", "prompt": "say one two three",
+                                   "prediction": "one two three"}) + "\n")
+    out_json = tmp_path / "bench.json"
+    args = ["bench", "--model", str(tiny_model_dirs[0]), "--dtype", "float32", "--threads", "1", "--prompts",
+            str(prompts), "--max-new-tokens", "8", "--no-progress", "--methods", "none,ngram,auto,prediction",
+            "--gammas", "2", "--cost-curve", "0", "--json", str(out_json)]
+    assert main(args) == 0
+    given = {m["name"]: m["given_predictions"] for m in json.loads(out_json.read_text())["methods"]}
+    assert given == {"none": False, "ngram:g2": False, "ngram:agreement": False, "auto:g2": True,
+                     "auto:agreement": True, "prediction:g2": True, "prediction:agreement": True}

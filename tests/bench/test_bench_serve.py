@@ -96,3 +96,13 @@ def test_summary_counts_tokens_of_successful_requests_only():
     s = summarize(results, wall_s=2.0)
     assert (s["requests"], s["errors"], s["tokens"], s["tokens_per_s"]) == (3, 1, 16, 8.0)
     assert s["ttft_p50_s"] == pytest.approx(0.3) and s["itl_p50_s"] == pytest.approx(0.06)
+
+
+def test_a_learning_drafter_gets_a_cold_and_a_warm_row_outside_a_workload():
+    # Drift fixed: with --repeats, a learning drafter's later repeats drafted from its earlier answers to the same
+    # requests, and the one row mixed cold and warm (454 tok/s in a second round, 276 in the first).
+    methods = _methods("ngram:adaptive,suffix:adaptive,auto:adaptive")
+    config = BenchServeConfig(model="m", methods=methods)
+    assert serve_command._rows(config) == ["none", "ngram:adaptive", "suffix:adaptive cold", "suffix:adaptive warm",
+                                           "auto:adaptive cold", "auto:adaptive warm"]
+    assert serve_command._rows(replace(config, workload="agentic")) == methods  # each run afresh: cold only

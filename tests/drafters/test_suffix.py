@@ -144,7 +144,7 @@ def test_drafters_built_from_one_inputs_share_a_cache_and_others_do_not():
     c = registry.build("suffix", DrafterInputs(target=None))
     assert a.cache is b.cache and a.cache is not c.cache
     assert registry.spec("suffix").learns and registry.spec("suffix-tree").tree
-    assert registry.names_where(lambda spec: spec.learns) == ("suffix", "suffix-tree")  # what needs the cache
+    assert registry.names_where(lambda spec: spec.learns) == ("suffix", "suffix-tree", "auto")  # what needs the cache
     assert registry.build("suffix-tree", inputs).cache is a.cache
 
 

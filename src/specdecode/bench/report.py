@@ -322,7 +322,7 @@ def _method_entries(result: Any, figs: dict[str, dict[str, Any]], categories: li
                  "memory_mb": {k: _r(v / 2**20) for k, v in m.memory().items()} if m.memory else None,
                  "kernel": m.kernel, "dtype": m.dtype, "draft_kernel": m.draft_kernel, "draft_dtype": m.draft_dtype,
                  "weights": m.weights, "weight_mb": _r(m.weight_bytes / 2**20) if m.weight_bytes else None,
-                 "draft_weights": m.draft_weights}
+                 "draft_weights": m.draft_weights, "given_predictions": m.predicts}
         methods.append(entry)
     built = {m.name for m in result.methods}
     for name, error in result.failed.items():  # peers that could not even be built
@@ -332,7 +332,8 @@ def _method_entries(result: Any, figs: dict[str, dict[str, Any]], categories: li
                             "overall": empty_figures(), "by_category": {c: empty_figures() for c in categories},
                             "identical_to_none": None, "compared_to_none": None, "rss_mb": None,
                             "memory_mb": None, "kernel": None, "dtype": None, "draft_kernel": None,
-                            "draft_dtype": None, "weights": None, "weight_mb": None, "draft_weights": None})
+                            "draft_dtype": None, "weights": None, "weight_mb": None, "draft_weights": None,
+                            "given_predictions": False})
     return methods
 
 

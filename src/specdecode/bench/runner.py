@@ -30,6 +30,7 @@ from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILI
 from specdecode.bench.costs import CostCurve, measure_cost_curve
 from specdecode.drafter_setup import PLAIN
 from specdecode.drafters import TREE_WIDTH, Needs, registry
+from specdecode.drafters.auto import AUTO
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.heads import shipped_head
 from specdecode.kv.cache import CacheConfig
@@ -419,6 +420,7 @@ def _add_ours(built: _Built, family: str, config: BenchConfig, loaded: _Loaded, 
                                    cache=config.cache, draft_cache=config.draft_cache, head=head,
                                    draft_vocab=config.draft_vocab, tree_width=config.tree_width)
             method.name += suffix
+            method.predicts = family == AUTO  # as a client would send it: auto drafts from a prediction first
             built.methods.append(method)
 
 

@@ -268,6 +268,9 @@ def _given(method: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k != "prediction"} for r in requests]
 
 
+COLD, WARM = "cold", "warm"  # a learning drafter's passes: on a fresh server, then again over the same requests
+
+
 def _learns(method: str) -> bool:
     """Whether ``method``'s drafter keeps what earlier requests generated (``DrafterSpec.learns``)."""
     drafter = _on_ray(method)[1].partition(":")[0]
@@ -308,25 +311,22 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
             bodies = chat_bodies(prompts, config.max_tokens, count)
             requests = library.requests(prompts, count) if library else []
             for s in servers:  # an untimed run, so that no level starts cold (one that learns starts afresh below)
-                if not (config.workload and _learns(s.name)):
+                if not _learns(s.name):
                     run_level("127.0.0.1", s.port, _given(s.name, bodies)[:level], level)
+                    _store_prompts(s, bodies, level)
             for r in range(config.repeats):
                 for i, s in enumerate(servers):
-                    if config.workload and _learns(s.name):  # it learns this run's requests, none of another's
+                    passes = [s.name]
+                    if _learns(s.name):  # afresh: it learns this run's requests, none of another's
                         s.stop()
                         s = servers[i] = Server(s.name, s.flags)
                         s.wait_ready()
-                    results, wall = run_level("127.0.0.1", s.port, _given(s.name, bodies), level)
-                    summary = summarize(results, wall)
-                    if library is not None and _in_library(s.name):
-                        summary["library_tokens_per_s"], _ = library.tokens_per_s(
-                            s.name, level, _given(s.name, requests), config.max_tokens,
-                            fresh=bool(config.workload) and _learns(s.name))
-                    runs.setdefault((s.name, level), []).append(summary)
-                    texts.setdefault((s.name, level), []).append([x.text for x in results])
-                    log(f"c={level} {s.name}: {summary['tokens_per_s']:.1f} tok/s"
-                        + (f" (library {summary['library_tokens_per_s']:.1f})" if "library_tokens_per_s" in summary
-                           else "") + f", ITL p99 {1e3 * (summary['itl_p99_s'] or 0):.0f} ms, errors {summary['errors']}")
+                        _store_prompts(s, bodies, level)
+                        passes = [s.name] if config.workload else [f"{s.name} {COLD}", f"{s.name} {WARM}"]
+                    for row in passes:  # a learner's second pass sees the first's answers to the same requests
+                        summary, answers = _timed_pass(s, row, level, bodies, requests, config, library, log)
+                        runs.setdefault((row, level), []).append(summary)
+                        texts.setdefault((row, level), []).append(answers)
     finally:
         for s in servers:
             try:
@@ -372,6 +372,29 @@ def _run_agents(config: BenchServeConfig, levels: list[int], max_running: int, l
     return 0
 
 
+def _timed_pass(server: Server, row: str, level: int, bodies: list[dict[str, Any]], requests: list[dict[str, Any]],
+                config: BenchServeConfig, library: Library | None,
+                log: Callable[[str], None]) -> tuple[dict[str, Any], list[str]]:
+    """One timed run of ``bodies`` at ``level`` through ``server`` (and the library's, where it runs the method),
+    reported as ``row``: its summary and each request's answer."""
+    results, wall = run_level("127.0.0.1", server.port, _given(server.name, bodies), level)
+    summary = summarize(results, wall)
+    if library is not None and _in_library(server.name):
+        summary["library_tokens_per_s"], _ = library.tokens_per_s(
+            server.name, level, _given(server.name, requests), config.max_tokens,
+            fresh=_learns(server.name) and not row.endswith(WARM))
+    log(f"c={level} {row}: {summary['tokens_per_s']:.1f} tok/s"
+        + (f" (library {summary['library_tokens_per_s']:.1f})" if "library_tokens_per_s" in summary else "")
+        + f", ITL p99 {1e3 * (summary['itl_p99_s'] or 0):.0f} ms, errors {summary['errors']}")
+    return summary, [x.text for x in results]
+
+
+def _store_prompts(server: Server, bodies: list[dict[str, Any]], level: int) -> None:
+    """Sends every request once for one token, untimed: every server then holds the requests' prompts in its prefix
+    cache alike (a restarted learner too, which learns nothing from one token)."""
+    run_level("127.0.0.1", server.port, [dict(b, max_tokens=1) for b in _given(server.name, bodies)], level)
+
+
 def _in_library(method: str) -> bool:
     """Whether the library runs ``method`` too (ours, in this process: not a peer, not on Ray)."""
     return not _peer(method) and not _on_ray(method)[0]
@@ -382,11 +405,17 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+def _rows(config: BenchServeConfig) -> list[str]:
+    """The report's rows: one per method, two for a learner outside ``--workload`` (its cold and warm pass)."""
+    return [row for m in config.methods
+            for row in ([f"{m} {COLD}", f"{m} {WARM}"] if _learns(m) and not config.workload else [m])]
+
+
 def _report(config: BenchServeConfig, levels: list[int], runs: dict, texts: dict) -> dict[str, Any]:
     rows = []
     for level in levels:
         plain = {m: _median([r[m] for r in runs[(PLAIN, level)]]) for m in METRICS}
-        for method in config.methods:
+        for method in _rows(config):
             row = {"method": method, "concurrency": level,
                    **{m: _median([r[m] for r in runs[(method, level)]]) for m in METRICS},
                    "errors": sum(r["errors"] for r in runs[(method, level)]),
@@ -410,12 +439,12 @@ def _report(config: BenchServeConfig, levels: list[int], runs: dict, texts: dict
 
 
 def _print_table(report: dict[str, Any], log: Callable[[str], None]) -> None:
-    log(f"{'method':<18}{'conc':>5}{'tok/s':>9}{'vs plain':>10}{'vs library':>11}{'vs 1-stream':>12}{'TTFT p50':>10}"
+    log(f"{'method':<22}{'conc':>5}{'tok/s':>9}{'vs plain':>10}{'vs library':>11}{'vs 1-stream':>12}{'TTFT p50':>10}"
         f"{'ITL p50':>9}{'ITL p99':>9}{'p99/step':>9}  identical")
     for r in report["summary"]["rows"]:
         ms = lambda v: f"{1e3 * v:.0f}ms" if v is not None else "-"  # noqa: E731
         library = f"{r['vs_library']:.2f}" if r["vs_library"] else "-"
-        log(f"{r['method']:<18}{r['concurrency']:>5}{r['tokens_per_s']:>9.1f}{r['vs_plain'] or 0:>10.2f}{library:>11}"
+        log(f"{r['method']:<22}{r['concurrency']:>5}{r['tokens_per_s']:>9.1f}{r['vs_plain'] or 0:>10.2f}{library:>11}"
             f"{r['vs_single_stream_plain']:>12.2f}{ms(r['ttft_p50_s']):>10}{ms(r['itl_p50_s']):>9}"
             f"{ms(r['itl_p99_s']):>9}{r['itl_p99_vs_step'] or 0:>9.2f}  {r['identical']}")
 

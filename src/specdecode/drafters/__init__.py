@@ -13,6 +13,7 @@ from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.ngram import NgramDrafter  # isort: skip
 from specdecode.drafters.ngram_tree import NgramTreeDrafter  # isort: skip
 from specdecode.drafters.suffix import SuffixDrafter  # isort: skip
+from specdecode.drafters.auto import AutoDrafter  # isort: skip
 from specdecode.drafters.draft_model import DraftModelDrafter  # isort: skip
 from specdecode.drafters.layer_skip import LayerSkipDrafter  # isort: skip
 from specdecode.drafters.head_loader import load_head_drafter  # isort: skip
@@ -20,6 +21,6 @@ from specdecode.drafters.eagle import EagleDrafter  # isort: skip
 from specdecode.drafters.medusa import MedusaDrafter  # isort: skip
 from specdecode.drafters.registry import TREE_WIDTH, DrafterInputs, DrafterSpec, Needs
 
-__all__ = ["TREE_WIDTH", "Draft", "Drafter", "DraftModelDrafter", "DrafterInputs", "DrafterSpec", "EagleDrafter",
+__all__ = ["TREE_WIDTH", "AutoDrafter", "Draft", "Drafter", "DraftModelDrafter", "DrafterInputs", "DrafterSpec", "EagleDrafter",
            "LayerSkipDrafter", "MedusaDrafter", "Needs", "NgramDrafter", "NgramTreeDrafter", "SuffixDrafter",
            "load_head_drafter", "registry"]
