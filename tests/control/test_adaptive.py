@@ -6,7 +6,7 @@ import pytest
 
 from specdecode.control import AdaptiveGamma, controller_factory
 from specdecode.control.confidence import CalibratedAcceptance
-from specdecode.control.estimates import PositionAcceptance
+from specdecode.control.estimates import PositionAcceptance, best_gamma
 from specdecode.control.model_file import AcceptanceModel, feature_names
 from control_helpers import ctx, record, step
 
@@ -146,6 +146,21 @@ def test_in_a_batch_it_drafts_where_the_whole_step_gains():
     assert c.shared.gain > 1.0 and c.next_gamma(ctx()) == 8
     assert c.next_gamma(ctx(others_rows=5, others_tokens=5.0)) == 0
     assert c.next_gamma(ctx(others_rows=3, others_tokens=3.0)) == 8 and c.early_stop  # its length: by confidence
+
+
+def test_in_a_batch_a_draft_must_gain_the_margin():
+    # Drift fixed: in a batch `adaptive` took any draft its model priced above break-even; through `serve` at c = 8
+    # such drafts (a 0.9 row for 0.4 token) ran at break-even less speculation's own bookkeeping: 0.90-0.95x plain.
+    c = AdaptiveGamma(MODEL, gamma_max=8)
+    _warm(c, 0.01 * VERIFY, accept_share=1.0)
+    c.shared.costs.seed([0.010 * (1 + 0.1 * (rows - 1)) for rows in range(1, 17)])  # each row a tenth of a step
+    c.shared.costs.draft_per_token = 1e-6
+    busy = ctx(others_rows=7, others_tokens=7.0)
+    c.cost.acceptance = PositionAcceptance(8, prior=0.64, later_prior=0.64)
+    assert best_gamma(c.cost.acceptance.cumulative(8), c.shared.costs, 0.0, 7, 7.0) > 0  # a 2% gain...
+    assert c.next_gamma(busy) == 0  # ...within the margin: off
+    c.cost.acceptance = PositionAcceptance(8, prior=0.95, later_prior=0.95)
+    assert c.next_gamma(busy) > 0
 
 
 def test_a_shared_steps_time_is_not_taken_for_drafting_speed():

@@ -14,7 +14,7 @@ plain step again (``SharedEstimates.learn_plain``). On/off goes by measured spee
 would not: replaying the Qwen pair's drafts (``benchmarks/replay_gamma.py``), ``adaptive`` runs 1.41x
 plain decoding, ``cost`` 1.06x. That measured speed is a lone sequence's: in a batch (a step shared
 with others, whose rows its time holds) on/off goes by ``cost``'s batch price (``best_gamma`` at the
-forward's rows), and only steps run alone teach the measured speed.
+forward's rows, with ``cost``'s margin), and only steps run alone teach the measured speed.
 
 For n-gram lookup, whose tokens cost only verification rows, the match statistics say when a
 proposal is weak (one short, rare match: stop after its first token) or strong (draft on). Without a
@@ -96,9 +96,9 @@ class AdaptiveGamma:
         costs the probes' drafts). In a batch: when the cost model says a draft raises the whole step's
         tokens per second (a lone sequence's measured speed says nothing about a step whose rows it shares:
         where one more row starts another pass of the kernel over the weights, it costs several rows)."""
-        if ctx.others_rows:
-            return best_gamma(self.cost.acceptance.cumulative(cap), self.cost.costs, 0.0, ctx.others_rows,
-                              ctx.others_tokens) > 0
+        if ctx.others_rows:  # with cost's margin: the model leaves out speculation's own bookkeeping
+            return best_gamma(self.cost.acceptance.cumulative(cap), self.cost.costs, self.cost.margin,
+                              ctx.others_rows, ctx.others_tokens) > 0
         self._on = self.shared.gain >= 1.0 + (0.0 if self._on else self.margin)
         return self._on
 
