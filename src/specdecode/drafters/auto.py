@@ -95,7 +95,7 @@ class AutoDrafter(DrafterBase):
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
         self.suffix = SuffixDrafter(self.cache)
-        self._last: tuple[_Proposal, int, float] | None = None  # the draft, where it starts, what it expected
+        self._last: tuple[_Proposal, int] | None = None  # the last draft and where in the sequence it starts
         self._long = False  # the suffix source has a long run for the next draft
 
     def reset(self, target_cache: Cache, prompt: Sequence[int] = (), memory: KVMemory | None = None,
@@ -120,8 +120,7 @@ class AutoDrafter(DrafterBase):
         end = len(best.tokens) if stop is None else \
             next((i + 1 for i, signal in enumerate(best.signals) if stop(i, signal)), len(best.tokens))
         tokens, signals = best.tokens[:end], best.signals[:end]
-        chosen = _Proposal(best.source, tokens, signals)
-        self._last = (chosen, len(seq), chosen.expected)
+        self._last = (_Proposal(best.source, tokens, signals), len(seq))
         return Draft(tokens, signals=signals if stop is not None else [])
 
     def _proposals(self, seq: list[int], k: int) -> list[_Proposal]:
@@ -142,10 +141,10 @@ class AutoDrafter(DrafterBase):
 
     def commit(self, seq: list[int]) -> None:
         if self._last is not None:
-            proposal, start, expected = self._last
+            proposal, start = self._last
             kept = seq[start:start + len(proposal.tokens)]
             accepted = next((i for i, (a, b) in enumerate(zip(kept, proposal.tokens)) if a != b), len(kept))
-            self.calibration.learn(proposal.source, expected, accepted)
+            self.calibration.learn(proposal.source, proposal.expected, accepted)
             self._last = None
         self.suffix.commit(seq)
 
