@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.base import Draft, DrafterBase, StopRule
-from specdecode.drafters.ngram import MAX_OCCURRENCES, continuation, find_match, match_signals, sizes
+from specdecode.drafters.ngram import NgramDrafter, sizes
 from specdecode.drafters.registry import SHARED_SUFFIX_CACHE, DrafterInputs, DrafterSpec, Needs, register
 from specdecode.drafters.suffix import SUFFIX_SIGNALS, SuffixCache, SuffixDrafter
 from specdecode.kv.cache import Cache
@@ -31,6 +31,8 @@ from specdecode.sampling import SamplingParams
 AUTO = "auto"  # its --drafter name
 SHARED_CALIBRATION = "auto-calibration"  # DrafterInputs.shared's key of the sources' calibration
 SOURCES = ("suffix", "ngram")
+_SIGNALS_ONLY = lambda position, signal: False  # noqa: E731 (a stop rule that only asks a source for its signals)
+_GREEDY = SamplingParams()  # the free sources draft alike at any temperature
 
 
 @dataclass
@@ -92,8 +94,7 @@ class AutoDrafter(DrafterBase):
     def __post_init__(self) -> None:
         if not self.sources or not set(self.sources) <= set(SOURCES):
             raise ValueError(f"auto's sources must be some of {SOURCES}, got {self.sources}")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
+        self.ngram = NgramDrafter(max_ngram=self.max_ngram, min_ngram=self.min_ngram)  # (refuses bad sizes)
         self.suffix = SuffixDrafter(self.cache)
         self._last: tuple[_Proposal, int] | None = None  # the last draft and where in the sequence it starts
         self._long = False  # the suffix source has a long run for the next draft
@@ -126,17 +127,15 @@ class AutoDrafter(DrafterBase):
     def _proposals(self, seq: list[int], k: int) -> list[_Proposal]:
         """Each source's proposal of at most ``k`` tokens with its signals (a source with none left out)."""
         out = []
-        never = lambda position, signal: False  # noqa: E731 (a stop rule that only asks for the signals)
-        draft = self.suffix.propose(seq, k, SamplingParams(), None, never)  # kept in sync whether asked or not
+        draft = self.suffix.propose(seq, k, _GREEDY, None, _SIGNALS_ONLY)  # kept in sync whether asked or not
         if draft.tokens and "suffix" in self.sources:
             out.append(_Proposal("suffix", draft.tokens, draft.signals))
         if self._long or "ngram" not in self.sources:  # a long run drafts alone
             self._long = False
             return out
-        n, starts = find_match(seq, self.min_ngram, self.max_ngram, MAX_OCCURRENCES)
-        if starts:
-            tokens = continuation(seq, starts[0] + n, k)
-            out.append(_Proposal("ngram", tokens, match_signals(seq, tokens, n, starts)))
+        draft = self.ngram.propose(seq, k, _GREEDY, None, _SIGNALS_ONLY)
+        if draft.tokens:
+            out.append(_Proposal("ngram", draft.tokens, draft.signals))
         return out
 
     def commit(self, seq: list[int]) -> None:
