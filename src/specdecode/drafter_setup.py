@@ -48,7 +48,7 @@ class DrafterConfig:
             or one of WEIGHT_FORMATS.
         head: head file of ``eagle``, ``eagle-tree`` and ``medusa``; None = the one shipped for the target.
         draft_vocab: the draft vocabulary size of a head or draft model (0 = all tokens); None = as a head was
-            trained, all for a draft model.
+            trained, ``draft_model.DRAFT_VOCAB`` for a draft model.
         ngram: (min, max) n-gram sizes of ``ngram`` and ``ngram-tree`` (default: ``NgramDrafter``'s).
         tree_width: children per expanded node of ``draft-tree`` and ``eagle-tree``; None = ``TREE_WIDTH`` (so
             that ``--tree-width`` given at that value is still refused for other drafters).

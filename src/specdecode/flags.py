@@ -49,7 +49,8 @@ def gamma(value: str) -> int | str:
 WEIGHTS_HELP = ("the projections' weight format: auto = a GGUF's own formats as stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
                 "Q4_K, Q5_K, Q6_K) where our kernels run, else bf16 (default); blocks = as auto with K-quants in "
                 "32-weight blocks (Q4_K -> q4_1, Q5_K and Q6_K -> q8_0: cheaper verification rows); bf16; q8_0, q4_0, "
-                "q4_1 (llama.cpp's blocks, kept quantized, int8 activations; the output head stays >= q8_0 under q4)")
+                "q4_1 (llama.cpp's blocks, kept quantized, int8 activations; the output head stays >= q8_0 under q4); "
+                "q4_1+head = q4_1 with the output head in q4_1 too (a draft model's default)")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, device: bool = True, weights_list: bool = False,
@@ -109,14 +110,15 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
                         f"exact (default {_default('--draft-quant')}; on our kernels --draft-weights q8_0 is faster)")
     p.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default=_default("--draft-weights"),
                    help=f"the draft model's weight format, as --weights is the target's; "
-                        f"{_default('--draft-weights')} (default) = q4_1 on our kernels (a draft's format changes "
-                        "acceptance, never the output), else auto")
+                        f"{_default('--draft-weights')} (default) = q4_1+head on our kernels (a draft's format "
+                        "changes acceptance, never the output), else auto")
     p.add_argument("--head", default=_default("--head"), metavar="FILE",
                    help=f"head file for --drafter {_users('--head')} (default: the head shipped for --model, if any)")
     p.add_argument("--draft-vocab", type=int, default=_default("--draft-vocab"), metavar="N",
                    help=f"--drafter {_users('--draft-vocab')}: draft over the N most frequent tokens (0 = all; "
-                        "default: a head's as trained; a draft model's all, and with N its end-of-sequence ids "
-                        "and first ids: cheaper drafts where the text's tokens are among them, English and code)")
+                        "default: a head's as trained; a draft model's end-of-sequence ids and first 32768 ids, widened "
+                        "by each request's own tokens, and all for a request whose prompt has more than a quarter of "
+                        "its tokens outside them: cheaper drafts where the text is English or code)")
     p.add_argument("--ngram", type=ngram_sizes, default=_default("--ngram"),
                    help=f"--drafter {_users('--ngram')}: min,max n-gram sizes to look up (default "
                         f"{','.join(map(str, _default('--ngram')))})")

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from specdecode.drafters import DrafterInputs, registry
-from specdecode.drafters.draft_model import (DraftModelDrafter, VocabularyMismatchError, check_same_vocabulary,
-                                             draft_vocabulary)
+from specdecode.drafters import draft_model as draft_model_module
+from specdecode.drafters.draft_model import (FULL_VOCAB_SHARE, DraftModelDrafter, VocabularyMismatchError,
+                                             check_same_vocabulary, covers, draft_vocabulary)
 from specdecode.heads.vocab import VocabHead
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.build import from_hf_tensors
@@ -276,16 +277,38 @@ def test_a_token_of_the_request_outside_the_draft_vocabulary_can_be_drafted(draf
     seq = [7, 8, 9, 10, 11]
     while (best := int(_reference_next_logits(draft_model, seq).argmax())) not in seq:  # greedy until a repeat
         seq.append(best)
-    base = VocabHead(draft_model, torch.tensor([i for i in range(97) if i not in seq][:20]))  # none of seq's
+    base = VocabHead(draft_model, torch.tensor([i for i in range(97) if i != best]))  # all but the pick
+    assert seq.count(best) / len(seq) <= FULL_VOCAB_SHARE  # the prompt is the base's: drafts use it
     drafter = DraftModelDrafter(draft_model, vocab=base)
     drafter.reset(KVCacheStub(64), seq)
     assert drafter.propose(seq, 1, GREEDY, torch.Generator()).tokens == [best]  # drafted as the request's own
 
 
+def test_a_prompt_mostly_outside_the_draft_vocabulary_drafts_over_every_id(draft_model):
+    seq = [60, 61, 62, 63, 64, 5]  # a sixth inside the base
+    base = VocabHead(draft_model, torch.tensor(range(10)))
+    assert not covers(base.ids, seq, 97) and covers(base.ids, [60, 1, 2, 3], 97) and covers(base.ids, [], 97)
+    params = SamplingParams(temperature=0.9)
+    outside = DraftModelDrafter(draft_model, vocab=base)
+    outside.reset(KVCacheStub(64), seq)
+    whole = DraftModelDrafter(draft_model)
+    whole.reset(KVCacheStub(64), seq)
+    got = outside.propose(seq, 2, params, torch.Generator().manual_seed(5))
+    want = whole.propose(seq, 2, params, torch.Generator().manual_seed(5))
+    assert got.tokens == want.tokens and torch.equal(got.q, want.q) and (got.q[0, 10:] > 0).any()
+
+
+def test_a_draft_models_default_vocabulary_is_draft_vocab_ids(draft_model, monkeypatch):
+    monkeypatch.setattr(draft_model_module, "DRAFT_VOCAB", 12)
+    assert draft_vocabulary(draft_model, None, always=[96]).ids.tolist() == [*range(11), 96]
+    monkeypatch.setattr(draft_model_module, "DRAFT_VOCAB", 97)
+    assert draft_vocabulary(draft_model, None) is None  # as large as the vocabulary: the whole head
+
+
 def test_a_draft_vocabularys_q_is_the_processed_distribution_over_its_ids_and_the_requests(draft_model):
     ids = list(range(0, 97, 2))
     drafter = DraftModelDrafter(draft_model, vocab=VocabHead(draft_model, torch.tensor(ids)))
-    seq = [11, 12, 13]
+    seq = [11, 12, 13, 14, 16, 18, 20, 22]  # a quarter outside the base: the request's own join it
     drafter.reset(KVCacheStub(64), seq)
     params = SamplingParams(temperature=0.9)
     draft = drafter.propose(seq, 1, params, torch.Generator().manual_seed(3))

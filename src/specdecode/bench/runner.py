@@ -79,7 +79,7 @@ class BenchConfig:
         heads: head files of the ``eagle`` and ``medusa`` methods by kind; None (or missing) = the one
             shipped for the target, and without one those methods are skipped with a note.
         draft_vocab: the heads' and draft model's draft vocabulary size (0 = all tokens); None = as each head was
-            trained, all for a draft model.
+            trained, ``draft_model.DRAFT_VOCAB`` for a draft model.
         tree_width: children per expanded node of the draft-tree and eagle-tree methods.
         weights: the target's weight formats (``--weights``); each one runs our methods on its own copy of
             the target, named ``method@format`` when there is more than one, and checked against its own ``none``.

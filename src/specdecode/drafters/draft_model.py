@@ -56,6 +56,14 @@ def check_draft_pair(target, draft) -> None:
                           target.model.config.vocab_size, draft.model.config.vocab_size)
 
 
+# A draft model's default draft vocabulary: its end-of-sequence ids and first ids (``draft_vocabulary``), which
+# score a drafted token with a fifth of Qwen2.5's output head. A request whose prompt has more than
+# FULL_VOCAB_SHARE of its tokens outside them (the bench's multilingual prompts: 0.30-0.75 outside Qwen's first
+# 32768 ids, every other suite's at most 0.22) drafts over the whole vocabulary instead.
+DRAFT_VOCAB = 32768
+FULL_VOCAB_SHARE = 0.25
+
+
 class DraftModelDrafter(OwnCache):
     """Drafting with a separate (smaller) model: a chain, or with ``tree_width`` a dynamic tree
     (``tree_search.py``; ``k`` is then the node budget).
@@ -67,7 +75,8 @@ class DraftModelDrafter(OwnCache):
         cache: the draft cache's settings (kv dtype, window, sinks); its size follows the target's cache.
         tree_width: children per expanded node (0: draft chains).
         vocab: a draft vocabulary (``heads/vocab.py``) scoring the drafts with that share of the model's output
-            head, widened by each request's own tokens (``RequestVocab``); None scores the whole vocabulary.
+            head, widened by each request's own tokens (``RequestVocab``), for the requests whose prompts it
+            mostly covers (``FULL_VOCAB_SHARE``); None scores the whole vocabulary.
     """
 
     def __init__(self, model: Transformer, target: Transformer | None = None,
@@ -96,8 +105,9 @@ class DraftModelDrafter(OwnCache):
         memory = self._claim_cache(self.model, target_cache, memory)
         # Prefill here, so that drafting time counts drafting only.
         prefill(self.cache, 0, list(prompt[:-1]), self.model, memory.prefix_for(self.model, self.cache.config))
-        self._request_vocab = RequestVocab(self.vocab, self.model) if self.vocab is not None else None
-        if self._request_vocab is not None:
+        self._request_vocab = None
+        if self.vocab is not None and covers(self.vocab.ids, prompt, self.model.config.vocab_size):
+            self._request_vocab = RequestVocab(self.vocab, self.model)
             self._request_vocab.add(prompt)
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
@@ -133,16 +143,28 @@ class DraftModelDrafter(OwnCache):
         self.cache.commit(0, self.cache.lengths[0])
 
 
-def draft_vocabulary(model: Transformer, size: int, always: Sequence[int] = ()) -> VocabHead | None:
-    """The output head over ``size`` token ids of a draft model: ``always`` (the target's end-of-sequence ids),
-    then its first ids (``heads.vocab.id_ranking``); None for the whole vocabulary (``size`` 0 or at least the
-    vocabulary), the default: id order is no frequency ranking for every language (the first 65536 of Qwen2.5's
-    ids hold 98% of the English and code suites' tokens but half of a Chinese or Japanese text's; each request's
-    own tokens join it, which wins back only part of that: BENCHMARKS.md X-9).
+def covers(ids: torch.Tensor, prompt: Sequence[int], vocab_size: int) -> bool:
+    """Whether at most FULL_VOCAB_SHARE of ``prompt``'s tokens lie outside the draft vocabulary ``ids``: id order
+    is no frequency ranking for every language (the first 65536 of Qwen2.5's ids hold 98% of the English and code
+    suites' tokens but half of a Chinese or Japanese text's; each request's own tokens joining the vocabulary
+    win back only part of that: BENCHMARKS.md X-9)."""
+    if not prompt:
+        return True
+    held = torch.zeros(vocab_size, dtype=torch.bool)
+    held[ids.cpu()] = True
+    outside = int((~held[torch.tensor(list(prompt), dtype=torch.int64)]).sum())
+    return outside <= FULL_VOCAB_SHARE * len(prompt)
+
+
+def draft_vocabulary(model: Transformer, size: int | None, always: Sequence[int] = ()) -> VocabHead | None:
+    """The output head over ``size`` token ids of a draft model (None: DRAFT_VOCAB): ``always`` (the target's
+    end-of-sequence ids), then its first ids (``heads.vocab.id_ranking``); None for the whole vocabulary
+    (``size`` 0 or at least the vocabulary).
 
     Raises:
         ValueError: a negative size, or ``always`` outside the vocabulary.
     """
+    size = DRAFT_VOCAB if size is None else size
     if size < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0 = all tokens), got {size}")
     if size == 0 or size >= model.config.vocab_size:
@@ -155,7 +177,7 @@ def _build(inputs: DrafterInputs, name: str, tree_width: int) -> DraftModelDraft
         raise ValueError(f"drafter {name!r} needs a draft model (--draft-model NAME|PATH)")
     shared = inputs.shared  # one draft vocabulary's head for every slot's drafter
     if "draft-vocab" not in shared:
-        shared["draft-vocab"] = draft_vocabulary(inputs.draft_model, inputs.draft_vocab or 0, inputs.eos_ids)
+        shared["draft-vocab"] = draft_vocabulary(inputs.draft_model, inputs.draft_vocab, inputs.eos_ids)
     return DraftModelDrafter(inputs.draft_model, inputs.target, inputs.draft_cache, tree_width, shared["draft-vocab"])
 
 

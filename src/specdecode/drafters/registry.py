@@ -49,8 +49,8 @@ class DrafterInputs:
         ngram_sizes: (min, max) tail lengths the n-gram drafters match; None = their own defaults.
         draft_cache: the drafter's own cache settings (``DrafterSpec.owns_cache``).
         head: the head file (``Needs.HEAD``).
-        draft_vocab: draft vocabulary size (0 = all tokens); None = as a head was trained, all for a draft
-            model (``drafters/draft_model.py``).
+        draft_vocab: draft vocabulary size (0 = all tokens); None = as a head was trained, a draft model's
+            default (``drafters/draft_model.py``).
         eos_ids: the target's end-of-sequence ids, in every draft vocabulary of a draft model.
         tree_width: children per expanded node of a tree drafter.
         shared: state the drafters built from these inputs share (one engine's slots), e.g. the suffix

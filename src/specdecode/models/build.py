@@ -19,7 +19,7 @@ from specdecode.models import native, packed_cache, packing
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.backends import AUTO, INT8, Backend, resolve_backend
 from specdecode.models.transformer import Transformer
-from specdecode.models.weights import BLOCK_FORMATS, WEIGHT_FORMATS, WeightSource
+from specdecode.models.weights import BLOCK_REQUESTS, WEIGHT_FORMATS, WHOLE_Q4, WeightSource
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DRAFT_QUANT = ("none", "int8")  # weight-only quantization offered for draft models
@@ -107,19 +107,20 @@ def check_weights(weights: str, backend: Backend) -> None:
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
-    if weights in BLOCK_FORMATS and not backend.block_formats:
+    if weights in BLOCK_REQUESTS and not backend.block_formats:
         why = "" if backend.packs else " (no AVX2+FMA CPU, another device, or a float32 model)"
         raise ValueError(f"--weights {weights} needs one of our kernels (a backend that computes block formats); the "
                          f"projections would run on {backend.name}{why}")
 
 
 def draft_format(requested: str, backend: Backend) -> str:
-    """The weight format a draft model is loaded in: ``requested``, where "cheapest" means q4_1 on a backend
-    that computes block formats (a q4 step streams ~0.3 of bf16's bytes and q4_1 rounds finer than q4_0;
-    a draft's format changes how often it is right, never the output), else "auto"."""
+    """The weight format a draft model is loaded in: ``requested``, where "cheapest" means q4_1 with a q4_1
+    output head (``WHOLE_Q4``) on a backend that computes block formats (a q4 step streams ~0.3 of bf16's
+    bytes and q4_1 rounds finer than q4_0; a draft's format changes how often it is right, never the output),
+    else "auto"."""
     if requested != CHEAPEST:
         return requested
-    return "q4_1" if backend.block_formats else "auto"
+    return WHOLE_Q4 if backend.block_formats else "auto"
 
 
 def load_model(source: str, dtype: str = "auto", device: str = "cpu",

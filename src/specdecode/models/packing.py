@@ -22,7 +22,7 @@ from specdecode.models.backends import AUTO, Backend
 from specdecode.models.backends.base import block_formats_refused
 from specdecode.models.hf_import import head_part, projection_parts
 from specdecode.models.linear import QuantLinear, SplitLinear
-from specdecode.models.weights import BLOCK_FORMATS, WEIGHT_FORMATS, WeightSource, choose_formats, concat, quantize
+from specdecode.models.weights import BLOCK_REQUESTS, WEIGHT_FORMATS, WeightSource, choose_formats, concat, quantize
 
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -61,7 +61,7 @@ def pack(model, backend: Backend, weights: str = AUTO, source: WeightSource | No
         model: a ``Transformer`` whose projections are its own ``nn.Linear`` layers (or unfilled, with ``source``).
         backend: where the projections will run (``backends.INT8``: int8 weight-only copies).
         weights: one of WEIGHT_FORMATS: "bf16", a block format for every projection (the output head at least
-            q8_0, see ``weights.choose_formats``), "auto": as ``source`` stores them where the backend computes
+            q8_0 but under "q4_1+head", see ``weights.choose_formats``), "auto": as ``source`` stores them where the backend computes
             block formats (the GGUF's own blocks, K-quants included), else bf16, or "blocks": as "auto" with the
             K-quants in 32-weight block formats.
         source: the checkpoint's float weights and stored formats (``Checkpoint.weights``); without it, block
@@ -77,7 +77,7 @@ def pack(model, backend: Backend, weights: str = AUTO, source: WeightSource | No
         raise ValueError(f"weight format {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     if model.head_layer is not None:
         raise ValueError(f"the projections are already packed or quantized (on {model.backend.name})")
-    if weights in BLOCK_FORMATS and not backend.block_formats:
+    if weights in BLOCK_REQUESTS and not backend.block_formats:
         raise block_formats_refused(weights, backend)
     if backend.packs:
         pack_projections(model, backend, weights if backend.block_formats else "bf16", source, log)
