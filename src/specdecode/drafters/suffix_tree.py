@@ -58,20 +58,46 @@ class SuffixTrie:
         counts, children, best = self.counts, self.children, self.best
         counts[ROOT] += 1
         out = [ROOT]
-        for node in path[:self.max_depth]:  # a tail of max_depth tokens grows no longer
+        tails = path[:self.max_depth]  # a tail of max_depth tokens grows no longer
+        for i, node in enumerate(tails):
             kids = children[node]
             if kids is None:
                 kids = children[node] = {}
                 best[node] = token
             child = kids.get(token)
-            if child is None:
-                child = kids[token] = self._new()
+            if child is None:  # a new substring: so is every longer one ending here
+                self._grow(tails, i, token, out)
+                break
             counts[child] += 1
             b = best[node]
             if b != -1 and counts[child] >= counts[kids[b]]:  # ties go to the latest seen
                 best[node] = token
             out.append(child)
         return out
+
+    def _grow(self, tails: list[int], start: int, token: int, out: list[int]) -> None:
+        """``extend`` from ``tails[start]`` on, where ``token`` ends substrings never seen: a new child of count 1
+        under each tail, its token the tail's best where the tail had no child or its best counts 1 too."""
+        counts, children, best = self.counts, self.children, self.best
+        for node in tails[start:]:
+            kids = children[node]
+            if kids is None:
+                kids = children[node] = {}
+                best[node] = token
+            if self._free:
+                child = self._free.pop()
+                best[child] = -1
+                counts[child] = 1
+            else:
+                child = len(counts)
+                counts.append(1)
+                children.append(None)
+                best.append(-1)
+            kids[token] = child
+            b = best[node]
+            if b != -1 and counts[kids[b]] <= 1:  # ties go to the latest seen (-1: looked up when asked)
+                best[node] = token
+            out.append(child)
 
     def _new(self) -> int:
         if self._free:
