@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from specdecode.control import ControllerFactory
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.drafters.base import Draft, DrafterBase
 from specdecode.engine import Engine, GenerationResult, SpeculativeConfig
@@ -457,7 +458,7 @@ class _StopAfter:
 def test_an_early_stop_shortens_drafts_and_keeps_the_output(target, models, plain, kind):
     controller = _StopAfter(2)
     engine = Engine(target, drafter=_drafter(kind, target, models), spec=SpeculativeConfig(gamma=6))
-    engine.batch.admission.new_controller = lambda: controller
+    engine.batch.admission.new_controller = ControllerFactory(lambda _: controller)
     result = engine.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS)
     assert result.token_ids == plain[tuple(PROMPTS[1])]
     assert len(result.stats.drafted_by_position) <= 2 and result.stats.drafted_tokens > 0

@@ -11,6 +11,7 @@ from kernel_paths import NATIVE_PATHS, path_params, require_path
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import QueueFullError, SchedulerConfig
 from specdecode.batch.target_kv import CHUNKED_PREFIX_BLOCK
+from specdecode.control import ControllerFactory
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
@@ -237,7 +238,7 @@ def test_a_step_that_ends_a_prompt_is_recorded_with_the_prompt_rows_it_held(path
     engine = BatchEngine(model, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma=2), max_len=96,
                          scheduler=SchedulerConfig(max_running=1, max_rows=4, prefill_chunk=8))
     records: list = []
-    engine.admission.new_controller = lambda: _RecordSpy([], records)
+    engine.admission.new_controller = ControllerFactory(lambda _: _RecordSpy([], records))
     engine.run([dict(prompt=list(range(20, 40)), max_new_tokens=4, eos_token_ids=())])  # 19 prompt rows: 8 + 8 + 3
     assert [r.others_rows for r in records][:2] == [3, 0]
 
@@ -249,7 +250,7 @@ def _rows_seen(target, draft_model, max_rows: int) -> list[list]:
     engine = BatchEngine(target, new_drafter=lambda: DraftModelDrafter(draft_model, target, CacheConfig()),
                          spec=SpeculativeConfig(gamma=2), scheduler=SchedulerConfig(max_running=2, max_rows=max_rows),
                          max_len=96)
-    engine.admission.new_controller = lambda: _RowSpy(seen)
+    engine.admission.new_controller = ControllerFactory(lambda _: _RowSpy(seen))
     for prompt in PROMPTS[:2]:
         engine.submit(prompt, max_new_tokens=24, eos_token_ids=())
     steps = []
@@ -291,7 +292,7 @@ def test_the_budget_share_a_controller_sees_counts_the_draft_caches(target, draf
                          spec=SpeculativeConfig(gamma=3), cache=cache, scheduler=SchedulerConfig(max_running=2),
                          max_len=96)
     seen = []
-    engine.admission.new_controller = lambda: _FillSpy(engine, seen)
+    engine.admission.new_controller = ControllerFactory(lambda _: _FillSpy(engine, seen))
     engine.run(requests()[:3])
     assert seen and all(fill == pytest.approx(in_use) for fill, in_use, _ in seen)
     assert any(fill > target_only for fill, _, target_only in seen)

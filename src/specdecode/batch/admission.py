@@ -104,7 +104,9 @@ class Admission:
         speculation is off (gamma 0) and no prediction asks."""
         controller = self.new_controller()
         if seq.drafter is not None and self.spec.long_max and (self.spec.gamma != 0 or seq.request.prediction):
-            controller = LongDrafts(controller, seq.drafter, self.spec.long_max)
+            shared = self.new_controller.shared  # the step costs, where the controllers weigh them
+            controller = LongDrafts(controller, seq.drafter, self.spec.long_max,
+                                    costs=shared.costs if shared is not None else None)
         return controller
 
     def retire(self, seq: SequenceState) -> None:
