@@ -61,7 +61,8 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}/v1/chat/completions"
     tokens, wall = asyncio.run(_run(url, bodies, args.concurrency, args.seconds))
     print(f"tokens/s {tokens / wall:.1f}")
-    print(json.dumps({"concurrency": args.concurrency, "seconds": wall, "tokens": tokens, "tokens_per_s": tokens / wall}))
+    print(json.dumps({"concurrency": args.concurrency, "seconds": wall, "tokens": tokens,
+                      "tokens_per_s": tokens / wall}))
 
 
 if __name__ == "__main__":

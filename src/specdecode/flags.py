@@ -116,9 +116,9 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"head file for --drafter {_users('--head')} (default: the head shipped for --model, if any)")
     p.add_argument("--draft-vocab", type=int, default=_default("--draft-vocab"), metavar="N",
                    help=f"--drafter {_users('--draft-vocab')}: draft over the N most frequent tokens (0 = all; "
-                        "default: a head's as trained; a draft model's end-of-sequence ids and first 32768 ids, widened "
-                        "by each request's own tokens, and all for a request whose prompt has more than a quarter of "
-                        "its tokens outside them: cheaper drafts where the text is English or code)")
+                        "default: a head's as trained; a draft model's end-of-sequence ids and first 32768 ids, "
+                        "widened by each request's own tokens, and all for a request whose prompt has more than a "
+                        "quarter of its tokens outside them: cheaper drafts where the text is English or code)")
     p.add_argument("--ngram", type=ngram_sizes, default=_default("--ngram"),
                    help=f"--drafter {_users('--ngram')}: min,max n-gram sizes to look up (default "
                         f"{','.join(map(str, _default('--ngram')))})")

@@ -12,6 +12,7 @@ from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import QueueFullError, SchedulerConfig
 from specdecode.batch.target_kv import CHUNKED_PREFIX_BLOCK
 from specdecode.control import ControllerFactory
+from specdecode.control.long import LongDrafts
 from specdecode.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.kv.cache import CacheConfig
@@ -325,3 +326,13 @@ def test_the_device_is_synchronised_after_every_timed_forward(target, monkeypatc
     with engine.verify_timer(PROMPTS[1]) as seconds:
         seconds(2)
     assert len(synced) == forwards + 1
+
+
+def test_long_drafts_are_priced_with_the_step_costs_the_controllers_share():
+    model = varied_model(0, dtype=torch.bfloat16)
+    engine = BatchEngine(model, new_drafter=NgramDrafter, spec=SpeculativeConfig(gamma="adaptive"), max_len=96,
+                         scheduler=SchedulerConfig(max_running=2))
+    seq = engine.submit(list(range(20, 40)), max_new_tokens=4, eos_token_ids=())
+    engine.step()
+    assert isinstance(seq.controller, LongDrafts)
+    assert seq.controller.costs is engine.admission.new_controller.shared.costs  # the batch's step, priced

@@ -106,7 +106,7 @@ class DraftModelDrafter(OwnCache):
         # Prefill here, so that drafting time counts drafting only.
         prefill(self.cache, 0, list(prompt[:-1]), self.model, memory.prefix_for(self.model, self.cache.config))
         self._request_vocab = None
-        if self.vocab is not None and covers(self.vocab.ids, prompt, self.model.config.vocab_size):
+        if self.vocab is not None and covers(self.vocab, prompt):
             self._request_vocab = RequestVocab(self.vocab, self.model)
             self._request_vocab.add(prompt)
 
@@ -143,17 +143,15 @@ class DraftModelDrafter(OwnCache):
         self.cache.commit(0, self.cache.lengths[0])
 
 
-def covers(ids: torch.Tensor, prompt: Sequence[int], vocab_size: int) -> bool:
-    """Whether at most FULL_VOCAB_SHARE of ``prompt``'s tokens lie outside the draft vocabulary ``ids``: id order
+def covers(vocab: VocabHead, prompt: Sequence[int]) -> bool:
+    """Whether at most FULL_VOCAB_SHARE of ``prompt``'s tokens lie outside the draft vocabulary ``vocab``: id order
     is no frequency ranking for every language (the first 65536 of Qwen2.5's ids hold 98% of the English and code
     suites' tokens but half of a Chinese or Japanese text's; each request's own tokens joining the vocabulary
     win back only part of that: BENCHMARKS.md X-9)."""
     if not prompt:
         return True
-    held = torch.zeros(vocab_size, dtype=torch.bool)
-    held[ids.cpu()] = True
-    outside = int((~held[torch.tensor(list(prompt), dtype=torch.int64)]).sum())
-    return outside <= FULL_VOCAB_SHARE * len(prompt)
+    inside = int(vocab.held[torch.tensor(list(prompt), dtype=torch.int64, device=vocab.held.device)].sum())
+    return len(prompt) - inside <= FULL_VOCAB_SHARE * len(prompt)
 
 
 def draft_vocabulary(model: Transformer, size: int | None, always: Sequence[int] = ()) -> VocabHead | None:

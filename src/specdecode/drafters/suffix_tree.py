@@ -84,16 +84,8 @@ class SuffixTrie:
             if kids is None:
                 kids = children[node] = {}
                 best[node] = token
-            if self._free:
-                child = self._free.pop()
-                best[child] = -1
-                counts[child] = 1
-            else:
-                child = len(counts)
-                counts.append(1)
-                children.append(None)
-                best.append(-1)
-            kids[token] = child
+            child = kids[token] = self._new()
+            counts[child] = 1
             b = best[node]
             if b != -1 and counts[kids[b]] <= 1:  # ties go to the latest seen (-1: looked up when asked)
                 best[node] = token

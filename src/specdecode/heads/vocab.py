@@ -85,6 +85,9 @@ class VocabHead(nn.Module):
         super().__init__()
         self.register_buffer("ids", ids.to(target.device, torch.int64).sort().values)
         self.vocab_size = target.config.vocab_size
+        held = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.ids.device)
+        held[self.ids] = True
+        self.register_buffer("held", held)  # [V]: True at ids
         backend = target.backend
         if packing.block_weights(target):
             self.linear = backend.block_linear(target.head_layer.block_rows(self.ids.cpu()), None)
@@ -119,8 +122,7 @@ class RequestVocab:
     def __init__(self, base: VocabHead, model) -> None:
         self.base, self.model, self.vocab_size = base, model, base.vocab_size
         self.ids = base.ids
-        self._held = torch.zeros(base.vocab_size, dtype=torch.bool, device=base.ids.device)
-        self._held[base.ids] = True
+        self._held = base.held.clone()
         self._rows = torch.empty(0, model.config.hidden_size, device=base.ids.device)  # [k, h] float32
 
     def add(self, tokens: Iterable[int]) -> None:

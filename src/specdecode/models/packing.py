@@ -61,9 +61,9 @@ def pack(model, backend: Backend, weights: str = AUTO, source: WeightSource | No
         model: a ``Transformer`` whose projections are its own ``nn.Linear`` layers (or unfilled, with ``source``).
         backend: where the projections will run (``backends.INT8``: int8 weight-only copies).
         weights: one of WEIGHT_FORMATS: "bf16", a block format for every projection (the output head at least
-            q8_0 but under "q4_1+head", see ``weights.choose_formats``), "auto": as ``source`` stores them where the backend computes
-            block formats (the GGUF's own blocks, K-quants included), else bf16, or "blocks": as "auto" with the
-            K-quants in 32-weight block formats.
+            q8_0 but under "q4_1+head", see ``weights.choose_formats``), "auto": as ``source`` stores them where
+            the backend computes block formats (the GGUF's own blocks, K-quants included), else bf16, or "blocks":
+            as "auto" with the K-quants in 32-weight block formats.
         source: the checkpoint's float weights and stored formats (``Checkpoint.weights``); without it, block
             formats are quantized from the model's own weights.
         log: told how far packing has come (see ``pack_projections``).
