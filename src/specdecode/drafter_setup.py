@@ -16,6 +16,7 @@ from specdecode.drafters import TREE_WIDTH, Drafter, DrafterInputs, DrafterSpec,
 from specdecode.drafters.draft_model import check_draft_pair
 from specdecode.drafters.registry import SHARED_SUFFIX_CACHE
 from specdecode.drafters.suffix import SuffixCache
+from specdecode.drafters.suffix_tree import native_trie
 from specdecode.heads import no_head_message, shipped_head
 from specdecode.kv.cache import CacheConfig
 from specdecode.models import registry as models_registry
@@ -148,6 +149,7 @@ def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: 
                            eos_ids=tuple(target.tokenizer.eos_token_ids),
                            tree_width=config.tree_width or TREE_WIDTH)
     if spec.needs & Needs.SUFFIX_CACHE:  # the cache the engine's suffix drafters share, as the flags bound it
+        native_trie(log)  # built now, with a progress line, rather than silently at the first request
         inputs.shared[SHARED_SUFFIX_CACHE] = SuffixCache(config.suffix_cache_requests, config.suffix_cache_mb << 20,
                                                          config.suffix_cache)
     return lambda: registry.build(spec.name, inputs)

@@ -240,3 +240,13 @@ def test_in_a_batch_probes_are_spaced_by_the_sequences_sharing_the_step():
     c.costs.draft_per_token = 0.05  # costly probes: the bound, which grows with the sharers too
     assert c.off.interval(c.costs) == c.off.max_interval
     assert c.off.interval(c.costs, ctx(others_rows=3, others_tokens=3.0)) == 4 * c.off.max_interval
+
+
+def test_a_step_curve_is_step_s_at_every_k_inside_and_past_the_measured_rows():
+    costs = StepCosts(gamma_max=8, max_rows=12)
+    costs.seed([0.010, 0.011, 0.0125, 0.013, 0.017, 0.018, 0.018, 0.019])  # a jump at the 5th row; 8 rows timed
+    costs.draft_per_token = 0.0007
+    costs.update(drafted=2, draft_s=0.002, verify_s=0.014, others=3)
+    for others in (0, 3, 9, 11, 15):
+        for k_max in (0, 1, 8, 20):
+            assert costs.step_curve(k_max, others) == [costs.step_s(k, others) for k in range(k_max + 1)]

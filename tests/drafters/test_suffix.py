@@ -10,7 +10,6 @@ from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.drafters import DrafterInputs, registry
 from specdecode.drafters.suffix import LONG_MATCH, SUFFIX_SIGNALS, SuffixCache, SuffixDrafter
-from specdecode.drafters.suffix_tree import NODE_BYTES
 from specdecode.engine import SpeculativeConfig
 from specdecode.sampling import SamplingParams
 from specdecode.tree import check_tree
@@ -122,10 +121,11 @@ def test_the_cache_evicts_the_oldest_past_either_bound():
     for output in ([1, 2], [3, 4], [5, 6]):
         cache.add(output)
     assert list(cache.outputs) == [[3, 4], [5, 6]] and cache.trie.count([1, 2]) == 0 and cache.trie.count([3]) == 1
-    by_bytes = SuffixCache(max_bytes=6 * NODE_BYTES)  # 3 nodes an output of 2 tokens
+    node_bytes = SuffixCache().trie.node_bytes
+    by_bytes = SuffixCache(max_bytes=6 * node_bytes)  # 3 nodes an output of 2 tokens
     for output in ([1, 2], [3, 4], [5, 6]):
         by_bytes.add(output)
-    assert list(by_bytes.outputs) == [[3, 4], [5, 6]] and by_bytes.learned() == (2, 6 * NODE_BYTES)
+    assert list(by_bytes.outputs) == [[3, 4], [5, 6]] and by_bytes.learned() == (2, 6 * node_bytes)
     by_bytes.add(list(range(10, 20)))  # alone past the bound: it goes too
     assert by_bytes.learned() == (0, 0)
 

@@ -1,4 +1,5 @@
-"""The depth-bounded suffix trie: counts against a brute-force count, removal, matching, continuations."""
+"""The depth-bounded suffix trie, both implementations (Python and compiled): counts against a brute-force count,
+removal, matching, continuations, and the two giving the same answers to the same random operations."""
 
 from __future__ import annotations
 
@@ -6,8 +7,21 @@ import random
 
 import pytest
 
-from specdecode.drafters.suffix_tree import NODE_BYTES, ROOT, SuffixTrie
+from specdecode.drafters.suffix_tree import ROOT, SuffixTrie, native_trie, new_trie
 from specdecode.tree import check_tree
+
+
+def _compiled(max_depth: int = 32):
+    module = native_trie()
+    if module is None:
+        pytest.skip("the compiled suffix trie does not build here (no C++ compiler or ninja)")
+    return module.SuffixTrie(max_depth)
+
+
+@pytest.fixture(params=["python", "compiled"])
+def make(request):
+    """Makes an empty trie of the implementation under test."""
+    return SuffixTrie if request.param == "python" else _compiled
 
 
 def _occurrences(seqs: list[list[int]], sub: list[int]) -> int:
@@ -20,7 +34,7 @@ def _substrings(seqs: list[list[int]], max_len: int) -> set[tuple[int, ...]]:
             for j in range(i + 1, min(len(seq), i + max_len) + 1)}
 
 
-def _grow(trie: SuffixTrie, seq: list[int]) -> list[int]:
+def _grow(trie, seq: list[int]) -> list[int]:
     """Inserts ``seq`` a token at a time; returns its path."""
     path = [ROOT]
     for token in seq:
@@ -28,9 +42,9 @@ def _grow(trie: SuffixTrie, seq: list[int]) -> list[int]:
     return path
 
 
-def _check_counts(trie: SuffixTrie, seqs: list[list[int]]) -> None:
+def _check_counts(trie, seqs: list[list[int]]) -> None:
     subs = _substrings(seqs, trie.max_depth)
-    assert trie.nodes == len(subs) and trie.nbytes == len(subs) * NODE_BYTES  # one node per distinct substring
+    assert trie.nodes == len(subs) and trie.nbytes == len(subs) * trie.node_bytes  # one node per distinct substring
     assert trie.count([]) == sum(map(len, seqs))
     for sub in subs:
         assert trie.count(list(sub)) == _occurrences(seqs, list(sub)), sub
@@ -41,10 +55,10 @@ def _random_seqs(rng: random.Random, n: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_counts_are_substring_occurrences_however_the_sequences_came_in(seed):
+def test_counts_are_substring_occurrences_however_the_sequences_came_in(make, seed):
     rng = random.Random(seed)
     seqs = _random_seqs(rng, 4)
-    trie = SuffixTrie(max_depth=rng.randrange(1, 6))
+    trie = make(max_depth=rng.randrange(1, 6))
     for seq in seqs:
         trie.insert(seq) if rng.random() < 0.5 else _grow(trie, seq)
     _check_counts(trie, seqs)
@@ -52,53 +66,53 @@ def test_counts_are_substring_occurrences_however_the_sequences_came_in(seed):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_removing_sequences_leaves_the_others_counts_and_frees_empty_nodes(seed):
+def test_removing_sequences_leaves_the_others_counts_and_frees_empty_nodes(make, seed):
     rng = random.Random(seed)
     seqs = _random_seqs(rng, 5)
-    trie = SuffixTrie(max_depth=4)
+    trie = make(max_depth=4)
     for seq in seqs:
         trie.insert(seq)
     for _ in range(3):
         trie.remove(seqs.pop(rng.randrange(len(seqs))))
         _check_counts(trie, seqs)
-    allocated = len(trie.counts)
+    allocated = trie.allocated
     trie.insert(seqs[0])  # freed nodes are reused before new ones are made
-    assert len(trie.counts) == allocated
+    assert trie.allocated == allocated
     for seq in [seqs[0], *seqs]:
         trie.remove(seq)
-    assert trie.nodes == 0 and trie.count([]) == 0 and trie.children[ROOT] is None
+    assert trie.nodes == 0 and trie.count([]) == 0 and not trie.has_children(ROOT)
 
 
-def test_a_grown_sequences_path_is_its_tails():
-    trie = SuffixTrie(max_depth=3)
+def test_a_grown_sequences_path_is_its_tails(make):
+    trie = make(max_depth=3)
     seq = [1, 2, 1, 2, 3]
     path = [ROOT]
     for n, token in enumerate(seq, 1):
         path = trie.extend(path, token)
         assert len(path) == min(n, 3) + 1 and path == trie.match(seq[:n])
-    assert [trie.counts[node] for node in path] == [5, 1, 1, 1]  # "", 3, 2 3, 1 2 3
+    assert trie.counts_along(path) == [5, 1, 1, 1]  # "", 3, 2 3, 1 2 3
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_match_finds_the_longest_tail_that_occurred(seed):
+def test_match_finds_the_longest_tail_that_occurred(make, seed):
     rng = random.Random(seed)
     seqs = _random_seqs(rng, 3)
-    trie = SuffixTrie(max_depth=5)
+    trie = make(max_depth=5)
     for seq in seqs:
         trie.insert(seq)
     query = [rng.randrange(4) for _ in range(8)]
     path = trie.match(query)
     longest = max(d for d in range(6) if d == 0 or _occurrences(seqs, query[-d:]))
     assert len(path) - 1 == longest
-    assert [trie.counts[node] for node in path[1:]] == [_occurrences(seqs, query[-d:]) for d in range(1, longest + 1)]
+    assert trie.counts_along(path[1:]) == [_occurrences(seqs, query[-d:]) for d in range(1, longest + 1)]
     grown = [ROOT]  # advance, a token at a time, finds the same
     for token in query:
         grown = trie.advance(grown, token)
     assert grown == path
 
 
-def test_a_chain_follows_the_most_frequent_child_with_path_probabilities():
-    trie = SuffixTrie(max_depth=4)
+def test_a_chain_follows_the_most_frequent_child_with_path_probabilities(make):
+    trie = make(max_depth=4)
     for seq in ([7, 1, 2], [7, 1, 2], [7, 1, 3], [7, 4, 5]):
         trie.insert(seq)
     node = trie.match([9, 7])[-1]
@@ -110,8 +124,8 @@ def test_a_chain_follows_the_most_frequent_child_with_path_probabilities():
     assert trie.chain(trie.match([5])[-1], budget=5) == ([], [])
 
 
-def test_a_chain_forgets_a_removed_favourite():
-    trie = SuffixTrie(max_depth=2)
+def test_a_chain_forgets_a_removed_favourite(make):
+    trie = make(max_depth=2)
     for seq in ([1, 2], [1, 2], [1, 3]):
         trie.insert(seq)
     assert trie.chain(trie.match([1])[-1], 1)[0] == [2]
@@ -123,10 +137,10 @@ def test_a_chain_forgets_a_removed_favourite():
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_every_chain_step_takes_a_most_frequent_child(seed):
+def test_every_chain_step_takes_a_most_frequent_child(make, seed):
     rng = random.Random(seed)
     seqs = _random_seqs(rng, 6)
-    trie = SuffixTrie(max_depth=6)
+    trie = make(max_depth=6)
     for seq in seqs:
         _grow(trie, seq)
     trie.remove(seqs.pop())
@@ -141,8 +155,8 @@ def test_every_chain_step_takes_a_most_frequent_child(seed):
         prefix = prefix + [token]
 
 
-def test_a_tree_expands_best_first_under_a_budget():
-    trie = SuffixTrie(max_depth=4)
+def test_a_tree_expands_best_first_under_a_budget(make):
+    trie = make(max_depth=4)
     for seq in ([7, 1, 2], [7, 1, 2], [7, 1, 3], [7, 4, 5], [7, 6]):
         trie.insert(seq)
     node = trie.match([7])[-1]
@@ -156,10 +170,64 @@ def test_a_tree_expands_best_first_under_a_budget():
     assert trie.tree(node, budget=10, base=3)[2][0] == pytest.approx(1.0)
 
 
-def test_depth_is_bounded():
-    trie = SuffixTrie(max_depth=2)
+def test_depth_is_bounded(make):
+    trie = make(max_depth=2)
     trie.insert([1, 2, 3, 4])
     assert trie.count([1, 2]) == 1 and trie.count([1, 2, 3]) == 0 and trie.nodes == 7
     assert trie.chain(trie.match([1, 2])[-1], 5) == ([], [])  # nothing below depth 2
     with pytest.raises(ValueError, match="max_depth >= 1"):
-        SuffixTrie(max_depth=0)
+        make(max_depth=0)
+    assert new_trie(3).max_depth == 3
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_compiled_trie_answers_as_the_python_one(seed):
+    """Random inserts, token-at-a-time growth and removals on both: every path, count, chain and tree the same,
+    ties and reused node ids included."""
+    rng = random.Random(seed)
+    depth = rng.randrange(1, 7)
+    python, compiled = SuffixTrie(depth), _compiled(depth)
+    kept: list[list[int]] = []
+    for _ in range(12):
+        if kept and rng.random() < 0.3:
+            seq = kept.pop(rng.randrange(len(kept)))
+            python.remove(seq)
+            compiled.remove(seq)
+        else:
+            seq = [rng.randrange(rng.choice([3, 40])) for _ in range(rng.randrange(1, 30))]
+            if rng.random() < 0.5:
+                python.insert(seq)
+                compiled.insert(seq)
+            elif rng.random() < 0.5:
+                assert _grow(python, seq) == _grow(compiled, seq)
+            else:  # the path of a sequence grown in pieces
+                cut = rng.randrange(len(seq) + 1)
+                paths = [t.extend_all(t.extend_all([ROOT], seq[:cut]), seq[cut:]) for t in (python, compiled)]
+                assert paths[0] == paths[1] == python.match(seq)[:len(paths[0])]
+            kept.append(seq)
+        assert (python.nodes, python.allocated) == (compiled.nodes, compiled.allocated)
+        for _ in range(5):
+            query = [rng.randrange(40) for _ in range(rng.randrange(0, 8))]
+            path = python.match(query)
+            assert compiled.match(query) == path and compiled.counts_along(path) == python.counts_along(path)
+            for more_than in range(4):
+                deepest = python.deepest(path, more_than)
+                assert compiled.deepest(path, more_than) == deepest
+                assert deepest == max((d for d, c in enumerate(python.counts_along(path)) if c > more_than), default=-1)
+            assert compiled.count(query[-3:]) == python.count(query[-3:])
+            for node in path:
+                budget, min_prob = rng.randrange(1, 9), rng.choice([0.0, 0.2])
+                base = rng.choice([None, python.node_count(node) + 1])
+                assert compiled.chain(node, budget, min_prob, base) == python.chain(node, budget, min_prob, base)
+                assert compiled.tree(node, budget, min_prob, base) == python.tree(node, budget, min_prob, base)
+
+
+def test_where_nothing_compiles_tries_are_the_python_class_and_the_log_says_why(monkeypatch):
+    from specdecode.drafters import suffix_tree
+
+    monkeypatch.setattr(suffix_tree, "_native", [])
+    monkeypatch.setattr(suffix_tree, "compile_extension", lambda *a, **k: (None, "no C++ compiler on PATH"))
+    lines: list[str] = []
+    assert suffix_tree.native_trie(lines.append) is None
+    assert lines[-1] == "suffix tries stay in Python (slower): no C++ compiler on PATH"
+    assert type(new_trie(4)) is SuffixTrie

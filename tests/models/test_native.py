@@ -31,7 +31,7 @@ def test_reasons_name_what_is_missing(monkeypatch):
     assert native._static_reason("avx2") == "the CPU lacks f16c, fma"
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(FLAGS["zen4"]))
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
-    assert native._static_reason("tiled") == "ninja is not on PATH (needed to compile the kernel)"
+    assert native._static_reason("tiled") == "ninja is not on PATH (needed to compile native code)"
     with pytest.raises(ValueError, match="no kernel build named 'sse'"):
         native.kernel("sse")
 

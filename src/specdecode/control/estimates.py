@@ -172,6 +172,15 @@ class StepCosts:
         in the same forward."""
         return k * self.draft_per_token + self.verify_s(k + others)
 
+    def step_curve(self, k_max: int, others: int = 0) -> list[float]:
+        """[step_s(0, others) .. step_s(k_max, others)] in one pass (a controller's every step reads it)."""
+        base, shape, top, per_token = self.base, self.shape, self.top, self.draft_per_token
+        out = [base * shape[k + others] for k in range(0, max(0, min(k_max, top - others) + 1))]
+        if len(out) <= k_max:  # past the curve: its last point and the mean row's cost per row
+            mean_row = max(shape[top] - shape[0], 0.0) / max(top, 1)
+            out += [base * (shape[top] + (k + others - top) * mean_row) for k in range(len(out), k_max + 1)]
+        return [v + k * per_token for k, v in enumerate(out)]
+
 
 @dataclass
 class SharedEstimates:
@@ -251,11 +260,12 @@ def best_gamma(cumulative: list[float], costs: StepCosts, margin: float = 0.0, o
     (a share of its rate) to be chosen at all. In a batch the step is shared: the rate is the batch's,
     (others_tokens + E(k)) / step_s(k, others_rows), so a draft must also pay for slowing the others.
     """
-    plain_rate = (others_tokens + 1.0) / costs.step_s(0, others_rows)
+    steps = costs.step_curve(len(cumulative), others_rows)
+    plain_rate = (others_tokens + 1.0) / steps[0]
     best, best_rate, tokens = 0, plain_rate * (1.0 + margin), 1.0
     for k, prob in enumerate(cumulative, start=1):
         tokens += prob
-        rate = (others_tokens + tokens) / costs.step_s(k, others_rows)
+        rate = (others_tokens + tokens) / steps[k]
         if rate > best_rate:
             best, best_rate = k, rate
     return best

@@ -25,7 +25,7 @@ import torch
 
 from specdecode.drafters.base import Draft, DrafterBase, StopRule
 from specdecode.drafters.registry import SHARED_SUFFIX_CACHE, DrafterInputs, DrafterSpec, Needs, register
-from specdecode.drafters.suffix_tree import ROOT, SuffixTrie
+from specdecode.drafters.suffix_tree import ROOT, new_trie
 from specdecode.kv.cache import Cache
 from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams
@@ -41,7 +41,7 @@ class SuffixCache:
 
     Args:
         max_requests: most outputs kept; the oldest go first.
-        max_bytes: most bytes (``SuffixTrie.nbytes``, an estimate) the trie holds; the oldest go first (even the
+        max_bytes: most bytes (the trie's ``nbytes``, an estimate) the trie holds; the oldest go first (even the
             newest, alone past it).
         enabled: False keeps nothing: the drafters draft from their own request alone.
         max_depth: the trie's depth.
@@ -53,7 +53,7 @@ class SuffixCache:
     max_depth: int = 32
 
     def __post_init__(self) -> None:
-        self.trie = SuffixTrie(self.max_depth)
+        self.trie = new_trie(self.max_depth)
         self.outputs: deque[list[int]] = deque()
         self.version = 0  # changes with each add: a drafter then looks its tail up again (nodes may be freed)
 
@@ -127,7 +127,7 @@ class SuffixDrafter(DrafterBase):
 
     def _start(self, prompt: Sequence[int]) -> None:
         """A new request: a trie of ``prompt`` alone."""
-        self._trie = SuffixTrie(self.max_depth)
+        self._trie = new_trie(self.max_depth)
         self._path = [ROOT]  # the sequence's tails in its own trie (the longest ones occur only there, at its end)
         self._seen = self._prompt_len = 0  # tokens in the trie; the prompt's
         self._tail: list[int] = []  # the sequence's last cache.max_depth tokens
@@ -177,8 +177,7 @@ class SuffixDrafter(DrafterBase):
         new = seq[self._seen:]
         if not new and self._version == self.cache.version:
             return
-        for token in new:
-            self._path = self._trie.extend(self._path, token)
+        self._path = self._trie.extend_all(self._path, new)
         self._seen, self._tail, self._plan = len(seq), seq[-self.cache.max_depth:], None
         self._look_up(new)
 
@@ -188,8 +187,7 @@ class SuffixDrafter(DrafterBase):
         if self._version != self.cache.version:
             self._version, self._global, self._plan = self.cache.version, trie.match(self._tail), None
             return
-        for token in new:
-            self._global = trie.advance(self._global, token)
+        self._global = trie.advance_all(self._global, new)
 
     def _pick(self, budget: int, shortest: int = 1) -> _Pick | None:
         """The best-scoring continuation of at most ``budget`` tokens over both tries' tails of at least ``shortest``
@@ -197,8 +195,12 @@ class SuffixDrafter(DrafterBase):
         best: _Pick | None = None
         # The sequence's own occurrence of its tails has no continuation yet: it counts 1 less there.
         for trie, path, own in ((self._trie, self._path, 1), (self.cache.trie, self._global, 0)):
-            for d in range(len(path) - 1, shortest - 1, -1):  # longest first: it wins ties, as the own trie does
-                count = trie.counts[path[d]] - own
+            top = trie.deepest(path, own)  # the longest tail that occurred before (a long run's check, each step)
+            if top < shortest:
+                continue
+            counts = trie.counts_along(path)
+            for d in range(top, shortest - 1, -1):  # longest first: it wins ties, as the own trie does
+                count = counts[d] - own
                 room = min(budget, math.ceil(self.alpha * d), trie.max_depth - d)
                 if count < 1 or room < 1 or (best is not None and room <= best.score):
                     continue  # (a token's probability is at most 1: this tail cannot score more)

@@ -96,11 +96,33 @@ def _static_reason(name: str) -> str | None:
     missing = set(BUILDS[name].needs) - cpu_flags()
     if missing:
         return f"the CPU lacks {', '.join(sorted(missing))}"
+    return _tools_reason()
+
+
+def _tools_reason() -> str | None:
+    """Why nothing can be compiled here (no ninja or C++ compiler on PATH); None if it can."""
     if shutil.which("ninja") is None:
-        return "ninja is not on PATH (needed to compile the kernel)"
+        return "ninja is not on PATH (needed to compile native code)"
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return "no C++ compiler on PATH"
     return None
+
+
+def compile_extension(name: str, source: Path, what: str, cflags: tuple[str, ...] = ("-O3",),
+                      ldflags: tuple[str, ...] = ()) -> tuple[ModuleType | None, str | None]:
+    """Compiles (once per source version: ``name`` should carry its digest) and loads the torch C++ extension
+    ``source``; returns (module, None), or (None, why not) where no tools are found or the compiler fails
+    (``what`` it is built for named in the reason)."""
+    reason = _tools_reason()
+    if reason is not None:
+        return None, reason
+    try:
+        from torch.utils.cpp_extension import load  # imports setuptools: a dependency of ours
+
+        return load(name, [str(source)], extra_cflags=list(cflags), extra_ldflags=list(ldflags)), None
+    except Exception as exc:  # a compiler (or import) error: keep its last line; callers fall back
+        last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+        return None, f"compiling {source.name} for {what} failed: {last[0]}"
 
 
 _built: dict[str, tuple[ModuleType | None, str | None]] = {}  # name -> (module, reason), set by the first _build
@@ -118,15 +140,8 @@ def _build(name: str, log: Callable[[str], None] | None) -> tuple[ModuleType | N
     build = BUILDS[name]
     if log is not None:
         log(f"loading the {name} kernels (their first use compiles them: about 30 s)")
-    try:
-        from torch.utils.cpp_extension import load  # imports setuptools: a dependency of ours
-
-        module = load(f"specdecode_{name}_{source_digest()}", [str(build.source)],
-                      extra_cflags=[*COMMON_FLAGS, *build.cflags], extra_ldflags=["-fopenmp"])
-        _built[name] = (module, None)
-    except Exception as exc:  # a compiler (or import) error: keep its last line; callers fall back
-        last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
-        _built[name] = (None, f"compiling {build.source.name} for {name} failed: {last[0]}")
+    _built[name] = compile_extension(f"specdecode_{name}_{source_digest()}", build.source, name,
+                                     (*COMMON_FLAGS, *build.cflags), ("-fopenmp",))
     return _built[name]
 
 
