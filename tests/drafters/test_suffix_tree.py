@@ -231,3 +231,19 @@ def test_where_nothing_compiles_tries_are_the_python_class_and_the_log_says_why(
     assert suffix_tree.native_trie(lines.append) is None
     assert lines[-1] == "suffix tries stay in Python (slower): no C++ compiler on PATH"
     assert type(new_trie(4)) is SuffixTrie
+
+
+def test_a_node_with_many_children_is_found_alike_as_they_come_and_go(make):
+    # The compiled trie looks children up by walking a node's links up to 8 children and in a table past that:
+    # crossing the bound both ways, each child stays where it was, in the order it came.
+    trie = make(max_depth=2)
+    for token in range(12):
+        trie.insert([7, token])
+    node = trie.match([7])[-1]
+    assert [trie.count([7, t]) for t in range(12)] == [1] * 12
+    for token in range(11):
+        trie.remove([7, token])
+        assert [trie.count([7, t]) for t in range(12)] == [0] * (token + 1) + [1] * (11 - token)
+        assert sorted(trie.tree(node, budget=20)[0]) == list(range(token + 1, 12))
+    trie.insert([7, 3])  # a tie with 11: the latest seen is the chain's pick
+    assert trie.chain(node, budget=1)[0] == [3] and sorted(trie.tree(node, budget=20)[0]) == [3, 11]
