@@ -3,9 +3,13 @@ prompts at most ``--level`` at a time, with ``--threads`` kernel threads, every 
 
 It prints a table (median tokens/s, the median of per-round ratios to plain decoding, each round's ratio)
 and one JSON line. It does not start a server (``specdecode bench-serve`` does, and runs the library beside
-it); this separates what the engine gains under load from what a server's conditions take away.
+it); this separates what the engine gains under load from what a server's conditions take away. With
+``--fresh`` every round of every method gets a new engine: drafters that learn across requests (``suffix``,
+``auto``) start cold each round, as on a fresh server.
 
     python benchmarks/library_ngram_load.py --threads 1 --level 4 --rounds 3 --methods none,ngram:adaptive,ngram:2
+    python benchmarks/library_ngram_load.py --threads 2 --level 8 --rounds 7 --limit 10 --fresh \
+        --methods none,ngram:adaptive,auto:adaptive
 """
 
 from __future__ import annotations
@@ -30,20 +34,23 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--methods", default="none,ngram:adaptive", help="comma-separated, plain (none) first")
+    p.add_argument("--limit", type=int, default=1, help="prompts per category of the chat suites")
+    p.add_argument("--fresh", action="store_true", help="a new engine per round and method (learners cold)")
     args = p.parse_args()
     methods = args.methods.split(",")
     if methods[0] != "none":
         p.error("--methods must start with none (the ratios' reference)")
     torch.set_num_threads(args.threads)
     lib = Library(TargetConfig(args.model), lambda _line: None)
-    prompts = select(default_prompts(), limit=1)
+    prompts = select(default_prompts(), limit=args.limit)
     requests = lib.requests(prompts, max(len(prompts), 2 * args.level))
     speeds: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(args.rounds):
         for m in methods:  # interleaved: each round's ratios share the machine's state of that moment
-            speeds[m].append(lib.tokens_per_s(m, args.level, requests, args.max_tokens)[0])
+            speeds[m].append(lib.tokens_per_s(m, args.level, requests, args.max_tokens, fresh=args.fresh)[0])
     rows = []
-    print(f"{cpu_model()}, {args.model}, {args.threads} thread(s), {args.level} at a time, {len(requests)} requests")
+    print(f"{cpu_model()}, {args.model}, {args.threads} thread(s), {args.level} at a time, {len(requests)} requests"
+          f"{', a fresh engine each' if args.fresh else ''}")
     print(f"{'method':24s} {'tok/s':>7s} {'vs none':>8s}  rounds")
     for m in methods:
         ratios = [a / b for a, b in zip(speeds[m], speeds["none"])]
@@ -51,7 +58,7 @@ def main() -> None:
                      "rounds": ratios})
         print(f"{m:24s} {rows[-1]['tokens_per_s']:7.1f} {rows[-1]['vs_none']:8.3f}  {[round(r, 2) for r in ratios]}")
     print(json.dumps({"cpu": cpu_model(), "model": args.model, "threads": args.threads, "level": args.level,
-                      "rows": rows}))
+                      "requests": len(requests), "fresh": args.fresh, "rows": rows}))
 
 
 if __name__ == "__main__":
