@@ -247,3 +247,12 @@ def test_a_node_with_many_children_is_found_alike_as_they_come_and_go(make):
         assert sorted(trie.tree(node, budget=20)[0]) == list(range(token + 1, 12))
     trie.insert([7, 3])  # a tie with 11: the latest seen is the chain's pick
     assert trie.chain(node, budget=1)[0] == [3] and sorted(trie.tree(node, budget=20)[0]) == [3, 11]
+
+
+def test_the_compiled_trie_refuses_a_path_naming_no_node_and_changes_nothing():
+    # (Python's lists raise on their own; the compiled trie would read past its arrays.)
+    trie = _compiled(max_depth=4)
+    trie.insert([1, 2, 3])
+    with pytest.raises(IndexError):
+        trie.extend([ROOT, 99], 5)
+    assert trie.count([]) == 3 and trie.count([5]) == 0

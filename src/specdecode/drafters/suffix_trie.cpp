@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <optional>
 #include <queue>
-#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -182,6 +181,7 @@ class SuffixTrie {
   std::vector<int32_t> advance(const std::vector<int32_t>& path, int32_t token) const {
     std::vector<int32_t> out{kRoot};
     for (int32_t node : path) {
+      check(node);
       const int32_t child = child_of(node, token);
       if (child == kNone) break;  // a longer tail cannot occur where a shorter one does not
       out.push_back(child);
@@ -254,10 +254,16 @@ class SuffixTrie {
   }
 
  private:
+  void check(int32_t node) const {
+    if (node < 0 || static_cast<size_t>(node) >= counts_.size())
+      throw py::index_error("no node " + std::to_string(node) + " in this trie");
+  }
+
   void extend_into(const std::vector<int32_t>& path, int32_t token, std::vector<int32_t>& out) {
+    const size_t tails = std::min(path.size(), static_cast<size_t>(max_depth_));
+    for (size_t i = 0; i < tails; ++i) check(path[i]);  // (a path is the caller's: a bad id is an error, not UB)
     counts_[kRoot] += 1;
     out.assign(1, kRoot);
-    const size_t tails = std::min(path.size(), static_cast<size_t>(max_depth_));
     for (size_t i = 0; i < tails; ++i) {
       const int32_t node = path[i];
       if (first_[node] == kNone) best_[node] = token;
