@@ -103,6 +103,55 @@ def test_long_run_reports_a_long_sure_match_and_the_next_propose_drafts_it():
     assert _started(forked, alpha=4.0).long_run() == 2
 
 
+class _AlwaysSynced(SuffixDrafter):
+    """The drafter as it was before long_run's first check: its tries follow every commit, every long run is
+    looked up in them."""
+
+    def commit(self, seq):
+        super().commit(seq)
+        self._sync(seq)
+
+    def long_run(self):
+        self._sync(self._latest)
+        self._look_up([])
+        pick = self._pick(max(self.max_depth, self.cache.max_depth), shortest=LONG_MATCH)
+        run = 0 if pick is None else next((i for i, p in enumerate(pick.probs) if p < 0.8), len(pick.probs))
+        self._plan = pick if run else None
+        return run
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_long_runs_and_drafts_are_those_of_tries_that_follow_every_commit(seed):
+    # long_run first checks that the last LONG_MATCH tokens occurred before (in the request or in the cache) and
+    # leaves the tries behind the sequence until asked: the same answers as tries kept in step, evictions included.
+    import random
+
+    rng = random.Random(seed)
+    phrases = [[rng.randrange(50) for _ in range(rng.randrange(6, 14))] for _ in range(4)]
+    lazy, eager = (cls(SuffixCache(max_requests=2)) for cls in (SuffixDrafter, _AlwaysSynced))
+    for _ in range(4):  # requests, each finished into both caches
+        seq = [t for _ in range(3) for t in rng.choice(phrases)]
+        for drafter in (lazy, eager):
+            drafter.reset(None, seq)
+        for _ in range(40):
+            seq = seq + (rng.choice(phrases)[:rng.randrange(1, 4)] if rng.random() < 0.7 else [rng.randrange(50)])
+            for drafter in (lazy, eager):
+                drafter.commit(seq)
+            assert lazy.long_run() == eager.long_run()
+            if rng.random() < 0.5:
+                k = rng.randrange(1, 12)
+                assert _propose(lazy, seq, k).tokens == _propose(eager, seq, k).tokens
+        for drafter in (lazy, eager):
+            drafter.finish(seq)
+    assert lazy.cache.long_grams == eager.cache.long_grams
+    kept = [h for out in lazy.cache.outputs for h in _hashes(out)]
+    assert sorted(lazy.cache.long_grams.elements()) == sorted(kept)  # evicted outputs' grams left with them
+
+
+def _hashes(tokens: list[int]) -> list[int]:
+    return [hash(tuple(tokens[i:i + LONG_MATCH])) for i in range(len(tokens) - LONG_MATCH + 1)]
+
+
 def test_the_tree_variant_drafts_the_alternatives_seen():
     # After "1 2": 4 three times (each going on differently), 3 8 twice.
     prompt = [1, 2, 4, 5, 1, 2, 4, 6, 1, 2, 4, 7, 1, 2, 3, 8, 1, 2, 3, 8, 9, 1, 2]

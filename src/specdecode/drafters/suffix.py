@@ -17,7 +17,7 @@ usually far longer than the output).
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -56,15 +56,24 @@ class SuffixCache:
         self.trie = new_trie(self.max_depth)
         self.outputs: deque[list[int]] = deque()
         self.version = 0  # changes with each add: a drafter then looks its tail up again (nodes may be freed)
+        self.long_grams: Counter[int] = Counter()  # hashes of the outputs' LONG_MATCH-grams (long_run's first check)
 
     def add(self, tokens: list[int]) -> None:
         """Keeps the output ``tokens``, evicting the oldest outputs past either bound."""
         if not self.enabled or not tokens:
             return
         self.trie.insert(tokens)
+        self.long_grams.update(_gram_hashes(tokens))
         self.outputs.append(tokens)
         while self.outputs and (len(self.outputs) > self.max_requests or self.trie.nbytes > self.max_bytes):
-            self.trie.remove(self.outputs.popleft())
+            old = self.outputs.popleft()
+            self.trie.remove(old)
+            for gram in _gram_hashes(old):
+                left = self.long_grams[gram] - 1
+                if left:
+                    self.long_grams[gram] = left
+                else:
+                    del self.long_grams[gram]
         self.version += 1
 
     def learned(self) -> tuple[int, int]:
@@ -134,11 +143,21 @@ class SuffixDrafter(DrafterBase):
         self._version = -1  # the cache's version its tails were looked up in (-1: not yet)
         self._global = [ROOT]  # the sequence's tails in the cache's trie
         self._plan: _Pick | None = None  # long_run's pick, drafted by the next propose
-        self._sync(list(prompt))
+        self._latest: list[int] = list(prompt)  # the sequence as last committed (the tries may lag it)
+        self._grams: set[int] = set()  # hashes of the sequence's LONG_MATCH-grams
+        self._noted = 0  # tokens of the sequence whose grams are in _grams
+        self._repeated = False  # its last LONG_MATCH tokens occurred earlier in it too
+        self._sync(self._latest)
+        self._note(self._latest)
         self._prompt_len = len(prompt)
 
     def long_run(self) -> int:
-        self._look_up([])
+        # A long run needs its last LONG_MATCH tokens seen before (here or in the cache): most steps end at that
+        # check, and the tries catch up with the sequence only past it (or at the next propose).
+        if not (self._repeated or (len(self._latest) >= LONG_MATCH
+                                   and hash(tuple(self._latest[-LONG_MATCH:])) in self.cache.long_grams)):
+            return 0
+        self._sync(self._latest)
         pick = self._pick(max(self.max_depth, self.cache.max_depth), shortest=LONG_MATCH)
         if pick is None:
             return 0
@@ -164,13 +183,23 @@ class SuffixDrafter(DrafterBase):
         return Draft(tokens[:end], signals=signals[:end])
 
     def commit(self, seq: list[int]) -> None:
-        self._sync(seq)
+        self._latest = seq  # synced when next asked to draft or for a long run
+        self._note(seq)
 
     def finish(self, seq: list[int]) -> None:
         self.cache.add(seq[self._prompt_len:])
 
     def learned(self) -> tuple[int, int]:
         return self.cache.learned()
+
+    def _note(self, seq: list[int]) -> None:
+        """Counts the LONG_MATCH-grams that ``seq``'s new tokens end, noting whether the last one was seen before."""
+        grams = self._grams
+        for end in range(max(self._noted + 1, LONG_MATCH), len(seq) + 1):
+            gram = hash(tuple(seq[end - LONG_MATCH:end]))
+            self._repeated = gram in grams
+            grams.add(gram)
+        self._noted = len(seq)
 
     def _sync(self, seq: list[int]) -> None:
         """Adds the tokens of ``seq`` not yet seen to the request's trie and follows its tails in the cache."""
@@ -228,3 +257,8 @@ register(DrafterSpec("suffix", lambda i: _build(i, tree=False),
                      Needs.SUFFIX_CACHE, flags=_FLAGS))
 register(DrafterSpec("suffix-tree", lambda i: _build(i, tree=True),
                      "suffix trees drafting token trees (SuffixDecoding)", Needs.SUFFIX_CACHE, tree=True, flags=_FLAGS))
+
+
+def _gram_hashes(tokens: list[int]) -> list[int]:
+    """Hashes of every LONG_MATCH tokens in a row of ``tokens``."""
+    return [hash(tuple(tokens[i:i + LONG_MATCH])) for i in range(len(tokens) - LONG_MATCH + 1)]
