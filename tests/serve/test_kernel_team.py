@@ -113,7 +113,10 @@ def test_build_server_loads_on_a_passing_thread_and_gives_the_loop_the_kernel_th
         return SimpleNamespace(observer=None)
     monkeypatch.setattr(server, "_warm_engine", warm_engine)
     monkeypatch.setattr(app, "build_app", lambda loop, name, metrics, access, lifespan=None: "app")
+    switch: list[float] = []
+    monkeypatch.setattr(server.sys, "setswitchinterval", switch.append)  # (not this test process's own)
     served = server.build_server(ServeConfig(), lambda _line: None, threads=3)
+    assert switch == [server.GIL_SWITCH_S] and server.GIL_SWITCH_S < sys.getswitchinterval()
     assert loaded[0][0] != threading.get_ident() and loaded[0][1] == 3  # the model loads on its own thread
     assert torch.get_num_threads() == 1  # the serving thread keeps one: no second team
     assert served.loop.threads == 3 and served.loop.engine.observer is served.metrics

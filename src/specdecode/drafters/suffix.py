@@ -1,14 +1,15 @@
 """SuffixDecoding (arXiv 2411.04975): draft from suffix tries of the request's prompt and output, and of earlier
 requests' outputs.
 
-Each request has a trie (``suffix_tree.py``) of its prompt and output so far, extended as tokens are accepted;
-an engine has one :class:`SuffixCache` of finished requests' outputs, shared by every slot's drafter and
+Each request has a trie (``suffix_tree.py``) of its prompt and output so far, brought up to the accepted tokens
+when it is asked to draft (under load most steps draft nothing: a commit only notes the tokens); an engine has one :class:`SuffixCache` of finished requests' outputs, shared by every slot's drafter and
 bounded by requests and bytes (oldest out first). To draft, every tail of the sequence found in either trie
 (up to ``max_depth`` tokens, seen at least once before) offers its most frequent continuation, of at most
 ``ceil(alpha * tail length)`` tokens (a longer match earns a longer draft), scored by the sum of its tokens'
 path probabilities (the tokens expected to be accepted, were the counts the odds); the best one is drafted.
 A tail of ``LONG_MATCH`` tokens or more whose continuation stays sure is a long run (``long_run``: the engine
-may then draft past ``gamma_max``, ``control/long.py``). Costs no model call and is deterministic (q is
+may then draft past ``gamma_max``, ``control/long.py``); asked every step, it first looks the last ``LONG_MATCH``
+tokens up among the hashes of those seen before (the request's, the cache's outputs'). Costs no model call and is deterministic (q is
 one-hot). It does not match approximately, continue past a trie's depth (a match and its continuation fit in
 ``max_depth`` tokens), or keep prompts across requests (as the paper: the prompt is the request's own, and
 usually far longer than the output).

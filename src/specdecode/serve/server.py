@@ -7,6 +7,7 @@ It does not define the API (``app.py``), step the engine (``loop.py``) nor liste
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -25,6 +26,12 @@ if TYPE_CHECKING:
 
 SHUTDOWN_GRACE_S = 30  # running requests may finish for this long after SIGTERM, then they are cancelled
 
+
+# How long a thread waiting for the GIL lets its holder run on (Python's default: 5 ms). A forward releases it; when
+# one ends while the HTTP thread is streaming, the engine thread waited up to the whole interval, about a step:
+# at 8 streams 0.5 ms raised speculative decoding 6-14% against plain (docs/benchmarks/history.md, "The GIL's
+# switch interval").
+GIL_SWITCH_S = 0.0005
 
 @dataclass
 class Served:
@@ -55,6 +62,7 @@ def build_server(config: ServeConfig, log: Callable[[str], None], lifespan: Call
     from specdecode.serve.metrics import ServeMetrics
 
     threads = threads or config.kernel_threads
+    sys.setswitchinterval(GIL_SWITCH_S)
     use_kernel_threads(1)
     engine = on_passing_thread(lambda: _warm_engine(config, log), threads)
     metrics = ServeMetrics(config.name, prefix_cache=config.cache.prefix_cache)
