@@ -29,8 +29,8 @@ SHUTDOWN_GRACE_S = 30  # running requests may finish for this long after SIGTERM
 
 # How long a thread waiting for the GIL lets its holder run on (Python's default: 5 ms). A forward releases it; when
 # one ends while the HTTP thread is streaming, the engine thread waited up to the whole interval, about a step:
-# at 8 streams 0.5 ms raised speculative decoding 6-14% against plain (docs/benchmarks/history.md, "The GIL's
-# switch interval").
+# at 8 streams 0.5 ms served n-gram drafting 12% and `auto` 7% more tokens/s, plain 2% (docs/benchmarks/history.md,
+# "The GIL's switch interval").
 GIL_SWITCH_S = 0.0005
 
 @dataclass
