@@ -2,17 +2,18 @@
 requests' outputs.
 
 Each request has a trie (``suffix_tree.py``) of its prompt and output so far, brought up to the accepted tokens
-when it is asked to draft (under load most steps draft nothing: a commit only notes the tokens); an engine has one :class:`SuffixCache` of finished requests' outputs, shared by every slot's drafter and
-bounded by requests and bytes (oldest out first). To draft, every tail of the sequence found in either trie
-(up to ``max_depth`` tokens, seen at least once before) offers its most frequent continuation, of at most
-``ceil(alpha * tail length)`` tokens (a longer match earns a longer draft), scored by the sum of its tokens'
-path probabilities (the tokens expected to be accepted, were the counts the odds); the best one is drafted.
-A tail of ``LONG_MATCH`` tokens or more whose continuation stays sure is a long run (``long_run``: the engine
-may then draft past ``gamma_max``, ``control/long.py``); asked every step, it first looks the last ``LONG_MATCH``
-tokens up among the hashes of those seen before (the request's, the cache's outputs'). Costs no model call and is deterministic (q is
-one-hot). It does not match approximately, continue past a trie's depth (a match and its continuation fit in
-``max_depth`` tokens), or keep prompts across requests (as the paper: the prompt is the request's own, and
-usually far longer than the output).
+when it is asked to draft (under load most steps draft nothing: a commit only notes the tokens); an engine has one
+:class:`SuffixCache` of finished requests' outputs, shared by every slot's drafter and bounded by requests and
+bytes (oldest out first). To draft, every tail of the sequence found in either trie (up to ``max_depth`` tokens,
+seen at least once before) offers its most frequent continuation, of at most ``ceil(alpha * tail length)`` tokens
+(a longer match earns a longer draft), scored by the sum of its tokens' path probabilities (the tokens expected to
+be accepted, were the counts the odds); the best one is drafted. A tail of ``LONG_MATCH`` tokens or more whose
+continuation stays sure is a long run (``long_run``: the engine may then draft past ``gamma_max``,
+``control/long.py``); asked every step, it first looks the last ``LONG_MATCH`` tokens up among the hashes of those
+seen before (the request's, the cache's outputs'). Costs no model call and is deterministic (q is one-hot). It does
+not match approximately, continue past a trie's depth (a match and its continuation fit in ``max_depth`` tokens),
+or keep prompts across requests (as the paper: the prompt is the request's own, and usually far longer than the
+output).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class SuffixCache:
     Args:
         max_requests: most outputs kept; the oldest go first.
         max_bytes: most bytes (the trie's ``nbytes``, an estimate) the trie holds; the oldest go first (even the
-            newest, alone past it).
+            newest, alone past it). The hashes of the outputs' ``LONG_MATCH``-grams come on top, uncounted (a few
+            percent of the trie's bytes: one entry a token against one node per token and depth).
         enabled: False keeps nothing: the drafters draft from their own request alone.
         max_depth: the trie's depth.
     """
