@@ -90,7 +90,8 @@ def main() -> None:
         print(f"{i:5d} {r['ours']:11.1f} {r['llama_bench']:12.1f} {r['ratio']:6.2f}")
     test = f"pp{args.prefill}" if args.prefill else f"tg{args.tokens}"
     print(f"median ratio {ratio:.2f} ({model.weight_format} on {model.backend.name}, {args.threads} threads, {test})")
-    print(json.dumps({"model": args.model, "test": test, "threads": args.threads, "rounds": rows,
+    print(json.dumps({"model": args.model, "test": test, "tokens": args.prefill or args.tokens, "threads": args.threads,
+                      "rounds": rows,
                       "median_ratio": ratio, "weights": model.weight_format, "kernel": model.backend.name}))
 
 

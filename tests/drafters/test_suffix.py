@@ -9,7 +9,7 @@ from batch_cases import requests
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.drafters import DrafterInputs, registry
-from specdecode.drafters.suffix import LONG_MATCH, SUFFIX_SIGNALS, SuffixCache, SuffixDrafter
+from specdecode.drafters.suffix import LONG_MATCH, LONG_PROB, SUFFIX_SIGNALS, SuffixCache, SuffixDrafter
 from specdecode.engine import SpeculativeConfig
 from specdecode.sampling import SamplingParams
 from specdecode.tree import check_tree
@@ -115,7 +115,7 @@ class _AlwaysSynced(SuffixDrafter):
         self._sync(self._latest)
         self._look_up([])
         pick = self._pick(max(self.max_depth, self.cache.max_depth), shortest=LONG_MATCH)
-        run = 0 if pick is None else next((i for i, p in enumerate(pick.probs) if p < 0.8), len(pick.probs))
+        run = 0 if pick is None else next((i for i, p in enumerate(pick.probs) if p < LONG_PROB), len(pick.probs))
         self._plan = pick if run else None
         return run
 
@@ -146,6 +146,24 @@ def test_long_runs_and_drafts_are_those_of_tries_that_follow_every_commit(seed):
     assert lazy.cache.long_grams == eager.cache.long_grams
     kept = [h for out in lazy.cache.outputs for h in _hashes(out)]
     assert sorted(lazy.cache.long_grams.elements()) == sorted(kept)  # evicted outputs' grams left with them
+
+
+def test_a_propose_past_the_last_commit_is_not_synced_back_by_a_long_run():
+    # A caller that proposes without committing (a replay) and a cache that changes in between: the request's trie
+    # must hold each token once, as a drafter committed to the same sequence does.
+    text = list(range(100, 120))
+    prompt = text + [1] + text[:9]
+    replayed, committed = SuffixDrafter(SuffixCache()), SuffixDrafter(SuffixCache())
+    for drafter in (replayed, committed):
+        drafter.reset(None, prompt)
+    seq = prompt + text[9:12]
+    committed.commit(seq)
+    for drafter in (replayed, committed):
+        _propose(drafter, seq, 4)
+        drafter.cache.add([7] * 10)  # the cache changes: the next long_run looks the tails up again
+        drafter.long_run()
+    assert replayed._trie.count([]) == committed._trie.count([]) == len(seq)
+    assert _propose(replayed, seq, 6).tokens == _propose(committed, seq, 6).tokens
 
 
 def _hashes(tokens: list[int]) -> list[int]:

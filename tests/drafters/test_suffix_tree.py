@@ -256,3 +256,15 @@ def test_the_compiled_trie_refuses_a_path_naming_no_node_and_changes_nothing():
     with pytest.raises(IndexError):
         trie.extend([ROOT, 99], 5)
     assert trie.count([]) == 3 and trie.count([5]) == 0
+    for continuations in (trie.chain, trie.tree):
+        with pytest.raises(IndexError):
+            continuations(99, 3, 0.0, 5)
+
+
+def test_a_continuation_divided_by_no_occurrences_is_refused_alike(make):
+    trie = make(max_depth=4)
+    trie.insert([1, 2, 3])
+    node = trie.match([1])[-1]
+    for continuations in (trie.chain, trie.tree):
+        with pytest.raises(ZeroDivisionError):
+            continuations(node, 3, 0.0, 0)

@@ -146,7 +146,7 @@ class SuffixDrafter(DrafterBase):
         self._version = -1  # the cache's version its tails were looked up in (-1: not yet)
         self._global = [ROOT]  # the sequence's tails in the cache's trie
         self._plan: _Pick | None = None  # long_run's pick, drafted by the next propose
-        self._latest: list[int] = list(prompt)  # the sequence as last committed (the tries may lag it)
+        self._latest: list[int] = list(prompt)  # the longest sequence given to it (the caller's list; tries may lag)
         self._grams: set[int] = set()  # hashes of the sequence's LONG_MATCH-grams
         self._noted = 0  # tokens of the sequence whose grams are in _grams
         self._repeated = False  # its last LONG_MATCH tokens occurred earlier in it too
@@ -157,6 +157,8 @@ class SuffixDrafter(DrafterBase):
     def long_run(self) -> int:
         # A long run needs its last LONG_MATCH tokens seen before (here or in the cache): most steps end at that
         # check, and the tries catch up with the sequence only past it (or at the next propose).
+        if len(self._latest) != self._noted:  # (the caller's list grew in place since)
+            self._note(self._latest)
         if not (self._repeated or (len(self._latest) >= LONG_MATCH
                                    and hash(tuple(self._latest[-LONG_MATCH:])) in self.cache.long_grams)):
             return 0
@@ -170,6 +172,9 @@ class SuffixDrafter(DrafterBase):
 
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
+        if len(seq) > len(self._latest):  # (asked past the last commit: a later long_run must not sync back to it)
+            self._latest = seq
+            self._note(seq)
         self._sync(seq)
         pick = self._plan or self._pick(k)  # a long run's pick is as good a start for any k
         self._plan = None
@@ -186,7 +191,7 @@ class SuffixDrafter(DrafterBase):
         return Draft(tokens[:end], signals=signals[:end])
 
     def commit(self, seq: list[int]) -> None:
-        self._latest = seq  # synced when next asked to draft or for a long run
+        self._latest = seq  # the tries catch up when next asked to draft or for a long run
         self._note(seq)
 
     def finish(self, seq: list[int]) -> None:

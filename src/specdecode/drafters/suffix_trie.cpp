@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <optional>
 #include <queue>
 #include <string>
@@ -210,14 +212,16 @@ class SuffixTrie {
 
   std::pair<std::vector<int32_t>, std::vector<double>> chain(int32_t node, int64_t budget, double min_prob,
                                                                std::optional<int64_t> base) {
+    check(node);
     std::vector<int32_t> tokens;
     std::vector<double> probs;
     double prob = 1.0;
-    int64_t total = base ? *base : counts_.at(node);
+    int64_t total = base ? *base : counts_[node];
     while (static_cast<int64_t>(tokens.size()) < budget && first_[node] != kNone) {
       int32_t token = best_[node];
       if (token == kNone) token = best_[node] = most_frequent(node);
       const int32_t child = child_of(node, token);
+      if (total == 0) zero_total();
       prob *= static_cast<double>(counts_[child]) / static_cast<double>(total);
       if (prob < min_prob) break;
       tokens.push_back(token);
@@ -237,11 +241,13 @@ class SuffixTrie {
     std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
     auto push = [&](int32_t parent, double prob, int64_t total, int32_t index) {
       for (int32_t child = first_[parent]; child != kNone; child = next_[child]) {
+        if (total == 0) zero_total();
         const double p = prob * static_cast<double>(counts_[child]) / static_cast<double>(total);
         if (p >= min_prob) heap.emplace(-p, child, token_[child], index);
       }
     };
-    push(node, 1.0, base ? *base : counts_.at(node), -1);
+    check(node);
+    push(node, 1.0, base ? *base : counts_[node], -1);
     while (!heap.empty() && static_cast<int64_t>(tokens.size()) < budget) {
       const auto [neg, child, token, parent] = heap.top();
       heap.pop();
@@ -254,6 +260,11 @@ class SuffixTrie {
   }
 
  private:
+  [[noreturn]] static void zero_total() {  // where Python divides by a count of 0
+    PyErr_SetString(PyExc_ZeroDivisionError, "division by zero: no occurrences to divide by");
+    throw py::error_already_set();
+  }
+
   void check(int32_t node) const {
     if (node < 0 || static_cast<size_t>(node) >= counts_.size())
       throw py::index_error("no node " + std::to_string(node) + " in this trie");
@@ -300,6 +311,8 @@ class SuffixTrie {
   }
 
   int32_t append_node() {
+    if (counts_.size() >= static_cast<size_t>(std::numeric_limits<int32_t>::max()))
+      throw py::value_error("a suffix trie holds fewer than 2^31 nodes");
     counts_.push_back(0);
     best_.push_back(kNone);
     first_.push_back(kNone);

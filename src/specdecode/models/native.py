@@ -12,8 +12,9 @@ Every build carries the bf16 projections, the quantized projections (``linear_qu
 and the fused decoder layer (``layer.h``). Where a build cannot run, ``unavailable_reason`` names the
 missing CPU feature or tool and callers fall back. An AVX512 CPU without VNNI (Skylake-SP) runs ``avx2``.
 
-This module does not choose between paths (``backends.resolve_backend`` does) and never
-compiles anything at import time.
+``compile_extension`` builds any of our other torch C++ extensions the same way (the suffix trie,
+``drafters/suffix_trie.cpp``). This module does not choose between paths (``backends.resolve_backend`` does)
+and never compiles anything at import time.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ SHUTDOWN_GRACE_S = 30  # running requests may finish for this long after SIGTERM
 # "The GIL's switch interval").
 GIL_SWITCH_S = 0.0005
 
+
 @dataclass
 class Served:
     """What ``specdecode serve`` runs: the application and the loop stepping its engine (not yet started)."""
