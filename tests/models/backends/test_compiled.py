@@ -111,20 +111,25 @@ def test_fused_layers_compute_the_float64_reference(path, weights, arch):
 @pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 @pytest.mark.parametrize("weights", ["bf16", "q4_1"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: per-layer windows, RoPE tables and post-norms
-def test_a_cache_that_sees_every_write_gives_the_same_bits(path, weights, arch):
+@pytest.mark.parametrize("n", [20, 40])  # 40: past kShareRows, layer_rows's threads share the per-row work
+def test_a_cache_that_sees_every_write_gives_the_same_bits(path, weights, arch, n):
     """layer_rows writes a plain cache's buffers itself; through update (a recorder, a compressing cache) the
     layer takes its other form: same logits, same cached keys."""
     model = varied_model(0, dtype=torch.bfloat16, arch=arch)
     pack_model(model, path, weights=weights)
-    tokens = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        direct, recorded = model.new_cache(CacheConfig(max_len=32)), model.new_cache(CacheConfig(max_len=32))
-        recorder = _Recorder(recorded)
-        assert direct.direct_buffers((0,), (0,), (0,), (20,)) is not None and recorder.direct_buffers((0,)) is None
-        a = model.forward_rows(tokens, direct, (0,), (20,))
-        b = model.forward_rows(tokens, recorder, (0,), (20,))
-        assert torch.equal(a.logits, b.logits)
-        assert all(torch.equal(x, y) for x, y in zip(direct.k, recorded.k))
+    tokens = torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(1))
+    torch.set_num_threads(2)  # rows split between the threads where they share the work
+    try:
+        with torch.inference_mode():
+            direct, recorded = model.new_cache(CacheConfig(max_len=48)), model.new_cache(CacheConfig(max_len=48))
+            recorder = _Recorder(recorded)
+            assert direct.direct_buffers((0,), (0,), (0,), (n,)) is not None and recorder.direct_buffers((0,)) is None
+            a = model.forward_rows(tokens, direct, (0,), (n,))
+            b = model.forward_rows(tokens, recorder, (0,), (n,))
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(a.logits, b.logits)
+    assert all(torch.equal(x, y) for x, y in zip(direct.k, recorded.k))
 
 
 @pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
@@ -152,15 +157,16 @@ def test_ragged_slots_and_a_tree_give_the_same_bits_in_both_forms(path, weights)
 
 @pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: the post-MLP norm's rows split across threads
-def test_fused_forwards_give_the_same_bits_on_one_and_two_threads(path, arch):
+@pytest.mark.parametrize("n", [13, 40])  # 40: the per-row work split across threads too
+def test_fused_forwards_give_the_same_bits_on_one_and_two_threads(path, arch, n):
     model = varied_model(0, dtype=torch.bfloat16, arch=arch)
     pack_model(model, path, weights="q8_0")
-    tokens = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(2))
     outs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
         with torch.inference_mode():
-            outs.append(model.forward_rows(tokens, model.new_cache(CacheConfig(max_len=16)), (0,), (13,)).logits)
+            outs.append(model.forward_rows(tokens, model.new_cache(CacheConfig(max_len=n + 3)), (0,), (n,)).logits)
     torch.set_num_threads(1)
     assert torch.equal(*outs)
 

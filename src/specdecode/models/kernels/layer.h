@@ -73,22 +73,36 @@ struct Prepared {
   int64_t rows = 0;
 };
 
-inline void prepare(const Proj& p, const float* x, int64_t ldx, int64_t rows, Prepared& in) {
+// Sizes `in` for `rows` rows of p's inputs (prepare_range fills it).
+inline void shape_prepared(const Proj& p, int64_t rows, Prepared& in) {
   in.rows = rows;
-  if (p.fmt != kBF16) {
-    quantize_rows(x, ldx, rows, p.k_in, in.quant);
-    return;
-  }
+  if (p.fmt != kBF16) return shape_quant(rows, p.k_in, in.quant);
   const int64_t k2 = 2 * p.packed.size(1);
 #ifdef SPECDECODE_TILED
   in.halves.assign(rows * k2, 0);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < p.k_in; ++i) in.halves[r * k2 + i] = float_to_bf16(x[r * ldx + i]);
 #else
   in.rounded.assign(rows * k2, 0.0f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < p.k_in; ++i) in.rounded[r * k2 + i] = bf16_to_float(float_to_bf16(x[r * ldx + i]));
 #endif
+}
+
+// Rows r0..r1 of `in` (shaped) from x (row r0 at x, row stride ldx).
+inline void prepare_range(const Proj& p, const float* x, int64_t ldx, int64_t r0, int64_t r1, Prepared& in) {
+  if (p.fmt != kBF16) return quantize_range(x, ldx, r0, r1, p.k_in, in.quant);
+  const int64_t k2 = 2 * p.packed.size(1);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t i = 0; i < p.k_in; ++i) {
+      const float v = x[(r - r0) * ldx + i];
+#ifdef SPECDECODE_TILED
+      in.halves[r * k2 + i] = float_to_bf16(v);
+#else
+      in.rounded[r * k2 + i] = bf16_to_float(float_to_bf16(v));
+#endif
+    }
+}
+
+inline void prepare(const Proj& p, const float* x, int64_t ldx, int64_t rows, Prepared& in) {
+  shape_prepared(p, rows, in);
+  prepare_range(p, x, ldx, 0, rows, in);
 }
 
 inline int64_t tiles_of(const Proj& p) {
@@ -334,16 +348,47 @@ struct ThreadBuffers {
   Prepared in;
 };
 
+// From this many rows the threads split the per-row work of a layer (norms, activations, a projection's
+// inputs prepared) and meet at barriers, rather than each doing all rows for itself (prefill of 512 rows on 2
+// threads: that work was a tenth of the time, done twice). What they share then:
+constexpr int64_t kShareRows = 32;
+struct SharedRows {
+  Prepared in;  // a projection's inputs
+  std::vector<float> mid;  // the residual stream after attention [N, hidden]
+};
+
+// p's prepared inputs for n rows (ldx apart) that rows(a, b) computes (returning row a; rows a..b): by this
+// thread alone for itself, or with `shared` each thread its share of the rows, for all.
+template <typename Rows>
+inline const Prepared& prepare_rows(const Proj& p, int64_t n, int64_t ldx, Rows&& rows, ThreadBuffers& tb,
+                                    SharedRows* shared, int tid, int nt) {
+  if (!shared) {
+    prepare(p, rows(0, n), ldx, n, tb.in);
+    return tb.in;
+  }
+  int64_t a, b;
+  share(n, tid, nt, a, b);
+  if (tid == 0) shape_prepared(p, n, shared->in);  // nobody reads it now: a barrier follows each projection
+  const float* x = rows(a, b);
+#pragma omp barrier
+  prepare_range(p, x, ldx, a, b, shared->in);
+#pragma omp barrier
+  return shared->in;
+}
+
 // The first half of the layer for n rows: queries and new keys/values (see rope_units).
 inline void qkv_part(const Layer& L, const float* x, int64_t n, const float* cos, const float* sin, const int64_t* pos,
-                     float* proj, float* q, uint16_t* k, uint16_t* v, ThreadBuffers& tb, int tid, int nt) {
+                     float* proj, float* q, uint16_t* k, uint16_t* v, ThreadBuffers& tb, SharedRows* shared, int tid,
+                     int nt) {
   const int64_t h = L.hidden;
-  tb.normed.resize(n * h);
-  for (int64_t r = 0; r < n; ++r) rms_norm_row(x + r * h, L.ln1.data(), h, L.eps, tb.normed.data() + r * h);
-  prepare(L.qkv, tb.normed.data(), h, n, tb.in);
+  const Prepared& in = prepare_rows(L.qkv, n, h, [&](int64_t a, int64_t b) {
+    tb.normed.resize((b - a) * h);
+    for (int64_t r = a; r < b; ++r) rms_norm_row(x + r * h, L.ln1.data(), h, L.eps, tb.normed.data() + (r - a) * h);
+    return tb.normed.data();
+  }, tb, shared, tid, nt);
   int64_t a, b;
   share_tiles(L.qkv, tid, nt, a, b);
-  project_tiles(L.qkv, tb.in, proj, L.qkv.n_out, a, b);
+  project_tiles(L.qkv, in, proj, L.qkv.n_out, a, b);
 #pragma omp barrier
   share(n * (L.heads + 2 * L.kv_heads), tid, nt, a, b);
   rope_units(L, proj, n, cos, sin, pos, q, k, v, a, b);
@@ -352,44 +397,55 @@ inline void qkv_part(const Layer& L, const float* x, int64_t n, const float* cos
 // The second half: x [N, hidden] -> out = x + o(attn), then + down(silu(gate) * up) of its norm (Gemma: o(attn)
 // and down(...) each RMSNormed first).
 inline void finish_part(const Layer& L, const float* x, const float* attn, int64_t n, float* o_out, float* gu_out,
-                        float* down_out, float* out, ThreadBuffers& tb, int tid, int nt) {
-  const int64_t h = L.hidden, inter = L.inter;
+                        float* down_out, float* out, ThreadBuffers& tb, SharedRows* shared, int tid, int nt) {
+  const int64_t h = L.hidden, inter = L.inter, width = L.heads * L.head_dim;
   int64_t a, b;
-  prepare(L.o, attn, L.heads * L.head_dim, n, tb.in);
+  const Prepared& o_in = prepare_rows(L.o, n, width, [&](int64_t r0, int64_t) { return attn + r0 * width; }, tb,
+                                      shared, tid, nt);
   share_tiles(L.o, tid, nt, a, b);
-  project_tiles(L.o, tb.in, o_out, L.o.n_out, a, b);
+  project_tiles(L.o, o_in, o_out, L.o.n_out, a, b);
 #pragma omp barrier
-  tb.mid.resize(n * h);
-  tb.normed.resize(n * h);
-  if (!L.post_attn.empty()) {  // every thread norms every row for itself: its own copy of the residual
-    for (int64_t r = 0; r < n; ++r) rms_norm_row(o_out + r * h, L.post_attn.data(), h, L.eps, tb.normed.data() + r * h);
-    for (int64_t i = 0; i < n * h; ++i) tb.mid[i] = x[i] + tb.normed[i];
-  } else {
-    for (int64_t i = 0; i < n * h; ++i) tb.mid[i] = x[i] + o_out[i];
-  }
-  for (int64_t r = 0; r < n; ++r) rms_norm_row(tb.mid.data() + r * h, L.ln2.data(), h, L.eps, tb.normed.data() + r * h);
-  prepare(L.gate_up, tb.normed.data(), h, n, tb.in);
+  if (!shared) tb.mid.resize(n * h);
+  float* mid = shared ? shared->mid.data() : tb.mid.data();  // rows a thread computes; all read after barriers
+  const Prepared& gu_in = prepare_rows(L.gate_up, n, h, [&](int64_t r0, int64_t r1) {
+    tb.normed.resize((r1 - r0) * h);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = mid + r * h;
+      float* normed = tb.normed.data() + (r - r0) * h;
+      if (!L.post_attn.empty()) {  // Gemma: the attention output normed before its residual add
+        rms_norm_row(o_out + r * h, L.post_attn.data(), h, L.eps, normed);
+        for (int64_t i = 0; i < h; ++i) row[i] = x[r * h + i] + normed[i];
+      } else {
+        for (int64_t i = 0; i < h; ++i) row[i] = x[r * h + i] + o_out[r * h + i];
+      }
+      rms_norm_row(row, L.ln2.data(), h, L.eps, normed);
+    }
+    return tb.normed.data();
+  }, tb, shared, tid, nt);
   share_tiles(L.gate_up, tid, nt, a, b);
-  project_tiles(L.gate_up, tb.in, gu_out, L.gate_up.n_out, a, b);
+  project_tiles(L.gate_up, gu_in, gu_out, L.gate_up.n_out, a, b);
 #pragma omp barrier
-  tb.act.resize(n * inter);
-  for (int64_t r = 0; r < n; ++r)
-    (L.activation == kGeluTanh ? gelu_mul : silu_mul)(gu_out + r * 2 * inter, gu_out + r * 2 * inter + inter, inter,
-                                                      tb.act.data() + r * inter);
-  prepare(L.down, tb.act.data(), inter, n, tb.in);
+  const Prepared& down_in = prepare_rows(L.down, n, inter, [&](int64_t r0, int64_t r1) {
+    tb.act.resize((r1 - r0) * inter);
+    for (int64_t r = r0; r < r1; ++r)
+      (L.activation == kGeluTanh ? gelu_mul : silu_mul)(gu_out + r * 2 * inter, gu_out + r * 2 * inter + inter, inter,
+                                                        tb.act.data() + (r - r0) * inter);
+    return tb.act.data();
+  }, tb, shared, tid, nt);
   share_tiles(L.down, tid, nt, a, b);
-  project_tiles(L.down, tb.in, down_out, L.down.n_out, a, b);
+  project_tiles(L.down, down_in, down_out, L.down.n_out, a, b);
 #pragma omp barrier
   if (!L.post_mlp.empty()) {  // whole rows per thread: a norm needs its row
     share(n, tid, nt, a, b);
+    tb.normed.resize(h);
     for (int64_t r = a; r < b; ++r) {
-      rms_norm_row(down_out + r * h, L.post_mlp.data(), h, L.eps, tb.normed.data() + r * h);
-      for (int64_t i = r * h; i < (r + 1) * h; ++i) out[i] = tb.mid[i] + tb.normed[i];
+      rms_norm_row(down_out + r * h, L.post_mlp.data(), h, L.eps, tb.normed.data());
+      for (int64_t i = 0; i < h; ++i) out[r * h + i] = mid[r * h + i] + tb.normed[i];
     }
     return;
   }
   share(n * h, tid, nt, a, b);
-  for (int64_t i = a; i < b; ++i) out[i] = tb.mid[i] + down_out[i];
+  for (int64_t i = a; i < b; ++i) out[i] = mid[i] + down_out[i];
 }
 
 // Runs body(tid, nt) on torch's intra-op threads (one parallel region; body may use omp barriers). Inside a
@@ -435,7 +491,7 @@ inline std::vector<torch::Tensor> layer_qkv(const Layer& L, const torch::Tensor&
   sd::on_threads([&](int tid, int nt) {
     sd::ThreadBuffers tb;
     sd::qkv_part(L, x.data_ptr<float>(), n, cos.data_ptr<float>(), sin.data_ptr<float>(), pos.data_ptr<int64_t>(),
-                 proj.data(), q.data_ptr<float>(), sd::bf16_ptr_mut(k), sd::bf16_ptr_mut(v), tb, tid, nt);
+                 proj.data(), q.data_ptr<float>(), sd::bf16_ptr_mut(k), sd::bf16_ptr_mut(v), tb, nullptr, tid, nt);
   });
   return {q, k, v};
 }
@@ -479,7 +535,7 @@ inline torch::Tensor layer_finish(const Layer& L, const torch::Tensor& x, const 
   sd::on_threads([&](int tid, int nt) {
     sd::ThreadBuffers tb;
     sd::finish_part(L, x.data_ptr<float>(), attn.data_ptr<float>(), n, o.data(), gu.data(), down.data(),
-                    out.data_ptr<float>(), tb, tid, nt);
+                    out.data_ptr<float>(), tb, nullptr, tid, nt);
   });
   return out;
 }
@@ -545,6 +601,9 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
   std::vector<float> proj(n * width), q(n * hidden), attn(n * hidden);
   std::vector<float> o(n * hidden), gu(n * 2 * inter), down(n * hidden);
   std::vector<uint16_t> k(n * kv_width), v(n * kv_width);
+  sd::SharedRows rows_shared;
+  sd::SharedRows* shared = n >= sd::kShareRows ? &rows_shared : nullptr;
+  if (shared) shared->mid.resize(n * hidden);
   sd::on_threads([&](int tid, int nt) {
     sd::ThreadBuffers tb;
     sd::AttendScratch s(hidden);
@@ -554,7 +613,7 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
       const float* xin = (l % 2 ? next : current).data_ptr<float>();
       float* xout = (l % 2 ? current : next).data_ptr<float>();
       sd::qkv_part(L, xin, n, cos[l].data_ptr<float>(), sin[l].data_ptr<float>(), pos.data_ptr<int64_t>(), proj.data(),
-                   q.data(), k.data(), v.data(), tb, tid, nt);
+                   q.data(), k.data(), v.data(), tb, shared, tid, nt);
 #pragma omp barrier
       int64_t a, b;
       sd::share(n * L.kv_heads, tid, nt, a, b);
@@ -572,7 +631,7 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
         sd::attend_units(L, q.data(), first_row[j], views[l][j], attn.data(), a, b, s);
       }
 #pragma omp barrier
-      sd::finish_part(L, xin, attn.data(), n, o.data(), gu.data(), down.data(), xout, tb, tid, nt);
+      sd::finish_part(L, xin, attn.data(), n, o.data(), gu.data(), down.data(), xout, tb, shared, tid, nt);
 #pragma omp barrier
     }
   });

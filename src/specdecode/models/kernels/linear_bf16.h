@@ -30,15 +30,7 @@ constexpr int kMaxRows = 6;  // 6 x 4 accumulators + 8 widened weights fill the 
 constexpr int kMaxRows = 4;  // 16 accumulators fill the 16 registers, so some spill; measured faster than 2 or 3 rows per pass
 #endif
 
-inline void store_out(float* y, vf a, int n) {
-  if (n == kLanes) {
-    vstore(y, a);
-  } else {
-    alignas(64) float lanes[kLanes];
-    vstore(lanes, a);
-    std::memcpy(y, lanes, sizeof(float) * n);
-  }
-}
+inline void store_out(float* y, vf a, int n) { vstore_n(y, a, n); }
 inline void store_out(uint16_t* y, vf a, int n) { store_bf16(y, a, n); }
 
 inline vf load_bias(const uint16_t* bias, int64_t n, int valid) {  // bf16 bias lanes n..n+valid-1, zero beyond

@@ -38,27 +38,27 @@ inline vi pair_to_high(vi h, int p) {
 inline const uint8_t* q6_block(const uint8_t* record, int64_t j) { return record + 2 * kQTile + j * 26 * kQTile; }
 
 // Quad p of output vector v of a q6_k block: the 6-bit codes of inputs 4p.. (lo) and 16 + 4p.. (hi).
-inline void q6_codes(const uint8_t* block, vi high0, vi high1, int p, int v, vi& lo, vi& hi) {
+SD_INLINE void q6_codes(const uint8_t* block, vi high0, vi high1, int p, int v, vi& lo, vi& hi) {
   const vi raw = vload_i(block + (p * kQVecs + v) * kLanes * 4);
   lo = vor_i(low_nibbles(raw), pair_to_high(high0, p));
   hi = vor_i(high_nibbles(raw), pair_to_high(high1, p));
 }
 
-// Block j's share (an eighth) of the next tile's super-block record: prefetching a whole record at once
-// overruns the fill buffers (the fused layers ran 1.6x slower).
-inline void prefetch_share(const uint8_t* record, int64_t bytes, int64_t j) {
-  for (int64_t line = j * bytes / kSuperBlocks / 64 * 64; line < (j + 1) * bytes / kSuperBlocks; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(record + line), _MM_HINT_T0);
+// Block j's share (an eighth) of super-block s of the next tile: prefetching a whole record at once overruns
+// the fill buffers (the fused layers ran 1.6x slower).
+SD_INLINE void prefetch_share(const Ahead& ahead, int64_t record_bytes, int64_t s, int64_t j) {
+  const int64_t at = s * record_bytes;
+  ahead.fetch(at + j * record_bytes / kSuperBlocks, at + (j + 1) * record_bytes / kSuperBlocks);
 }
 
 // A q6_k tile's 6-bit codes as whole bytes, q8_0's arrangement per block (quads 0-3: the low half's inputs,
 // 4-7: the high half's): unpacked once for all the passes of a call with several rows.
-inline void q6_unpack(const uint8_t* w, int64_t supers, uint8_t* out, const uint8_t* ahead) {
+SD_INLINE void q6_unpack(const uint8_t* w, int64_t supers, uint8_t* out, const Ahead& ahead) {
   constexpr int64_t T = kQTile, kRecord = k_record_bytes(kQ6_K);
   constexpr int kVecBytes = kLanes * 4;
   for (int64_t s = 0; s < supers; ++s) {
     for (int64_t j = 0; j < kSuperBlocks; ++j) {
-      prefetch_share(ahead + s * kRecord, kRecord, j);
+      prefetch_share(ahead, kRecord, s, j);
       const uint8_t* ql = q6_block(w + s * kRecord, j);
       uint8_t* block = out + (s * kSuperBlocks + j) * kQBlock * T;
       for (int v = 0; v < kQVecs; ++v) {
@@ -75,10 +75,10 @@ inline void q6_unpack(const uint8_t* w, int64_t supers, uint8_t* out, const uint
 }
 
 // R rows of the quantized activations (from row r0) against one tile of K-quant format F, its codes unpacked
-// in registers; `ahead` as q_pass.
-template <int R, int64_t F, typename Out>
-void k_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias, Out* y, int64_t ldy, int64_t n_out,
-            int64_t n0, const uint8_t* ahead) {
+// in registers; `ahead` as q_pass's.
+template <int R, int64_t F, bool kAhead, typename Out>
+SD_INLINE void k_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias, Out* y, int64_t ldy,
+                      int64_t n_out, int64_t n0, Ahead ahead) {
   constexpr int64_t kRecord = k_record_bytes(F), T = kQTile;
   constexpr int kVecBytes = kLanes * 4;
   const int64_t supers = a.blocks / kSuperBlocks;
@@ -91,7 +91,7 @@ void k_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
     const uint16_t* halfs = reinterpret_cast<const uint16_t*>(rec);  // the record's header
     for (int64_t j = 0; j < kSuperBlocks; ++j) {
       const int64_t b = s * kSuperBlocks + j;
-      prefetch_share(ahead + s * kRecord, kRecord, j);
+      if (kAhead && ahead.due()) prefetch_share(ahead, kRecord, s, j);
       const int8_t* xb[R];
       for (int r = 0; r < R; ++r) xb[r] = a.q.data() + ((r0 + r) * a.blocks + b) * kQBlock;
       if constexpr (F == kQ4_K || F == kQ5_K) {
@@ -154,8 +154,8 @@ void k_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
 // R rows against one q6_k tile whose codes q6_unpack laid out as whole bytes (`codes`); scales from `w`.
 // The same integers and fp32 steps as k_pass: bitwise its answer.
 template <int R, typename Out>
-void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* codes, const uint8_t* w, const float* bias, Out* y,
-                      int64_t ldy, int64_t n_out, int64_t n0) {
+SD_INLINE void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* codes, const uint8_t* w,
+                                const float* bias, Out* y, int64_t ldy, int64_t n_out, int64_t n0) {
   constexpr int64_t T = kQTile;
   constexpr int kVecBytes = kLanes * 4;
   vf facc[R][kQVecs];
@@ -203,27 +203,27 @@ void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* codes, cons
 // row); y's rows are ldy apart and n_out wide. Past 8 rows, q6_k's codes are unpacked once per tile rather than in
 // every pass.
 template <int64_t F, typename Out>
-void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t ldy, int64_t n_out,
-            int64_t n0) {
+SD_TILE void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t ldy,
+                    int64_t n_out, int64_t n0) {
   if constexpr (F == kQ6_K) {
     // Passes of 2 rows unpacking in registers, each tile pass but the first from cache; unpacking to memory
     // once pays past 8 rows (measured on Zen 4: 6 rows 0.96x of q8_0's time against 1.25x, 16 rows 1.44x
     // against 1.39x).
     if (a.rows <= 8) {
-      row_blocks<2>(a.rows, [&](auto r, int64_t m) {
-        k_pass<decltype(r)::value, F>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, w + stride);
+      tile_passes<2>(a.rows, w + stride, [&](auto r, int64_t m, auto prefetch, Ahead ahead) {
+        k_pass<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);
       });
       return;
     }
     thread_local std::vector<uint8_t> scratch;
     scratch.resize(a.blocks * kQBlock * kQTile);
-    q6_unpack(w, a.blocks / kSuperBlocks, scratch.data(), w + stride);
+    q6_unpack(w, a.blocks / kSuperBlocks, scratch.data(), Ahead(w + stride, 0, 1, 1));  // all the next tile
     row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
       q6_unpacked_pass<decltype(r)::value>(a, m, scratch.data(), w, bias, y + m * ldy, ldy, n_out, n0);
     });
   } else {
-    row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
-      k_pass<decltype(r)::value, F>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, w + stride);
+    tile_passes<kQRows>(a.rows, w + stride, [&](auto r, int64_t m, auto prefetch, Ahead ahead) {
+      k_pass<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);
     });
   }
 }

@@ -54,9 +54,8 @@ struct QuantRows {
   std::vector<int32_t> sx, sx16;
 };
 
-// Quantizes rows of fp32 x (row stride ldx, k features; zero beyond k up to a whole block) with llama.cpp's
-// q8_0 scale, d = amax / 127, and codes x * (1 / d) rounded to nearest (ties to even).
-inline void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, QuantRows& out) {
+// Sizes `out` for `rows` rows of k features (quantize_range fills it).
+inline void shape_quant(int64_t rows, int64_t k, QuantRows& out) {
   const int64_t blocks = (k + kQBlock - 1) / kQBlock;
   out.rows = rows;
   out.blocks = blocks;
@@ -65,11 +64,18 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, 
   out.s.resize(rows * blocks);
   out.sx.resize(rows * blocks);
   out.sx16.resize(rows * blocks * 2);
-  for (int64_t r = 0; r < rows; ++r) {
+}
+
+// Quantizes rows r0..r1 of `out` (shaped) from fp32 x (row r0 at x, row stride ldx, k features; zero beyond k up
+// to a whole block) with llama.cpp's q8_0 scale, d = amax / 127, and codes x * (1 / d) rounded to nearest (ties
+// to even).
+inline void quantize_range(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, QuantRows& out) {
+  const int64_t blocks = out.blocks;
+  for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       alignas(64) float tail[kQBlock] = {};
       const int64_t n = std::min<int64_t>(kQBlock, k - b * kQBlock);
-      const float* v = x + r * ldx + b * kQBlock;
+      const float* v = x + (r - r0) * ldx + b * kQBlock;
       if (n < kQBlock) {  // the last block of a row whose length is not a whole number of blocks
         std::memcpy(tail, v, sizeof(float) * n);
         v = tail;
@@ -104,6 +110,12 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, 
   }
 }
 
+// All rows of x: shape_quant, then quantize_range over them.
+inline void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, QuantRows& out) {
+  shape_quant(rows, k, out);
+  quantize_range(x, ldx, 0, rows, k, out);
+}
+
 // y rows r (stride ldy), outputs n0.. of one tile: the fp32 sums facc plus the bias, as fp32 or bf16.
 template <int R, typename Out>
 void store_tile(const vf (&facc)[R][kQVecs], const float* bias, Out* y, int64_t ldy, int64_t n_out, int64_t n0) {
@@ -120,9 +132,7 @@ void store_tile(const vf (&facc)[R][kQVecs], const float* bias, Out* y, int64_t 
     for (int r = 0; r < R; ++r) {
       const vf out = bias ? vadd(facc[r][v], b) : facc[r][v];
       if constexpr (std::is_same_v<Out, float>) {
-        alignas(64) float lanes[kLanes];
-        vstore(lanes, out);
-        std::memcpy(y + r * ldy + n, lanes, sizeof(float) * valid);
+        vstore_n(y + r * ldy + n, out, valid);
       } else {
         store_bf16(y + r * ldy + n, out, valid);
       }
@@ -164,7 +174,7 @@ inline vi fifth_high(vi h, int p) {
 // holds their fifth bits (q5_k, q5_0, q5_1: vector v, per output lane 4 bytes, byte i: bit p = input 4p + i,
 // bit 4 + p = input 16 + 4p + i; the 16-bit shifts' spill between bytes never reaches bit 4).
 template <int R>
-inline void nibble_sums(const uint8_t* codes, const int8_t* const (&xb)[R], vi (&acc)[R][kQVecs],
+SD_INLINE void nibble_sums(const uint8_t* codes, const int8_t* const (&xb)[R], vi (&acc)[R][kQVecs],
                         const uint8_t* high = nullptr) {
   constexpr int kVecBytes = kLanes * 4;
   vi fifth[kQVecs];
@@ -194,13 +204,53 @@ constexpr bool kQ8Offset = true;  // VNNI sums (w + 128) x; the block's 128 * su
 constexpr bool kQ8Offset = false;  // AVX2 sums w x directly: |x| times w with x's sign, within 16 bits
 #endif
 
-// R rows of the quantized activations (from row r0) against one tile of format F. Each block of the tile
-// prefetches the same block of the next tile (`ahead`; past the last tile a prefetch is harmless): the
-// hardware's prefetcher alone leaves memory idle while a pass of several rows computes (4-5 rows: 10-25%
-// slower without it on Zen 5), and a pass over a tile already in cache would leave it idle altogether.
-template <int R, int64_t F, typename Out>
-void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias, Out* y, int64_t ldy, int64_t n_out,
-            int64_t n0, const uint8_t* ahead) {
+// The next tile, prefetched while a tile computes (past the last tile a prefetch is harmless): the hardware's
+// prefetcher alone leaves memory idle while a pass of a few rows computes (4-5 rows: 10-25% slower without it
+// on Zen 5), and a pass over a tile already in cache would leave it idle altogether. The passes over one tile
+// share the work: pass i of n prefetches blocks i, i + n, ... of the next tile. Past kAheadPasses passes the
+// tile computes long enough for the hardware's prefetcher, and prefetching into L1 only evicts the tile and
+// rows in use (prefill of 512 rows: 6% faster without, Zen 5), so those passes are compiled without it.
+constexpr int64_t kAheadPasses = 4;
+
+struct Ahead {
+  const uint8_t* next;
+  int64_t period, wait;  // every period-th block, from block `wait`
+
+  // Pass m / rows_per_pass of a tile's passes over `rows` rows (m: its first row).
+  Ahead(const uint8_t* next_tile, int64_t m, int64_t rows, int64_t rows_per_pass)
+      : next(next_tile), period((rows + rows_per_pass - 1) / rows_per_pass), wait(m / rows_per_pass) {}
+
+  SD_INLINE bool due() {  // whether this pass prefetches the block it starts now
+    if (wait > 0) {
+      --wait;
+      return false;
+    }
+    wait = period - 1;
+    return true;
+  }
+
+  SD_INLINE void fetch(int64_t from, int64_t to) const {  // bytes [from, to) of the next tile, whole lines
+    for (int64_t line = from / 64 * 64; line < to; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
+  }
+};
+
+// Runs pass(rows_constant, m, ahead_constant, ahead) over a tile's rows in passes of up to kMax (row_blocks),
+// with the prefetch of the next tile (`next`) compiled in where the tile has at most kAheadPasses passes.
+template <int kMax, typename Pass>
+inline void tile_passes(int64_t rows, const uint8_t* next, Pass&& pass) {
+  if ((rows + kMax - 1) / kMax <= kAheadPasses) {
+    row_blocks<kMax>(rows, [&](auto r, int64_t m) { pass(r, m, std::true_type{}, Ahead(next, m, rows, kMax)); });
+  } else {
+    row_blocks<kMax>(rows, [&](auto r, int64_t m) { pass(r, m, std::false_type{}, Ahead(next, m, rows, kMax)); });
+  }
+}
+
+// R rows of the quantized activations (from row r0) against one tile of format F; `ahead` as above, used where
+// kAhead.
+template <int R, int64_t F, bool kAhead, typename Out>
+SD_INLINE void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias, Out* y, int64_t ldy,
+                      int64_t n_out, int64_t n0, Ahead ahead) {
   constexpr int64_t kRecord = q_record_bytes(F), kCodes = q_code_bytes(F);
   constexpr int kVecBytes = kLanes * 4;
   const int64_t blocks = a.blocks;
@@ -209,8 +259,7 @@ void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
     for (int v = 0; v < kQVecs; ++v) facc[r][v] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec = w + b * kRecord;
-    for (int64_t line = 0; line < kRecord; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * kRecord + line), _MM_HINT_T0);
+    if (kAhead && ahead.due()) ahead.fetch(b * kRecord, (b + 1) * kRecord);
     vi acc[R][kQVecs];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kQVecs; ++v) acc[r][v] = vzero_i();
@@ -264,10 +313,10 @@ void q_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
 // Every row against one tile (stride bytes long; the next tile follows it), in passes of up to kQRows rows;
 // y's rows are ldy apart and n_out wide.
 template <int64_t F, typename Out>
-void q_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t ldy, int64_t n_out,
-            int64_t n0) {
-  row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {  // every pass fetches the next tile ahead
-    q_pass<decltype(r)::value, F>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, w + stride);
+SD_TILE void q_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t ldy,
+                    int64_t n_out, int64_t n0) {
+  tile_passes<kQRows>(a.rows, w + stride, [&](auto r, int64_t m, auto prefetch, Ahead ahead) {
+    q_pass<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);
   });
 }
 
