@@ -215,17 +215,18 @@ SD_INLINE void k_pass_of(const QuantRows& a, int64_t r0, const uint8_t* w, const
   else k_pass<R, F, false>(a, r0, w, bias, y, ldy, n_out, n0, ahead);
 }
 
-// Every row against one K-quant tile, in passes of up to kQRows rows (q6_k up to 8 rows: 2, its two sums per
-// row); y's rows are ldy apart and n_out wide. Past 8 rows, q6_k's codes are unpacked once per tile rather than in
+// Every row against one K-quant tile, in passes of up to kQRows rows (q6_k up to 24 rows: 2, its two sums per
+// row); y's rows are ldy apart and n_out wide. Past 24 rows, q6_k's codes are unpacked once per tile rather than in
 // every pass.
 template <int64_t F, typename Out>
 SD_TILE void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t ldy,
                     int64_t n_out, int64_t n0) {
   if constexpr (F == kQ6_K) {
     // Passes of 2 rows unpacking in registers, each tile pass but the first from cache; unpacking to memory
-    // once pays past 8 rows (measured on Zen 4: 6 rows 0.96x of q8_0's time against 1.25x, 16 rows 1.44x
-    // against 1.39x).
-    if (a.rows <= 8) {
+    // once pays past 24 rows (Zen 4: 6 rows 0.96x of q8_0's time against 1.25x; Zen 5, Qwen 1.5B with its q6_k
+    // head, since tiles of a few passes prefetch the next: verifying 9 rows 38-41 ms against 49-52 with the
+    // unpacking from 9 rows, 17 rows 67-72 against 74-78).
+    if (a.rows <= 24) {
       tile_passes<2>(a.rows, w + stride, [&](auto r, int64_t m, auto prefetch, Ahead ahead) {
         k_pass_of<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);
       });

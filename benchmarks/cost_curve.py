@@ -1,0 +1,50 @@
+"""The verification cost curve v(k) of one model alone: a forward over k drafted tokens, in decode steps.
+
+The same measurement as `specdecode bench --cost-curve K` (bench/costs.py: sizes interleaved, medians), without
+running the bench's prompts, at the context of a fixed code prompt. v(k) moves with the machine's memory speed
+(a decode step streams every weight, a long verification computes), so compare curves taken side by side.
+
+    .venv/bin/python benchmarks/cost_curve.py --model qwen2.5-coder-1.5b-instruct --max-k 16 --repeats 5
+
+Prints the curve, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from specdecode.bench.costs import measure_cost_curve
+from specdecode.models.build import load_model
+from specdecode.models.fetch import fetch
+from specdecode.models.registry import UnknownModelError, get
+
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--weights", default="auto", help="our weight format (--weights of generate)")
+    p.add_argument("--max-k", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    try:
+        gguf = str(fetch(get(args.model)))
+    except UnknownModelError:
+        gguf = args.model
+    model = load_model(gguf, weights=args.weights)
+    curve = measure_cost_curve(model, model.tokenizer.encode(PROMPT), max_k=args.max_k, repeats=args.repeats)
+    print(f"{args.model} ({model.model.weight_format}, {args.threads} threads), context {curve.context}, "
+          f"step {curve.step_s * 1e3:.2f} ms")
+    print("k " + " ".join(f"{k:5d}" for k in range(len(curve.seconds))))
+    print("v " + " ".join(f"{v:5.2f}" for v in curve.relative))
+    print(json.dumps({**curve.to_dict(), "threads": args.threads, "weights": model.model.weight_format}))
+
+
+if __name__ == "__main__":
+    main()
