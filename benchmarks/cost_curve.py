@@ -18,8 +18,6 @@ import torch
 
 from specdecode.bench.costs import measure_cost_curve
 from specdecode.models.build import load_model
-from specdecode.models.fetch import fetch
-from specdecode.models.registry import UnknownModelError, get
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 6
 
@@ -33,11 +31,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    try:
-        gguf = str(fetch(get(args.model)))
-    except UnknownModelError:
-        gguf = args.model
-    model = load_model(gguf, weights=args.weights)
+    model = load_model(args.model, weights=args.weights)  # a registered name, a .gguf path, ...
     curve = measure_cost_curve(model, model.tokenizer.encode(PROMPT), max_k=args.max_k, repeats=args.repeats)
     print(f"{args.model} ({model.model.weight_format}, {args.threads} threads), context {curve.context}, "
           f"step {curve.step_s * 1e3:.2f} ms")

@@ -199,22 +199,6 @@ SD_INLINE void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* c
   store_tile<R>(facc, bias, y, ldy, n_out, n0);
 }
 
-// k_pass as a function of its own, for the passes that prefetch (a tile's few rows: decode, verification):
-// inlined into k_tile, one-row decode ran ~4% slower in paired runs (Qwen 1.5B, Zen 5).
-template <int R, int64_t F, typename Out>
-__attribute__((noinline)) void k_pass_ahead(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias,
-                                            Out* y, int64_t ldy, int64_t n_out, int64_t n0, Ahead ahead) {
-  k_pass<R, F, true>(a, r0, w, bias, y, ldy, n_out, n0, ahead);
-}
-
-// One pass of k_tile's: k_pass_ahead where it prefetches, else k_pass inlined.
-template <int R, int64_t F, bool kAhead, typename Out>
-SD_INLINE void k_pass_of(const QuantRows& a, int64_t r0, const uint8_t* w, const float* bias, Out* y, int64_t ldy,
-                         int64_t n_out, int64_t n0, Ahead ahead) {
-  if constexpr (kAhead) k_pass_ahead<R, F>(a, r0, w, bias, y, ldy, n_out, n0, ahead);
-  else k_pass<R, F, false>(a, r0, w, bias, y, ldy, n_out, n0, ahead);
-}
-
 // Every row against one K-quant tile, in passes of up to kQRows rows (q6_k up to 24 rows: 2, its two sums per
 // row); y's rows are ldy apart and n_out wide. Past 24 rows, q6_k's codes are unpacked once per tile rather than in
 // every pass.
@@ -228,7 +212,7 @@ SD_TILE void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const 
     // unpacking from 9 rows, 17 rows 67-72 against 74-78).
     if (a.rows <= 24) {
       tile_passes<2>(a.rows, w + stride, [&](auto r, int64_t m, auto prefetch, Ahead ahead) {
-        k_pass_of<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);
+        k_pass<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);
       });
       return;
     }
@@ -240,7 +224,7 @@ SD_TILE void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const 
     });
   } else {
     tile_passes<kQRows>(a.rows, w + stride, [&](auto r, int64_t m, auto prefetch, Ahead ahead) {
-      k_pass_of<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);
+      k_pass<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);
     });
   }
 }

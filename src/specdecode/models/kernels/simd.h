@@ -18,7 +18,7 @@
 // Inlining is decided here, not left to GCC, whose choice moved with unrelated edits (prefill of 512 rows on
 // Zen 5 ran 250-340 tokens/s with the same loops): every pass and helper of a projection kernel inlines into the
 // one function of its weight format (SD_TILE: q_tile, k_tile), so that its loops keep their registers; the
-// passes that prefetch stay functions of their own (q_pass_ahead, k_pass_ahead).
+// passes that prefetch stay functions of their own (tile_passes, linear_quant.h).
 #define SD_INLINE inline __attribute__((always_inline))
 #define SD_TILE __attribute__((noinline))
 
