@@ -93,7 +93,7 @@ def test_block_formats_are_close_to_float64_and_row_invariant(path, fmt, out_fea
     blocks = _blocks(torch.randn(out_features, in_features, generator=g) * 0.1, fmt)
     b = torch.randn(out_features, generator=g) if bias else None
     layer = QuantLinear(blocks, b, path)
-    x = torch.randn(32, in_features, generator=g)
+    x = torch.randn(70, in_features, generator=g)  # past 64 rows: the passes compiled without the next tile's prefetch
     with torch.inference_mode():
         got = layer(x)
         xq, w = block_activations(x), blocks.dequantize().double()
@@ -101,7 +101,7 @@ def test_block_formats_are_close_to_float64_and_row_invariant(path, fmt, out_fea
         # Exact integer block sums, then fp32 scaling and one fp32 add per block (and the bias).
         bound = (in_features / 32 + 2) * 2**-23 * (xq.abs() @ w.abs().T + (0 if b is None else b.abs().double()))
         assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= bound + 1e-30).all()
-        for rows in range(1, 33):  # every row bitwise the same whatever shares its call
+        for rows in [*range(1, 33), 64, 65]:  # every row bitwise the same whatever shares its call
             assert torch.equal(layer(x[:rows]), got[:rows]), rows
         assert torch.equal(layer(x.bfloat16()), layer(x.bfloat16().float()).bfloat16())  # bf16 in, bf16 out
 
@@ -141,7 +141,7 @@ def test_k_quants_as_stored_are_close_to_float64_and_row_invariant(path, fmt, ou
     blocks = _stored_k_quant(fmt, out_features, in_features, seed=out_features)
     b = torch.randn(out_features, generator=g) if bias else None
     layer = QuantLinear(blocks, b, path)
-    x = torch.randn(32, in_features, generator=g)
+    x = torch.randn(70, in_features, generator=g)  # past 64 rows: the passes compiled without the next tile's prefetch
     with torch.inference_mode():
         got = layer(x)
         xq, w = block_activations(x), blocks.dequantize().double()  # the file's own values, as gguf reads them
@@ -149,7 +149,7 @@ def test_k_quants_as_stored_are_close_to_float64_and_row_invariant(path, fmt, ou
         # Exact integer sums per block of 32 (q6_k: its two scaled halves), fp32 scaling, one fp32 add per block.
         bound = (in_features / 32 + 3) * 2**-23 * (xq.abs() @ w.abs().T + (0 if b is None else b.abs().double()))
         assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= bound + 1e-30).all()
-        for rows in range(1, 33):  # every row bitwise the same whatever shares its call
+        for rows in [*range(1, 33), 64, 65]:  # every row bitwise the same whatever shares its call
             assert torch.equal(layer(x[:rows]), got[:rows]), rows
         assert torch.equal(layer(x.bfloat16()), layer(x.bfloat16().float()).bfloat16())  # bf16 in, bf16 out
         with pytest.raises(RuntimeError, match="multiple of 256"):
