@@ -500,7 +500,9 @@ def test_prediction_flags_are_checked(tiny, capsys, tmp_path):
 
 def test_draft_quant_needs_a_draft_model(capsys):
     assert main(["generate", "--drafter", "ngram", "--draft-quant", "int8", "hello"]) == 2
-    assert "--draft-quant is only used by --drafter draft|draft-tree, not ngram" in capsys.readouterr().err
+    assert "--draft-quant is only used by --drafter draft|draft-tree|auto, not ngram" in capsys.readouterr().err
+    assert main(["generate", "--drafter", "auto", "--draft-quant", "int8", "hello"]) == 2
+    assert "--draft-quant sets the draft model, which needs --draft-model" in capsys.readouterr().err
 
 
 def test_generate_with_an_int8_draft_model_matches_plain(tiny, capsys):
@@ -509,6 +511,16 @@ def test_generate_with_an_int8_draft_model_matches_plain(tiny, capsys):
     assert main(base + ["--gamma", "0", "7 8 9"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main(base + ["--draft-model", str(draft), "--draft-quant", "int8", "--gamma", "3", "7 8 9"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["drafted_tokens"] > 0
+
+
+def test_generate_with_auto_over_a_draft_model_matches_plain(tiny, capsys):
+    base = ["generate", "--model", str(tiny["target"]), "--dtype", "bfloat16", "--max-new-tokens", "12", "--json"]
+    assert main(base + ["--gamma", "0", "7 8 9 7 8"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--drafter", "auto", "--draft-model", str(tiny["draft"]), "--gamma", "adaptive",
+                        "7 8 9 7 8"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["drafted_tokens"] > 0
 

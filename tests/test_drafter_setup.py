@@ -26,9 +26,25 @@ def test_a_drafter_config_names_what_is_wrong():
 @pytest.mark.parametrize("config, own_cache", [
     (DrafterConfig(), False), (DrafterConfig("layerskip"), False), (DrafterConfig("medusa"), False),
     (DrafterConfig("eagle-tree", tree_width=2), True), (DrafterConfig("draft", draft_model="d"), True),
+    (DrafterConfig("auto"), False), (DrafterConfig("auto", draft_model="d"), True),
 ])
 def test_only_draft_models_and_eagle_heads_keep_a_cache(config, own_cache):
     assert config.has_draft_cache == own_cache
+
+
+def test_auto_drafts_with_a_draft_model_only_when_given_one(tmp_path):
+    with pytest.raises(ValueError, match="--draft-weights sets the draft model, which needs --draft-model"):
+        DrafterConfig("auto", draft_weights="q8_0")
+    assert not DrafterConfig("auto").uses_draft_model and DrafterConfig("auto", draft_model="d").uses_draft_model
+    target_config = TargetConfig(str(write_tiny_hf_model(tmp_path / "t")), dtype="float32", device="cpu")
+    target = target_config.load()
+    said = []
+    free = drafter_factory(DrafterConfig("auto"), target_config, target, CacheConfig(), said.append)()
+    assert free.name == "auto" and free.model is None and not any("draft model" in line for line in said)
+    config = DrafterConfig("auto", draft_model=str(write_tiny_hf_model(tmp_path / "d", seed=1)))
+    drafter = drafter_factory(config, target_config, target, CacheConfig(), said.append)()
+    assert drafter.name == "auto+draft" and drafter.model is not None and drafter.weight_nbytes > 0
+    assert any(line.startswith("loading draft model") for line in said)
 
 
 def test_plain_decoding_is_a_choice_but_no_drafter(tmp_path):
@@ -174,5 +190,5 @@ def test_a_draft_models_draft_vocabulary_holds_the_first_ids_and_the_targets_end
     for whole in (None, 0):  # the default: all
         assert drafter_factory(DrafterConfig(kind="draft", draft_model=draft, draft_vocab=whole), target_config,
                                target, CacheConfig(), lambda line: None)().vocab is None
-    with pytest.raises(ValueError, match=re.escape("--draft-vocab is only used by --drafter draft|draft-tree|eagle")):
+    with pytest.raises(ValueError, match=re.escape("--draft-vocab is only used by --drafter draft|draft-tree|auto|eagle")):
         DrafterConfig(kind="ngram", draft_vocab=10)

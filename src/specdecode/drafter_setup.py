@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Callable
 
 from specdecode.drafters import TREE_WIDTH, Drafter, DrafterInputs, DrafterSpec, Needs, NgramDrafter, registry
-from specdecode.drafters.draft_model import check_draft_pair
+from specdecode.drafters.draft_model import MODEL_FLAGS, check_draft_pair
 from specdecode.drafters.registry import SHARED_SUFFIX_CACHE
 from specdecode.drafters.suffix import SuffixCache
 from specdecode.drafters.suffix_tree import native_trie
@@ -90,6 +90,9 @@ class DrafterConfig:
             if flag not in reads:
                 users = registry.names_where(lambda s: flag in s.flags)
                 raise ValueError(f"{flag} is only used by --drafter {'|'.join(users)}, not {self.kind}")
+        model_flags = [f for f in self.given() if f in MODEL_FLAGS and f != "--draft-model"]
+        if model_flags and not self.draft_model and self.spec.uses & Needs.DRAFT_MODEL:  # (a head reads --draft-vocab)
+            raise ValueError(f"{model_flags[0]} sets the draft model, which needs --draft-model NAME|PATH")
 
     def given(self) -> list[str]:
         """The drafter flags set to other than their defaults."""
@@ -112,9 +115,15 @@ class DrafterConfig:
         return self.spec.needs if self.spec is not None else Needs.NOTHING
 
     @property
+    def uses_draft_model(self) -> bool:
+        """Whether it drafts with a draft model: one it needs, or one it uses when given (``auto``)."""
+        return bool(self.needs & Needs.DRAFT_MODEL) or (self.spec is not None and bool(self.draft_model)
+                                                          and bool(self.spec.uses & Needs.DRAFT_MODEL))
+
+    @property
     def has_draft_cache(self) -> bool:
         """Whether the drafter keeps a KV cache of its own (a draft model or an EAGLE head)."""
-        return self.spec is not None and self.spec.owns_cache
+        return self.spec is not None and (self.spec.owns_cache or self.uses_draft_model)
 
 
 def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: LoadedModel,
@@ -137,7 +146,7 @@ def drafter_factory(config: DrafterConfig, target_config: TargetConfig, target: 
     draft_model = head = skip_layers = None
     if spec.needs & Needs.SKIP_SET:  # a bad --skip-layers is a ValueError naming it
         skip_layers = tuple(resolve_skip_set(target, target_config.dtype, config.skip_layers, progress=log))
-    if spec.needs & Needs.DRAFT_MODEL:
+    if config.uses_draft_model:
         draft_model = _load_draft(config, target_config, target, log)
     if spec.needs & Needs.HEAD:
         head = config.head or shipped_head(target.model, spec.head_kind)

@@ -1,5 +1,6 @@
-"""auto: each step the free source whose proposal expects the most accepted tokens, calibrated by what each source's
-drafts got accepted; every source alone keeps greedy decoding exact."""
+"""auto: each step the source whose proposal expects the most accepted tokens, calibrated by what each source's
+drafts got accepted; every source alone keeps greedy decoding exact; with a draft model, the model drafts where the
+free sources expect less than its drafts get accepted, and catches up on what it did not draft."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from batch_cases import requests
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.drafters import DrafterInputs, registry
-from specdecode.drafters.auto import SOURCES, AutoDrafter, Calibration
+from specdecode.drafters.auto import AUTO_DRAFT, MODEL, SOURCES, AutoDrafter, Calibration
+from specdecode.drafters.base import MODEL_SIGNALS
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.sampling import SamplingParams
 from tiny_models import varied_model
@@ -83,3 +86,56 @@ def test_the_slots_share_one_suffix_cache_and_one_calibration():
     inputs = DrafterInputs(target=varied_model(0))
     first, second = registry.build("auto", inputs), registry.build("auto", inputs)
     assert first.cache is second.cache and first.calibration is second.calibration
+
+
+def _with_model(prompt: list[int], calibration: Calibration | None = None) -> tuple[AutoDrafter, DraftModelDrafter]:
+    """auto over a draft model (the tiny target truncated), started on ``prompt``; and that model's drafter alone,
+    started alike, to compare with."""
+    target, small = varied_model(0), varied_model(0, keep_layers=[0, 1])
+    engine = Engine(target)  # (a target cache for the drafters' own caches to follow)
+    drafter = AutoDrafter(calibration=calibration or Calibration(), model=DraftModelDrafter(small, target))
+    alone = DraftModelDrafter(small, target)
+    for d in (drafter, alone):
+        d.reset(engine.cache, prompt)
+    return drafter, alone
+
+
+def test_with_a_draft_model_it_is_named_for_it_and_gives_the_models_signals():
+    drafter, _ = _with_model([5, 6, 7])
+    assert drafter.name == AUTO_DRAFT and drafter.signal_names == MODEL_SIGNALS
+    assert drafter.own_cache is drafter.model.own_cache and drafter.weight_nbytes == drafter.model.weight_nbytes > 0
+    assert AutoDrafter().own_cache is None and AutoDrafter().name == "auto"
+
+
+def test_the_model_drafts_where_the_free_sources_have_nothing_and_they_draft_where_they_expect_more():
+    fresh = [11, 23, 5, 40, 17]  # no token repeats: no free proposal
+    drafter, alone = _with_model(fresh)
+    assert _propose(drafter, fresh, 3).tokens == _propose(alone, fresh, 3).tokens
+    repeated = [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3]  # prompt lookup: 4 5 6 7 9, expecting more than the model's prior
+    drafter, _ = _with_model(repeated)
+    draft = _propose(drafter, repeated, 5)
+    assert draft.tokens == [4, 5, 6, 7, 9]
+    assert all(0.0 < top1 < 1.0 and entropy > 0.0 for top1, entropy in draft.signals)  # a free token's, as a model's
+
+
+def test_a_model_whose_drafts_get_more_accepted_wins_over_a_weak_free_proposal():
+    repeated = [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3]
+    calibration = Calibration()
+    calibration.sums[MODEL] = [1.0, 6.0]  # six tokens accepted per model draft
+    drafter, alone = _with_model(repeated, calibration)
+    assert _propose(drafter, repeated, 5).tokens == _propose(alone, repeated, 5).tokens
+
+
+def test_the_model_catches_up_on_free_drafts_and_learns_its_tokens_per_draft():
+    repeated = [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3]
+    calibration = Calibration(prior=1.0, decay=1.0)
+    drafter, _ = _with_model(repeated, calibration)
+    assert _propose(drafter, repeated, 5).tokens == [4, 5, 6, 7, 9]  # free
+    seq = repeated + [4, 5, 6, 30]  # three kept, then the target's own token
+    drafter.commit(seq)
+    calibration.sums[MODEL] = [1.0, 9.0]  # the model now expected to beat any free proposal
+    _, alone = _with_model(seq)  # a model drafter started on the whole sequence
+    model_draft = _propose(drafter, seq, 4).tokens
+    assert model_draft == _propose(alone, seq, 4).tokens  # its cache caught up with the tokens it did not draft
+    drafter.commit(seq + model_draft[:1] + [0])  # one of its tokens kept
+    assert calibration.sums[MODEL] == [2.0, 10.0]

@@ -40,11 +40,11 @@ def test_the_toy_is_one_small_file_that_registers_itself(toy):
 @pytest.mark.parametrize("setting", conformance.CACHE_SETTINGS)  # all five, as every drafter
 def test_the_toy_passes_the_conformance_checks(toy, target, draft_model, plain, tmp_path, setting):
     conformance.test_greedy_tokens_are_plain_decodings_alone_and_batched(target, draft_model, plain, tmp_path, toy,
-                                                                         setting)
+                                                                         False, setting)
 
 
 def test_the_toy_keeps_the_targets_distribution(toy, tmp_path):
-    conformance.test_sampled_tokens_follow_the_targets_distribution(tmp_path, toy)
+    conformance.test_sampled_tokens_follow_the_targets_distribution(tmp_path, toy, False)
 
 
 def test_the_toy_is_a_drafter_choice_of_generate(toy, tmp_path, capsys):

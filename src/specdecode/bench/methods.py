@@ -38,6 +38,8 @@ FAMILIES = OUR_FAMILIES + PEER_FAMILIES
 # Families that need a separate draft model (--draft-model).
 DRAFT_MODEL_FAMILIES = (*registry.names_where(lambda spec: bool(spec.needs & Needs.DRAFT_MODEL)), "hf-assisted",
                         "llamacpp-server-draft")
+# Families that draft with the draft model too when the run has one (``auto``).
+DRAFT_MODEL_USERS = registry.names_where(lambda spec: bool(spec.uses & Needs.DRAFT_MODEL))
 
 _HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
@@ -76,6 +78,8 @@ class Method:
         params: settings worth recording in the JSON (draft sizes, peer options).
         memory: bytes the configuration holds (weights and KV caches by part), for our engine.
         signal_names: names of the drafter's per-token signals in step records (our drafting methods).
+        drafter: the drafter's name, its model's in a controller file (our drafting methods; ``auto`` with a draft
+            model is ``auto+draft``); None: the family's.
         kernel: what the target's projections ran on: our ``Transformer.backend.name`` (e.g. "tiled",
             "onednn", "int8"), "transformers" or "llama.cpp".
         dtype: the target's parameter dtype ("bfloat16", ...); "gguf" for llama.cpp (the file's own types).
@@ -98,6 +102,7 @@ class Method:
     params: dict[str, Any] = field(default_factory=dict)
     memory: Callable[[], dict[str, int]] | None = None
     signal_names: tuple[str, ...] = ()
+    drafter: str | None = None
     kernel: str | None = None
     dtype: str | None = None
     draft_kernel: str | None = None
@@ -179,7 +184,8 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         return Output(result.token_ids, seconds, result.stats.to_dict(), result.finish_reason, list(steps),
                       result.text)
 
-    uses_draft_model = drafter_spec is not None and bool(drafter_spec.needs & Needs.DRAFT_MODEL)
+    uses_draft_model = drafter_spec is not None and (bool(drafter_spec.needs & Needs.DRAFT_MODEL) or
+                                                     (draft_model is not None and family in DRAFT_MODEL_USERS))
     draft = draft_model if uses_draft_model else None
     params = _drafter_params(drafter_spec, drafter, skip_layers, draft, head) if drafter_spec is not None else {}
     if isinstance(gamma, str):
@@ -189,6 +195,7 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
     drafts_with = draft.model if draft is not None else None
     return Method(method_name(family, gamma), family, run, gamma, params, memory=engine.memory_bytes,
                   signal_names=drafter.signal_names if drafter is not None else (),
+                  drafter=drafter.name if drafter is not None else None,
                   kernel=target.model.backend.name, dtype=dtype_name(target.model.dtype),
                   draft_kernel=drafts_with.backend.name if drafts_with else None,
                   draft_dtype=dtype_name(drafts_with.dtype) if drafts_with else None,

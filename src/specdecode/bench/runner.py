@@ -23,8 +23,8 @@ from specdecode.control import GAMMA_POLICIES
 from specdecode.control.config import MAX_GAMMA
 from specdecode.control.records import record_json
 from specdecode.bench.llamacpp_tools import PeerMissing
-from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, FAMILIES, OUR_FAMILIES, PREDICTION_FAMILY, SERVER_PEERS,
-                                      Method, Output, build_hf_model, dtype_name, engine_method, hf_method,
+from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, DRAFT_MODEL_USERS, FAMILIES, OUR_FAMILIES,
+                                      PREDICTION_FAMILY, SERVER_PEERS, Method, Output, build_hf_model, dtype_name, engine_method, hf_method,
                                       llamacpp_available, llamacpp_method, llamacpp_server_method, method_name,
                                       plain_of)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
@@ -306,7 +306,7 @@ def _load(config: BenchConfig, log: Log) -> _Loaded:
 
     targets, hf_target = load(config.model, "target", wants_hf, config.weights)
     draft = hf_draft = None
-    if config.draft_model and any(f in DRAFT_MODEL_FAMILIES for f in config.families):
+    if config.draft_model and any(f in DRAFT_MODEL_FAMILIES + DRAFT_MODEL_USERS for f in config.families):
         drafts, hf_draft = load(config.draft_model, "draft model", "hf-assisted" in config.families,
                                 (draft_weights,), config.draft_quant)
         draft = drafts[draft_weights]
@@ -572,7 +572,7 @@ def _write_steps(records: TextIO, out: Output, method: Method, prompt: Prompt, r
     """One timed call's step records as JSON lines (``--record-steps``)."""
     for step, record in enumerate(out.steps):
         records.write(json.dumps(record_json(
-            record, method.signal_names, model=model, method=method.name, drafter=method.family,
+            record, method.signal_names, model=model, method=method.name, drafter=method.drafter or method.family,
             prompt_id=prompt.id, category=prompt.category, repeat=repeat, step=step)) + "\n")
 
 

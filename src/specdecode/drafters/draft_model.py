@@ -170,7 +170,12 @@ def draft_vocabulary(model: Transformer, size: int | None, always: Sequence[int]
     return VocabHead(model, draft_ids(id_ranking(model.config.vocab_size, always), size))
 
 
-def _build(inputs: DrafterInputs, name: str, tree_width: int) -> DraftModelDrafter:
+def model_drafter(inputs: DrafterInputs, name: str = "draft", tree_width: int = 0) -> DraftModelDrafter:
+    """The draft model's drafter of ``inputs`` (its draft vocabulary shared by the slots' drafters).
+
+    Raises:
+        ValueError: ``inputs`` hold no draft model.
+    """
     if inputs.draft_model is None:
         raise ValueError(f"drafter {name!r} needs a draft model (--draft-model NAME|PATH)")
     shared = inputs.shared  # one draft vocabulary's head for every slot's drafter
@@ -179,8 +184,8 @@ def _build(inputs: DrafterInputs, name: str, tree_width: int) -> DraftModelDraft
     return DraftModelDrafter(inputs.draft_model, inputs.target, inputs.draft_cache, tree_width, shared["draft-vocab"])
 
 
-_MODEL_FLAGS = ("--draft-model", "--draft-quant", "--draft-weights", "--draft-vocab")
-register(DrafterSpec("draft", lambda i: _build(i, "draft", 0), "a smaller model with the target's vocabulary",
-                     Needs.DRAFT_MODEL, owns_cache=True, flags=_MODEL_FLAGS))
-register(DrafterSpec("draft-tree", lambda i: _build(i, "draft-tree", i.tree_width), "a draft model searching a token tree",
-                     Needs.DRAFT_MODEL, owns_cache=True, tree=True, flags=(*_MODEL_FLAGS, "--tree-width")))
+MODEL_FLAGS = ("--draft-model", "--draft-quant", "--draft-weights", "--draft-vocab")  # the draft model's flags
+register(DrafterSpec("draft", lambda i: model_drafter(i, "draft", 0), "a smaller model with the target's vocabulary",
+                     Needs.DRAFT_MODEL, owns_cache=True, flags=MODEL_FLAGS))
+register(DrafterSpec("draft-tree", lambda i: model_drafter(i, "draft-tree", i.tree_width), "a draft model searching a token tree",
+                     Needs.DRAFT_MODEL, owns_cache=True, tree=True, flags=(*MODEL_FLAGS, "--tree-width")))

@@ -44,7 +44,7 @@ class DrafterInputs:
 
     Args:
         target: the target model.
-        draft_model: the separate draft model (``Needs.DRAFT_MODEL``).
+        draft_model: the separate draft model (``Needs.DRAFT_MODEL``, or a spec's ``uses`` when given).
         skip_layers: the layers to skip (``Needs.SKIP_SET``).
         ngram_sizes: (min, max) tail lengths the n-gram drafters match; None = their own defaults.
         draft_cache: the drafter's own cache settings (``DrafterSpec.owns_cache``).
@@ -83,6 +83,7 @@ class DrafterSpec:
         tree: it drafts token trees (no per-token signals, so no ``confidence`` controller).
         head_kind: the head file kind it reads (``Needs.HEAD``).
         flags: the drafter flags it reads besides ``--drafter`` (others given with it are refused).
+        uses: what it drafts with too when the user gives it (``auto``: a draft model), unlike ``needs``.
     """
 
     name: str
@@ -93,6 +94,7 @@ class DrafterSpec:
     tree: bool = False
     head_kind: str | None = None
     flags: tuple[str, ...] = ()
+    uses: Needs = Needs.NOTHING
 
     @property
     def self_contained(self) -> bool:
