@@ -139,3 +139,14 @@ def test_the_model_catches_up_on_free_drafts_and_learns_its_tokens_per_draft():
     assert model_draft == _propose(alone, seq, 4).tokens  # its cache caught up with the tokens it did not draft
     drafter.commit(seq + model_draft[:1] + [0])  # one of its tokens kept
     assert calibration.sums[MODEL] == [2.0, 10.0]
+
+
+def test_a_batch_gives_each_slots_draft_model_a_cache_of_its_own():
+    target, small = varied_model(0), varied_model(0, keep_layers=[0, 1])
+    inputs = DrafterInputs(target=target, draft_model=small)
+    engine = BatchEngine(target, new_drafter=lambda: registry.build("auto", inputs), spec=SpeculativeConfig(gamma=4),
+                         scheduler=SchedulerConfig(max_running=3), max_len=96)
+    engine.run(requests())
+    names = {f"draft-{slot}" for slot in range(3)}
+    assert names <= set(engine.memory.caches)  # counted in the KV budget, one per slot
+    assert len({id(engine.memory.caches[name]) for name in names}) == 3

@@ -80,6 +80,9 @@ class Spy:
     def own_cache(self):
         return self.inner.own_cache
 
+    def name_cache(self, name):
+        self.inner.name_cache(name)
+
     def reset(self, *args, **kwargs):
         self.seen.clear()
         self.inner.reset(*args, **kwargs)

@@ -23,7 +23,7 @@ from specdecode.batch.target_kv import TargetKV
 from specdecode.control import ControllerFactory, GammaController
 from specdecode.control.config import SpeculativeConfig
 from specdecode.control.long import LongDrafts
-from specdecode.drafters.base import Drafter, OwnCache
+from specdecode.drafters.base import Drafter
 from specdecode.drafters.chain import chain_for
 from specdecode.grammar import GrammarCompiler
 from specdecode.models.prefill import prefill
@@ -38,8 +38,7 @@ def slot_drafters(new_drafter: Callable[[], Drafter | None] | None, slots: int) 
         return []
     drafters = [first, *(new_drafter() for _ in range(slots - 1))]
     for slot, drafter in enumerate(drafters):
-        if isinstance(drafter, OwnCache):
-            drafter.cache_name = f"draft-{slot}"
+        drafter.name_cache(f"draft-{slot}")
     return drafters
 
 

@@ -124,6 +124,10 @@ class AutoDrafter(DrafterBase):
     def own_cache(self) -> Cache | None:
         return self.model.own_cache if self.model is not None else None
 
+    def name_cache(self, name: str) -> None:
+        if self.model is not None:
+            self.model.name_cache(name)
+
     @property
     def vocab(self) -> VocabHead | None:
         """Its draft model's draft vocabulary (``draft_model.py``); None without a model or over all tokens."""

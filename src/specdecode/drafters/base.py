@@ -131,6 +131,9 @@ class Drafter(Protocol):
     def learned(self) -> tuple[int, int]:
         """(requests, bytes) it keeps from finished requests (see ``DrafterBase.learned``)."""
 
+    def name_cache(self, name: str) -> None:
+        """Names its own KV cache in the engine's memory (see ``DrafterBase.name_cache``)."""
+
 
 class DrafterBase:
     """The optional parts of the :class:`Drafter` protocol, with what a drafter that needs none of them says:
@@ -163,6 +166,10 @@ class DrafterBase:
         """Its own KV cache (not the target's), if it keeps one."""
         return None
 
+    def name_cache(self, name: str) -> None:
+        """Names its own KV cache in the engine's KV memory (a batch gives each slot's its own name); nothing to
+        do for a drafter without one."""
+
     def long_run(self) -> int:
         """Tokens it could draft now from a long, trusted source (a prediction it follows, a long suffix match),
         known after ``reset``/``commit``; 0 when it has none. The engine may then draft past the controller's
@@ -182,8 +189,8 @@ class DrafterBase:
 class DrafterWrapper(DrafterBase):
     """A drafter that drafts in front of another (``wrapped``; None: nothing behind it) and hands every other part
     of the protocol on to it: name, signals, features, weights, cache, ``observe``, ``reset``, ``commit``,
-    ``long_run``, ``finish``, ``learned``. A subclass sets ``wrapped`` (a dataclass field), overrides ``propose``,
-    and calls ``super()`` where it adds to the rest."""
+    ``long_run``, ``finish``, ``learned``, ``name_cache``. A subclass sets ``wrapped`` (a dataclass field), overrides
+    ``propose``, and calls ``super()`` where it adds to the rest."""
 
     wrapped: Drafter | None = None
     alone_name = "none"  # its name when it wraps nothing
@@ -207,6 +214,10 @@ class DrafterWrapper(DrafterBase):
     @property
     def own_cache(self) -> Cache | None:
         return self.wrapped.own_cache if self.wrapped is not None else None
+
+    def name_cache(self, name: str) -> None:
+        if self.wrapped is not None:
+            self.wrapped.name_cache(name)
 
     def observe(self, position: int, features: torch.Tensor) -> None:
         if self.wrapped is not None:
@@ -245,6 +256,9 @@ class OwnCache(DrafterBase):
     @property
     def own_cache(self) -> Cache | None:
         return self.cache
+
+    def name_cache(self, name: str) -> None:
+        self.cache_name = name
 
     def _claim_cache(self, model, target_cache: Cache, memory: KVMemory | None) -> KVMemory:
         """Empties slot 0 of the cache (allocated for ``model`` when missing, too small, or under another
