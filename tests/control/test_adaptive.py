@@ -6,6 +6,7 @@ import pytest
 
 from specdecode.control import AdaptiveGamma, controller_factory
 from specdecode.control.confidence import CalibratedAcceptance
+from specdecode.control.cost import OffSwitch
 from specdecode.control.estimates import PositionAcceptance, best_gamma
 from specdecode.control.model_file import AcceptanceModel, feature_names
 from control_helpers import ctx, record, step
@@ -178,3 +179,28 @@ def test_a_shared_steps_time_is_not_taken_for_drafting_speed():
     c.next_gamma(ctx())
     c.update(record(4, 0, verify_s=2 * VERIFY))  # alone, a rejected draft in two plain steps' time: counted
     assert c.shared.gain < gain
+
+
+def test_in_a_batch_it_probes_as_cost_does_where_alone_it_probes_more():
+    # Alone, on/off goes by measured speed, which needs probes 5% of the time; in a batch on/off goes by cost's
+    # model, and a probe slows every sequence's step: cost's 2%. At c = 8 the 5% was about the whole loss (history).
+    def probes(others: int, steps: int = 2000) -> int:
+        c = AdaptiveGamma(MODEL, gamma_max=8)
+        _warm(c, 0.01 * VERIFY, accept_share=1.0)
+        c.shared.costs.seed([0.010 * (1 + 0.1 * (rows - 1)) for rows in range(1, 17)])
+        c.shared.costs.draft_per_token = 1e-6
+        c.cost.acceptance = PositionAcceptance(8, prior=0.05, later_prior=0.05)  # drafts never pay: off
+        for _ in range(200):  # (alone: drafting measured slower than plain)
+            c.shared.learn_gain(1, 10 * VERIFY)
+        c.shared.learn_plain(VERIFY)  # (and a plain step timed since)
+        at = ctx(others_rows=others, others_tokens=float(others))
+        return sum(c.next_gamma(at) > 0 for _ in range(steps))
+
+    costs = AdaptiveGamma(MODEL, gamma_max=8).shared.costs
+    costs.seed([0.010 * (1 + 0.1 * (rows - 1)) for rows in range(1, 17)])
+    costs.draft_per_token = 1e-6
+    busy = ctx(others_rows=7, others_tokens=7.0)
+    spacing = OffSwitch().interval(costs, busy)
+    assert OffSwitch(probe_overhead=0.05, max_interval=32).interval(costs, busy) < spacing
+    assert probes(7) == 2000 // spacing  # one probe per cost's spacing
+    assert probes(0) > 0  # alone it probes too (by its own, denser spacing)

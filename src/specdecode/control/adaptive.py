@@ -14,7 +14,8 @@ plain step again (``SharedEstimates.learn_plain``). On/off goes by measured spee
 would not: replaying the Qwen pair's drafts (``benchmarks/replay_gamma.py``), ``adaptive`` runs 1.41x
 plain decoding, ``cost`` 1.06x. That measured speed is a lone sequence's: in a batch (a step shared
 with others, whose rows its time holds) on/off goes by ``cost``'s batch price (``best_gamma`` at the
-forward's rows, with ``cost``'s margin), and only steps run alone teach the measured speed.
+forward's rows, with ``cost``'s margin) and probes with ``cost``'s off switch, and only steps run alone teach
+the measured speed.
 
 For n-gram lookup, whose tokens cost only verification rows, the match statistics say when a
 proposal is weak (one short, rare match: stop after its first token) or strong (draft on). Without a
@@ -58,6 +59,7 @@ class AdaptiveGamma:
         # Probes judged by measured speed need more of them than cost's model-based probes (2% of the
         # time, at most one per 64 steps: none at all in a 64-token request).
         self.off = OffSwitch(probe_overhead=0.05, max_interval=32)
+        self.batch_off = OffSwitch()  # cost's spacing, for steps shared with other sequences
         self.shared = self.cost.shared
         self.acceptance = CalibratedAcceptance(self.model) if self.model is not None else None
         self._ctx: StepContext | None = None
@@ -82,7 +84,10 @@ class AdaptiveGamma:
         cap = min(memory_cap(ctx, self.gamma_max), ctx.remaining - 1)
         if cap <= 0:
             return 0
-        if self.off.decide(cap if self._pays(ctx, cap) else 0, cap, self.cost.costs, ctx) == 0:
+        # In a batch on/off goes by cost's model, so it probes as cost does (2% of the time, not the 5% that judging
+        # by measured speed needs): each probe slows the whole step, and at c = 8 the 5% was the loss (history).
+        switch = self.batch_off if ctx.others_rows else self.off
+        if switch.decide(cap if self._pays(ctx, cap) else 0, cap, self.cost.costs, ctx) == 0:
             return 0
         if not ctx.others_rows and self.shared.plain_age >= self.refresh:
             return 0  # time a plain step again: drafting's speed is judged against it
