@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 
 # Fetches SmolLM2 (first run only) and generates with n-gram speculation; stats follow the text.
 demo: $(VENV)/.installed
-	$(VENV)/bin/specdecode generate --chat --drafter ngram --max-new-tokens 96 "$(PROMPT)"
+	$(VENV)/bin/specdecode generate --chat --max-new-tokens 96 "$(PROMPT)"
 
 # Unit tests on tiny random models + integration tests on the real SmolLM2 (fetched once, cached), on two
 # pytest-xdist workers (most tests run one thread; the tests that start a Ray cluster share one worker).

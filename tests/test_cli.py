@@ -470,8 +470,8 @@ def test_smollm2_chat_json_and_drafter_none_agree(smollm2_path):
 
     # Both runs at once, one thread each: loading the model is most of a run.
     with ThreadPoolExecutor(2) as pool:
-        ngram, none = pool.submit(generate), pool.submit(generate, "--drafter", "none")  # ngram is the default
-        doc, plain = ngram.result(), none.result()
+        drafted, none = pool.submit(generate), pool.submit(generate, "--drafter", "none")  # auto is the default
+        doc, plain = drafted.result(), none.result()
     assert doc["text"].strip()
     assert STATS_KEYS <= doc["stats"].keys()
     assert 1 <= doc["stats"]["tokens_generated"] == len(doc["token_ids"]) <= 24
@@ -570,7 +570,7 @@ def test_smollm2_generate_with_a_json_schema_or_a_regex(smollm2_path, capsys, tm
 
     doc = generate("--json-schema", path, prompt="Where is Paris? Answer in JSON.")
     jsonschema.validate(json.loads(doc["text"]), schema)
-    assert doc["finish_reason"] == "stop" and doc["stats"]["forced_accepted"] > 0  # ngram (the default) drafts
+    assert doc["finish_reason"] == "stop" and doc["stats"]["forced_accepted"] > 0  # auto (the default) drafts
     plain = generate("--json-schema", path, "--drafter", "none", prompt="Where is Paris? Answer in JSON.")
     assert plain["token_ids"] == doc["token_ids"] and plain["stats"]["forced_drafted"] == 0
     doc = generate("--regex", "[0-9]{4}", prompt="In which year did WW2 end?")

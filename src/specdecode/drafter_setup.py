@@ -64,7 +64,7 @@ class DrafterConfig:
         ValueError: an unknown kind, or a flag the kind does not use (per its ``DrafterSpec.flags``).
     """
 
-    kind: str = "ngram"
+    kind: str = "auto"
     draft_model: str | None = None
     draft_quant: str = "none"
     draft_weights: str = CHEAPEST
