@@ -14,8 +14,8 @@ plain step again (``SharedEstimates.learn_plain``). On/off goes by measured spee
 would not: replaying the Qwen pair's drafts (``benchmarks/replay_gamma.py``), ``adaptive`` runs 1.41x
 plain decoding, ``cost`` 1.06x. That measured speed is a lone sequence's: in a batch (a step shared
 with others, whose rows its time holds) on/off goes by ``cost``'s batch price (``best_gamma`` at the
-forward's rows, with ``cost``'s margin) and probes with ``cost``'s off switch, and only steps run alone teach
-the measured speed.
+forward's rows, with ``cost``'s margin) and probes at ``cost``'s spacing, and only steps run alone teach the
+measured speed.
 
 For n-gram lookup, whose tokens cost only verification rows, the match statistics say when a
 proposal is weak (one short, rare match: stop after its first token) or strong (draft on). Without a
