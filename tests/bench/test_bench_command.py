@@ -201,6 +201,24 @@ def test_every_controller_runs_and_record_steps_writes_valid_jsonl(tiny_model_di
                                         else ["top1", "entropy"])
 
 
+def test_auto_drafts_with_the_runs_draft_model_and_its_records_name_its_controller_entry(tiny_model_dirs, prompt_file,
+                                                                                          tmp_path):
+    from specdecode.control.records import read_records
+
+    out_json, steps = tmp_path / "bench.json", tmp_path / "steps.jsonl"
+    args = _base_args(tiny_model_dirs, prompt_file) + [  # auto the only user of the draft model: it is loaded
+        "--draft-model", str(tiny_model_dirs[1]), "--methods", "none,auto", "--gammas", "2", "--limit", "1",
+        "--json", str(out_json), "--record-steps", str(steps)]
+    assert main(args) == 0
+    doc = json.loads(out_json.read_text())
+    by_name = {m["name"]: m for m in doc["methods"]}
+    assert by_name["auto:g2"]["params"]["draft_model"] == str(tiny_model_dirs[1])
+    assert doc["identical_outputs"] == doc["identity_comparisons"] > 0
+    lines = read_records([steps])
+    assert lines and {line["drafter"] for line in lines} == {"auto+draft"}  # the drafter's name, not the family's
+    assert all(line["signal_names"] == ["top1", "entropy"] for line in lines)
+
+
 def test_sampled_run_skips_the_identity_check(tiny_model_dirs, prompt_file, tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     args = _base_args(tiny_model_dirs, prompt_file) + ["--methods", "ngram,hf", "--gammas", "2", "--limit", "1",

@@ -34,6 +34,7 @@ from specdecode.drafters.registry import SHARED_SUFFIX_CACHE, DrafterInputs, Dra
 from specdecode.drafters.suffix import SUFFIX_SIGNALS, SuffixCache, SuffixDrafter
 from specdecode.heads.vocab import VocabHead
 from specdecode.kv.cache import Cache
+from specdecode.kv.prefix import common_prefix
 from specdecode.kv.memory import KVMemory
 from specdecode.sampling import SamplingParams
 
@@ -183,8 +184,7 @@ class AutoDrafter(DrafterBase):
     def commit(self, seq: list[int]) -> None:
         if self._last is not None:
             proposal, start = self._last
-            kept = seq[start:start + len(proposal.tokens)]
-            accepted = next((i for i, (a, b) in enumerate(zip(kept, proposal.tokens)) if a != b), len(kept))
+            accepted = common_prefix(proposal.tokens, seq[start:start + len(proposal.tokens)])
             expected = 1.0 if proposal.source == MODEL else proposal.expected
             self.calibration.learn(proposal.source, expected, accepted)
             self._last = None
