@@ -184,13 +184,13 @@ def test_the_block_kernels_of_every_build_agree_bitwise(fmt):
 
 @pytest.mark.parametrize("path", OURS)
 @pytest.mark.parametrize("kind", ["ngram", "layerskip", "draft", "draft-vocab"])
-@pytest.mark.parametrize("weights", ["bf16", *BLOCK_FORMATS, "q4_1+head"])
+@pytest.mark.parametrize("weights", ["bf16", *BLOCK_FORMATS, "q4_1+head", "q4_0+head"])
 def test_greedy_speculation_is_exact_on_our_kernels(path, kind, weights):
     """``draft-vocab``: the draft model over half its ids and the request's (its head rows read from the packed
     tiles); the second prompt has a third of its tokens outside them, so it drafts over every id."""
     target = varied_model(0, dtype=torch.bfloat16)
     assert pack_model(target, path, weights=weights).name == path and pack_model(target).name == path  # idempotent
-    formats = {"bf16": "bf16", "q8_0": "q8_0", "q4_1+head": "q4_1"}
+    formats = {"bf16": "bf16", "q8_0": "q8_0", "q4_1+head": "q4_1", "q4_0+head": "q4_0"}
     assert target.weight_format == formats.get(weights, f"{weights}, head q8_0")
     draft = varied_model(0, keep_layers=[0, 1], dtype=torch.bfloat16)
     pack_model(draft, path, weights=weights)

@@ -38,12 +38,14 @@ from specdecode.models.block_codecs import (Q4_K_BYTES, Q6_K_BYTES, q4_k_dequant
                                             q8_0_quantize)
 from specdecode.models.super_blocks import SUPER_FORMATS, SUPER_QTYPES, SuperBlockWeight
 
-# What --weights offers. "q4_1+head" is q4_1 with the output head in q4_1 too, not q8_0: a draft model's
-# default (a draft's head only sets how often it is right; the 0.5B Qwen's q8_0 head is 40% of its bytes).
+# What --weights offers. "q4_1+head" is q4_1 with the output head in q4_1 too, not q8_0 ("q4_0+head" the same in
+# q4_0): a draft model's formats (a draft's head only sets how often it is right; the 0.5B Qwen's q8_0 head is 40%
+# of its bytes).
 WHOLE_Q4 = "q4_1+head"
-WEIGHT_FORMATS = ("auto", "blocks", "bf16", "q8_0", "q4_0", "q4_1", WHOLE_Q4)
+WHOLE_FORMATS = {WHOLE_Q4: "q4_1", "q4_0+head": "q4_0"}  # each whole-model request and its one format
+WEIGHT_FORMATS = ("auto", "blocks", "bf16", "q8_0", "q4_0", "q4_1", *WHOLE_FORMATS)
 BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")
-BLOCK_REQUESTS = (*BLOCK_FORMATS, WHOLE_Q4)  # the --weights that need a backend computing block formats
+BLOCK_REQUESTS = (*BLOCK_FORMATS, *WHOLE_FORMATS)  # the --weights that need a backend computing block formats
 FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "bf16": 3, "q4_k": 4, "q6_k": 5, "q5_k": 6,  # the kernels'
                 "q5_0": 7, "q5_1": 8}  # (linear_quant.h)
 BLOCK = 32
@@ -327,10 +329,10 @@ def choose_formats(requested: str, stored: Sequence[str], head: bool = False) ->
     as the block format that holds it (``_STAND_IN``: Q4_K's codes as q4_1, Q5_K and Q6_K requantized to q8_0:
     cheaper verification rows, see ``kernels/linear_kquant.h``). An explicit block format applies to every part as
     asked, except that the output head (``head``) is kept at least q8_0 under q4 formats, as llama.cpp's quantizer
-    keeps it wider; "q4_1+head" (``WHOLE_Q4``) is q4_1 for the head too.
+    keeps it wider; "q4_1+head" and "q4_0+head" (``WHOLE_FORMATS``) are that format for the head too.
     """
-    if requested == WHOLE_Q4:
-        return ["q4_1"] * len(stored)
+    if requested in WHOLE_FORMATS:
+        return [WHOLE_FORMATS[requested]] * len(stored)
     if requested == "blocks":  # the K-quants as 32-weight formats; the rest as "auto" takes them
         stored = [_STAND_IN[s] if s in SUPER_FORMATS else s for s in stored]
     if requested in ("auto", "blocks"):
