@@ -47,6 +47,29 @@ def test_switches_off_when_drafts_are_rejected_and_back_on_when_accepted():
     assert c.shared.gain > 1.0 and c.next_gamma(ctx()) == 8
 
 
+def test_one_slow_first_draft_does_not_hold_drafting_off():
+    # An early draft ran 20x slow (a host's hiccup): drafting goes off, and the draft cost learnt from it is ~7x
+    # too high. While off only probes draft, each after plain steps, so its time holds a catch-up (here one more
+    # token's drafting) and is not timed as the draft cost: priced at the inflated estimate, every probe would read
+    # slower than plain decoding and drafting would stay off. Its measured time bounds its cost from above.
+    c = AdaptiveGamma(MODEL, gamma_max=8)
+    c.shared.costs.seed([VERIFY] * 9)
+    true_per_token = 0.3 * VERIFY
+    for slow in (1, 1, 20):
+        k = c.next_gamma(ctx())
+        c.update(record(k, k, slow * true_per_token * k, VERIFY))
+    assert c.shared.gain < 1.0 and c.next_gamma(ctx()) == 0
+    assert c.cost.costs.draft_per_token > 5 * true_per_token
+    drafted, before = [], True
+    for _ in range(4 * c.off.max_interval):
+        k = c.next_gamma(ctx())
+        c.update(record(k, k, true_per_token * (k + (0 if before else 1)), VERIFY, requested=k))
+        drafted.append(k)
+        before = k > 0
+    assert c.shared.gain > 1.0 and c.cost.costs.draft_per_token < 2 * true_per_token
+    assert drafted[-20:].count(0) <= 1  # on again (a re-timing plain step at most)
+
+
 def test_on_off_follows_measured_speed_not_the_cost_model():
     # Confident stopping can make drafting pay where per-position acceptance says it would not
     # (the Qwen pair): the measured speed of drafting steps decides.

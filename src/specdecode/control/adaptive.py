@@ -125,9 +125,11 @@ class AdaptiveGamma:
         # Drafting's measured speed is a lone sequence's: a step shared with others times their rows too.
         if not record.others_rows:
             if self._stopping and record.drafted:
-                # A draft model's first draft after plain steps also catches up on them: not drafting's cost.
+                # A draft model's first draft after plain steps also catches up on them: not drafting's cost. Its
+                # time is then an upper bound, below an estimate that one slow draft inflated (which would hold
+                # every probe's speed down and drafting off: see StepCosts.update).
                 draft_s = (record.draft_s if self.cost.drafted_before
-                           else record.drafted * self.cost.costs.draft_per_token)
+                           else min(record.draft_s, record.drafted * self.cost.costs.draft_per_token))
                 self.shared.learn_gain(record.accepted + 1, draft_s + record.verify_s)
             elif self._by_confidence():
                 self.shared.learn_gain()

@@ -150,14 +150,15 @@ class StepCosts:
 
     def update(self, drafted: int, draft_s: float, verify_s: float, draft_timed: bool = True,
                others: int = 0) -> None:
-        """Learns from one step; ``draft_timed`` False leaves the draft cost out (a step whose drafting
-        time includes catching up on tokens the drafter missed while speculation was off); ``others``:
-        rows other sequences had in the same forward."""
+        """Learns from one step; ``draft_timed`` False: a step whose drafting time includes catching up on tokens
+        the drafter missed while speculation was off, an upper bound of the draft cost, learnt only where it is
+        below the estimate (one slow draft, a host's hiccup, must not stay in the estimate while speculation is
+        off: no draft is timed then but these); ``others``: rows other sequences had in the same forward."""
         k = drafted + others
         if k <= self.top:
             self.base = smoothed(self.base, verify_s / self.shape[k], self.smoothing)
             self.shape[k] += self.shape_smoothing * (verify_s / self.base - self.shape[k])
-        if drafted and draft_timed:
+        if drafted and (draft_timed or (self.draft_per_token is not None and draft_s / drafted < self.draft_per_token)):
             self.draft_per_token = smoothed(self.draft_per_token, draft_s / drafted, self.smoothing)
 
     def verify_s(self, k: int) -> float:
