@@ -129,7 +129,8 @@ def test_choose_formats():
     assert choose_formats("q4_0", ["bf16"]) == ["q4_0"] and choose_formats("q4_1", ["q8_0"], head=True) == ["q8_0"]
     assert choose_formats("q4_1+head", ["q8_0"], head=True) == ["q4_1"]  # a draft's head: q4_1 too
     assert choose_formats("q4_1+head", ["q4_k", "q6_k"]) == ["q4_1"] * 2
-    assert choose_formats("q4_0+head", ["q8_0"], head=True) == ["q4_0"] and choose_formats("q4_0+head", ["q6_k"]) == ["q4_0"]
+    assert choose_formats("q4_0+head", ["q8_0"], head=True) == ["q4_0"]  # q4_0's head: q4_0 too
+    assert choose_formats("q4_0+head", ["q4_k", "q6_k"]) == ["q4_0"] * 2
     assert choose_formats("q8_0", ["q4_1"], head=True) == ["q8_0"] and choose_formats("bf16", ["q4_1"]) == ["bf16"]
     assert choose_formats("q4_1", ["q4_k", "q6_k"]) == ["q4_1", "q4_1"]  # an explicit format: every part
 

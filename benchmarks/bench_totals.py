@@ -1,0 +1,59 @@
+"""Speedups of a `specdecode bench` run as totals: each method's generated tokens over its seconds, summed over the
+prompts (overall and per category), against plain decoding's over the same prompts, and the geometric mean of the
+per-prompt ratios. The report's own figure is the median of per-prompt ratios, which moves with a few prompts'
+timing; totals weigh every prompt by its time. Reads results.json; prints a table, then one JSON line. It does not
+run anything.
+
+    python benchmarks/bench_totals.py docs/benchmarks/i51-suites-zen5/qwen-suites/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+
+PLAIN = "none"
+
+
+def totals(samples: list[dict]) -> dict[str, dict[str, float]]:
+    """Per method: "overall", each category (total tokens/s over plain's) and "geomean" (of per-prompt ratios)."""
+    sums: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+    speed: dict[str, dict[str, float]] = defaultdict(dict)
+    for s in samples:
+        for key in ("overall", s["category"]):
+            cell = sums[s["method"]][key]
+            cell[0] += s["tokens"]
+            cell[1] += s["seconds"]
+        speed[s["method"]][s["prompt_id"]] = s["tokens_per_s"]  # (one repeat: the run's median per prompt is this)
+    if PLAIN not in sums:
+        raise SystemExit("the run has no plain decoding ('none') to compare with")
+    plain = {key: tokens / seconds for key, (tokens, seconds) in sums[PLAIN].items()}
+    out = {}
+    for method, cells in sums.items():
+        row = {key: tokens / seconds / plain[key] for key, (tokens, seconds) in cells.items()}
+        logs = [math.log(v / speed[PLAIN][p]) for p, v in speed[method].items()]
+        row["geomean"] = math.exp(sum(logs) / len(logs))
+        out[method] = row
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", help="a bench run's results.json")
+    args = p.parse_args()
+    with open(args.results) as f:
+        run = json.load(f)
+    if run["config"].get("repeats", 1) != 1:
+        raise SystemExit("totals need a one-repeat run (a repeat's samples would count twice)")
+    rows = totals(run["samples"])
+    keys = ["overall", "geomean", *sorted(k for k in rows[PLAIN] if k not in ("overall", "geomean"))]
+    print(f"{'method':24s}" + "".join(f"{k[:9]:>10s}" for k in keys))
+    for method, row in rows.items():
+        print(f"{method:24s}" + "".join(f"{row[k]:10.3f}" for k in keys))
+    print(json.dumps({"model": run["config"]["model"], "cpu": run["environment"].get("cpu_model"), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""benchmarks/bench_totals.py: totals weigh each prompt by its time, where the report's median of ratios does not."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_totals.py"
+
+
+@pytest.fixture(scope="module")
+def bench_totals():
+    spec = importlib.util.spec_from_file_location("bench_totals", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sample(method, prompt, category, tokens, seconds):
+    return dict(method=method, prompt_id=prompt, category=category, tokens=tokens, seconds=seconds,
+                tokens_per_s=tokens / seconds)
+
+
+def test_totals_are_summed_tokens_over_summed_seconds_against_plain(bench_totals):
+    # A long prompt where the drafter gains nothing and a short one where it doubles: the total is pulled to the long
+    # prompt's ratio (11 tokens/s over 10), the geometric mean sits between, per category each its own.
+    samples = [_sample("none", "a", "chat", 100, 10.0), _sample("none", "b", "code", 10, 1.0),
+               _sample("x", "a", "chat", 100, 10.0), _sample("x", "b", "code", 10, 0.5)]
+    rows = bench_totals.totals(samples)
+    assert rows["none"] == {"overall": 1.0, "chat": 1.0, "code": 1.0, "geomean": 1.0}
+    assert rows["x"]["overall"] == pytest.approx((110 / 10.5) / (110 / 11.0))
+    assert rows["x"]["chat"] == pytest.approx(1.0) and rows["x"]["code"] == pytest.approx(2.0)
+    assert rows["x"]["geomean"] == pytest.approx(math.sqrt(2.0))
+
+
+def test_a_run_without_plain_decoding_is_refused(bench_totals):
+    with pytest.raises(SystemExit, match="no plain decoding"):
+        bench_totals.totals([_sample("x", "a", "chat", 10, 1.0)])
