@@ -16,6 +16,7 @@ from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
 from specdecode.drafters import DraftModelDrafter, NgramDrafter, NgramTreeDrafter
 from specdecode.drafters import forced as forced_module
+from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Draft
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.grammar import Grammar
@@ -46,6 +47,8 @@ def _drafter(kind: str):
         return NgramDrafter(min_ngram=1, max_ngram=2)
     if kind == "ngram-tree":
         return NgramTreeDrafter(min_ngram=1, max_ngram=2)
+    if kind == "auto":  # past the forced tokens its prompt lookup drafts (the suffix tries hold verified tokens)
+        return AutoDrafter(min_ngram=1, max_ngram=2)
     return DraftModelDrafter(small_vocab_model(11, layers=1), tree_width=3 if kind == "draft-tree" else 0)
 
 
@@ -58,6 +61,7 @@ def _allowed(letters: str) -> torch.Tensor:
 @pytest.mark.parametrize("kind, sampling", [
     pytest.param("draft", SamplingParams(temperature=1.0), id="draft-T1"),
     pytest.param("ngram", SamplingParams(temperature=1.0), id="ngram-T1"),
+    pytest.param("auto", SamplingParams(temperature=1.0), id="auto-T1"),
     pytest.param("draft-tree", SamplingParams(temperature=1.0), id="draft-tree-T1", marks=pytest.mark.slow),
     pytest.param("ngram-tree", SamplingParams(temperature=0.5, top_k=6), id="ngram-tree-T0.5-k6",
                  marks=pytest.mark.slow),
@@ -123,7 +127,7 @@ def _check_greedy_identity(target, tokenizer, kind: str) -> None:
     assert forced > 0
 
 
-@pytest.mark.parametrize("kind", ["ngram", "ngram-tree", "draft", "draft-tree"])
+@pytest.mark.parametrize("kind", ["ngram", "ngram-tree", "draft", "draft-tree", "auto"])
 def test_constrained_greedy_output_is_plain_constrained_greedy_output_in_any_batch(target, tokenizer, kind):
     _check_greedy_identity(target, tokenizer, kind)
 

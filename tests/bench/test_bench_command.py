@@ -201,6 +201,27 @@ def test_every_controller_runs_and_record_steps_writes_valid_jsonl(tiny_model_di
                                         else ["top1", "entropy"])
 
 
+def test_a_learning_drafter_is_warmed_up_then_forgets_the_warm_up(tiny_model_dirs, prompt_file, tmp_path,
+                                                                    monkeypatch):
+    # Skipping its warm-up left first-call costs (a grammar compiler's start) in its first timed prompt; running it
+    # without forgetting would let that prompt's timed run draft its own output.
+    from specdecode.batch.executor import BatchEngine
+
+    forgot = []
+    real = BatchEngine.forget_learned
+
+    def forget(engine):
+        forgot.append(engine.learned[0])
+        real(engine)
+        forgot.append(engine.learned[0])
+
+    monkeypatch.setattr(BatchEngine, "forget_learned", forget)
+    args = _base_args(tiny_model_dirs, prompt_file) + ["--methods", "none,ngram,suffix", "--gammas", "2",
+                                                       "--limit", "1", "--json", str(tmp_path / "bench.json")]
+    assert main(args) == 0
+    assert forgot == [1, 0] * 2  # suffix:g2 and suffix:agreement alone: each had learnt its warm-up, then nothing
+
+
 def test_auto_drafts_with_the_runs_draft_model_and_its_records_name_its_controller_entry(tiny_model_dirs, prompt_file,
                                                                                           tmp_path):
     from specdecode.control.records import read_records

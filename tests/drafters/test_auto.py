@@ -52,6 +52,21 @@ def test_a_source_whose_drafts_are_rejected_loses_its_turn():
     assert calibration.factor("ngram") < 0.2 < calibration.factor("suffix") < 1.0
 
 
+def test_past_unverified_tokens_prompt_lookup_drafts_and_the_suffix_tries_wait_for_verification():
+    # A grammar's forced tokens are drafted ahead of it (forced.py): the draft after them may not take them into the
+    # tries before the target has kept them.
+    prompt = [1, 2, 3, 4, 5, 6, 7, 9, 3]
+    drafter = _started(prompt)
+    assert drafter.drafts_past_unverified
+    seen = drafter.suffix._seen
+    assert _propose(drafter, prompt + [4], 3).tokens == [5, 6, 7]  # "3 4" seen before: prompt lookup goes on
+    assert drafter.suffix._seen == seen
+    suffix_only = _started(prompt, sources=("suffix",))
+    assert _propose(suffix_only, prompt + [4], 3).tokens == []  # nothing else may draft there
+    drafter.commit(prompt + [4, 5, 6])
+    assert _propose(drafter, prompt + [4, 5, 6], 2).tokens == [7, 9] and drafter.suffix._seen == len(prompt) + 3
+
+
 def test_calibration_counts_the_accepted_prefix():
     prompt = [1, 2, 3, 4, 5, 6, 7, 9, 3]
     calibration = Calibration(prior=1.0, decay=1.0)
@@ -59,6 +74,17 @@ def test_calibration_counts_the_accepted_prefix():
     _propose(drafter, prompt, 5)
     drafter.commit(prompt + [4, 5, 0])  # two of five kept, then the target's own token
     assert calibration.sums["ngram"] == [1.0 + 5.0, 1.0 + 2.0]
+
+
+def test_forgetting_drops_the_calibration_and_the_cache_of_earlier_outputs():
+    prompt = [1, 2, 3, 4, 5, 6, 7, 9, 3]
+    drafter = _started(prompt)
+    _propose(drafter, prompt, 5)
+    drafter.commit(prompt + [8])
+    drafter.finish(prompt + [8])
+    assert drafter.calibration.factor("ngram") < 1.0 and drafter.learned()[0] == 1
+    drafter.forget()
+    assert drafter.calibration.factor("ngram") == 1.0 and drafter.learned()[0] == 0
 
 
 def test_unknown_sources_are_refused():

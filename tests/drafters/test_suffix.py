@@ -233,6 +233,36 @@ def test_an_engine_drafts_a_repeated_request_from_its_first_output():
     assert sum(r.stats.accepted_tokens for r in second) > sum(r.stats.accepted_tokens for r in first)
 
 
+def test_a_forgotten_cache_drafts_nothing_it_learnt_and_a_running_drafter_looks_again():
+    cache = SuffixCache()
+    running = _started([7, 1, 2], cache=cache)
+    _started([9], cache=cache).finish([9, 1, 2, 3, 4])
+    assert _propose(running, [7, 1, 2], 4).tokens == [3, 4] and cache.long_grams == {} and cache.learned()[0] == 1
+    _started([9], cache=cache).finish([9] + list(range(20, 30)))
+    running.forget()  # any slot's drafter: the cache is the engine's
+    assert cache.learned() == (0, cache.trie.nbytes) and not cache.long_grams and not cache.outputs
+    assert _propose(running, [7, 1, 2], 4).tokens == []
+    _started([9], cache=cache).finish([9, 1, 2, 5])  # and it learns again
+    assert _propose(running, [7, 1, 2], 4).tokens == [5]
+
+
+def test_an_engine_forgets_what_it_learnt_when_idle():
+    inputs = DrafterInputs(target=varied_model(0))
+    engine = BatchEngine(inputs.target, new_drafter=lambda: registry.build("suffix", inputs),
+                         spec=SpeculativeConfig(gamma=4), scheduler=SchedulerConfig(max_running=3), max_len=96)
+    first = engine.run(requests())
+    taught = engine.run(requests())  # drafted from the first run's outputs
+    engine.forget_learned()
+    assert engine.learned[0] == 0
+    again = engine.run(requests())  # from nothing earlier (but each other's outputs as they finish)
+    assert [r.token_ids for r in again] == [r.token_ids for r in taught] == [r.token_ids for r in first]
+    accepted = [sum(r.stats.accepted_tokens for r in run) for run in (first, taught, again)]
+    assert accepted[2] < accepted[1] and abs(accepted[2] - accepted[0]) < accepted[1] - accepted[0], accepted
+    engine.submit(**requests()[0])
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.forget_learned()
+
+
 def test_the_warm_up_teaches_the_cache_nothing_and_gamma_zero_drafts_nothing():
     inputs = DrafterInputs(target=varied_model(0))
     engine = BatchEngine(inputs.target, new_drafter=lambda: registry.build("suffix", inputs),

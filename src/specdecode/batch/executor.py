@@ -174,6 +174,18 @@ class BatchEngine:
         drafters = self.admission.drafters
         return drafters[0].learned() if drafters else (0, 0)
 
+    def forget_learned(self) -> None:
+        """Drops what the drafters learnt from earlier requests (the suffix cache of their outputs, ``auto``'s
+        calibration of its sources): later requests draft as on a fresh engine (the controllers' step costs stay).
+
+        Raises:
+            RuntimeError: the engine has work (a running request would lose what it drafts from).
+        """
+        if self.has_work:
+            raise RuntimeError("forget_learned needs an idle engine")
+        for drafter in self.admission.drafters:
+            drafter.forget()
+
     def run(self, requests: Sequence[dict]) -> list[GenerationResult]:
         """Serves ``requests`` (keyword arguments of :meth:`submit`) together; results in their order."""
         pending, sequences = list(requests), []

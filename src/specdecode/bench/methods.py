@@ -92,6 +92,7 @@ class Method:
         constrains: it decodes under each prompt's JSON schema (our engine).
         learns: its drafter keeps what earlier requests generated (``DrafterSpec.learns``), so its timed runs see
             the outputs of the prompts before them (and of earlier repeats).
+        forget: drops what its drafter learnt (``BatchEngine.forget_learned``; a learner's, after its warm-up).
         close: releases what the method holds outside this process (a peer's server), or None.
     """
 
@@ -113,6 +114,7 @@ class Method:
     predicts: bool = False
     constrains: bool = False
     learns: bool = False
+    forget: Callable[[], None] | None = None
     close: Callable[[], None] | None = None
 
     @property
@@ -201,7 +203,8 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
                   draft_dtype=dtype_name(drafts_with.dtype) if drafts_with else None,
                   weights=target.model.weight_format, weight_bytes=target.model.weight_nbytes,
                   draft_weights=drafts_with.weight_format if drafts_with else None,
-                  learns=drafter_spec is not None and drafter_spec.learns, constrains=True)
+                  learns=drafter_spec is not None and drafter_spec.learns, forget=engine.batch.forget_learned,
+                  constrains=True)
 
 
 def _drafter_params(spec: DrafterSpec, drafter: Any, skip_layers: Sequence[int] | None,

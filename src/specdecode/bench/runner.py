@@ -663,8 +663,9 @@ def _run_methods(config: BenchConfig, prompts: list[Prompt], loaded: _Loaded, re
     calls = _Calls(methods, rendered, bar, failed)
     t_run = time.perf_counter()
     for method in list(calls.alive):  # warm-up: untimed, longest prompt, full budget
-        if not method.learns:  # (one that learns would then draft that prompt's timed run from its own output)
-            calls(method, longest, config.seed)
+        calls(method, longest, config.seed)
+        if method.learns and method.forget is not None:  # (else it would draft that prompt's timed run from its output)
+            method.forget()
         bar.update(f"warm-up {method.name}")
     learners = [m.name for m in methods if m.learns]
     if learners and config.repeats > 1:

@@ -15,8 +15,9 @@ free sources cost nothing, so they win ties. Its signals are then the model's (t
 token's made from its calibrated share, so that one controller stops both; the model catches up on the tokens it
 did not draft at its next draft.
 
-Its signals without a model are suffix's (match length, occurrences, share), the chosen source's. It does not
-price a draft (its controller does) or verify.
+Its signals without a model are suffix's (match length, occurrences, share), the chosen source's. After tokens not
+yet verified (a grammar's forced tokens, ``forced.py``) only prompt lookup and the model draft: the suffix tries
+hold verified tokens alone. It does not price a draft (its controller does) or verify.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class Calibration:
         expected, accepted = self.sums.get(source, (self.prior, self.prior))
         return accepted / expected
 
+    def clear(self) -> None:
+        """Back to the prior for every source."""
+        self.sums.clear()
+
     def learn(self, source: str, expected: float, accepted: int) -> None:
         sums = self.sums.setdefault(source, [self.prior, self.prior])
         sums[0] = self.decay * sums[0] + expected
@@ -106,6 +111,7 @@ class AutoDrafter(DrafterBase):
     model: DraftModelDrafter | None = None
     name: str = AUTO
     signal_names: tuple[str, ...] = SUFFIX_SIGNALS
+    drafts_past_unverified = True  # with the sources that can (see the module's docstring)
 
     def __post_init__(self) -> None:
         if not self.sources or not set(self.sources) <= set(SOURCES):
@@ -116,6 +122,7 @@ class AutoDrafter(DrafterBase):
             self.name, self.signal_names = AUTO_DRAFT, MODEL_SIGNALS
         self._last: tuple[_Proposal, int] | None = None  # the last draft and where in the sequence it starts
         self._long = False  # the suffix source has a long run for the next draft
+        self._verified = 0  # tokens of the sequence verified (past them, a proposal follows unverified ones)
 
     @property
     def weight_nbytes(self) -> int:
@@ -140,6 +147,7 @@ class AutoDrafter(DrafterBase):
         if self.model is not None:
             self.model.reset(target_cache, prompt, memory, slot)
         self._last = None
+        self._verified = len(prompt)
 
     def long_run(self) -> int:
         run = self.suffix.long_run()
@@ -151,9 +159,10 @@ class AutoDrafter(DrafterBase):
         self._last = None
         if k < 1:
             return Draft([])
-        long = self._long
+        past = len(seq) > self._verified  # after unverified tokens: the suffix source (and its long run) sits out
+        long = self._long and not past
         score = lambda p: p.expected * self.calibration.factor(p.source)  # noqa: E731
-        best = max(self._proposals(seq, k), key=score, default=None)
+        best = max(self._proposals(seq, k, past), key=score, default=None)
         if self.model is not None and not long and (best is None or score(best) < self.calibration.factor(MODEL)):
             draft = self.model.propose(seq, k, sampling, generator, stop)
             self._last = (_Proposal(MODEL, draft.tokens, []), len(seq))
@@ -167,14 +176,16 @@ class AutoDrafter(DrafterBase):
         self._last = (_Proposal(best.source, best.tokens[:end], best.signals[:end]), len(seq))
         return Draft(best.tokens[:end], signals=signals[:end] if stop is not None else [])
 
-    def _proposals(self, seq: list[int], k: int) -> list[_Proposal]:
-        """Each source's proposal of at most ``k`` tokens with its signals (a source with none left out)."""
+    def _proposals(self, seq: list[int], k: int, past: bool) -> list[_Proposal]:
+        """Each source's proposal of at most ``k`` tokens with its signals (a source with none left out); ``past``:
+        ``seq`` ends in unverified tokens, which the suffix source may not take in."""
         out = []
-        draft = self.suffix.propose(seq, k, _GREEDY, None, _SIGNALS_ONLY)  # kept in sync whether asked or not
-        if draft.tokens and "suffix" in self.sources:
-            out.append(_Proposal("suffix", draft.tokens, draft.signals))
-        if self._long or "ngram" not in self.sources:  # a long run drafts alone
-            self._long = False
+        if not past:
+            draft = self.suffix.propose(seq, k, _GREEDY, None, _SIGNALS_ONLY)  # kept in sync whether asked or not
+            if draft.tokens and "suffix" in self.sources:
+                out.append(_Proposal("suffix", draft.tokens, draft.signals))
+        long, self._long = self._long and not past, False
+        if long or "ngram" not in self.sources:  # a long run drafts alone
             return out
         draft = self.ngram.propose(seq, k, _GREEDY, None, _SIGNALS_ONLY)
         if draft.tokens:
@@ -191,12 +202,17 @@ class AutoDrafter(DrafterBase):
         self.suffix.commit(seq)
         if self.model is not None:
             self.model.commit(seq)
+        self._verified = len(seq)
 
     def finish(self, seq: list[int]) -> None:
         self.suffix.finish(seq)
 
     def learned(self) -> tuple[int, int]:
         return self.suffix.learned()
+
+    def forget(self) -> None:
+        self.suffix.forget()
+        self.calibration.clear()
 
 
 def _model_signal(p: float) -> Signal:

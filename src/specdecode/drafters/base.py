@@ -131,6 +131,9 @@ class Drafter(Protocol):
     def learned(self) -> tuple[int, int]:
         """(requests, bytes) it keeps from finished requests (see ``DrafterBase.learned``)."""
 
+    def forget(self) -> None:
+        """Drops what it learnt from earlier requests (see ``DrafterBase.forget``)."""
+
     def name_cache(self, name: str) -> None:
         """Names its own KV cache in the engine's memory (see ``DrafterBase.name_cache``)."""
 
@@ -185,11 +188,16 @@ class DrafterBase:
         bytes); (0, 0) when it learns nothing across requests."""
         return 0, 0
 
+    def forget(self) -> None:
+        """Drops what it learnt from earlier requests (finished outputs, how its sources fared), shared with the
+        other slots' drafters: later requests draft as on a fresh engine. One that learns nothing has nothing to
+        drop."""
+
 
 class DrafterWrapper(DrafterBase):
     """A drafter that drafts in front of another (``wrapped``; None: nothing behind it) and hands every other part
     of the protocol on to it: name, signals, features, weights, cache, ``observe``, ``reset``, ``commit``,
-    ``long_run``, ``finish``, ``learned``, ``name_cache``. A subclass sets ``wrapped`` (a dataclass field), overrides
+    ``long_run``, ``finish``, ``learned``, ``forget``, ``name_cache``. A subclass sets ``wrapped`` (a dataclass field), overrides
     ``propose``, and calls ``super()`` where it adds to the rest."""
 
     wrapped: Drafter | None = None
@@ -241,6 +249,10 @@ class DrafterWrapper(DrafterBase):
 
     def learned(self) -> tuple[int, int]:
         return self.wrapped.learned() if self.wrapped is not None else (0, 0)
+
+    def forget(self) -> None:
+        if self.wrapped is not None:
+            self.wrapped.forget()
 
 
 class OwnCache(DrafterBase):

@@ -83,6 +83,13 @@ class SuffixCache:
         """(outputs, bytes) kept."""
         return len(self.outputs), self.trie.nbytes
 
+    def clear(self) -> None:
+        """Drops every output kept (the drafters look their tails up again: the version changes)."""
+        self.trie = new_trie(self.max_depth)
+        self.outputs.clear()
+        self.long_grams.clear()
+        self.version += 1
+
 
 @dataclass
 class _Pick:
@@ -199,6 +206,9 @@ class SuffixDrafter(DrafterBase):
 
     def learned(self) -> tuple[int, int]:
         return self.cache.learned()
+
+    def forget(self) -> None:
+        self.cache.clear()
 
     def _note(self, seq: list[int]) -> None:
         """Counts the LONG_MATCH-grams that ``seq``'s new tokens end, noting whether the last one was seen before."""
