@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_totals.py"
+from repo_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench_totals():
-    spec = importlib.util.spec_from_file_location("bench_totals", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_totals.py")
 
 
 def _sample(method, prompt, category, tokens, seconds):

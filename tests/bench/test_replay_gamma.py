@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from specdecode.drafters import NgramDrafter
 from specdecode.engine import Engine, SpeculativeConfig
+from repo_scripts import load_script
 from tiny_models import varied_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "replay_gamma.py"
 PROMPTS = [("rep-1", "repetitive", [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9]),
            ("rep-2", "repetitive", [50, 51, 50, 51, 52, 50, 51, 50, 51, 52, 50, 51]),
            ("open-1", "open", [1, 2, 3, 4, 5])]
@@ -22,10 +19,7 @@ NEW_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def replay_gamma():
-    spec = importlib.util.spec_from_file_location("replay_gamma", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/replay_gamma.py")
 
 
 @pytest.fixture(scope="module")

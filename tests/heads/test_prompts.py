@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from collections import Counter
-from pathlib import Path
 
 from specdecode.bench.prompts import CATEGORIES, default_prompts
 from specdecode.heads.data import packaged_prompts
 from specdecode.prompts import load_prompts
+from repo_scripts import load_script
 
-COMPOSER = Path(__file__).resolve().parents[2] / "tools" / "compose_head_prompts.py"
 
 
 def _text(p) -> str:
@@ -39,9 +37,7 @@ def test_every_category_is_covered_and_ids_are_unique():
 
 
 def test_the_composer_reproduces_the_packaged_composed_prompts():
-    spec = importlib.util.spec_from_file_location("compose_head_prompts", COMPOSER)
-    composer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(composer)
+    composer = load_script("tools/compose_head_prompts.py")
     rows = [json.loads(line) for line in packaged_prompts().read_text(encoding="utf-8").splitlines()]
     handwritten = [r for r in rows if not r["id"].startswith(composer.COMPOSED)]
     assert len(handwritten) == 420
