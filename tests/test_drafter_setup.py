@@ -190,5 +190,6 @@ def test_a_draft_models_draft_vocabulary_holds_the_first_ids_and_the_targets_end
     for whole in (None, 0):  # the default: all
         assert drafter_factory(DrafterConfig(kind="draft", draft_model=draft, draft_vocab=whole), target_config,
                                target, CacheConfig(), lambda line: None)().vocab is None
-    with pytest.raises(ValueError, match=re.escape("--draft-vocab is only used by --drafter draft|draft-tree|auto|eagle")):
+    only = "--draft-vocab is only used by --drafter draft|draft-tree|auto|eagle"
+    with pytest.raises(ValueError, match=re.escape(only)):
         DrafterConfig(kind="ngram", draft_vocab=10)

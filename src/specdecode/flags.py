@@ -50,7 +50,8 @@ WEIGHTS_HELP = ("the projections' weight format: auto = a GGUF's own formats as 
                 "Q4_K, Q5_K, Q6_K) where our kernels run, else bf16 (default); blocks = as auto with K-quants in "
                 "32-weight blocks (Q4_K -> q4_1, Q5_K and Q6_K -> q8_0: cheaper verification rows); bf16; q8_0, q4_0, "
                 "q4_1 (llama.cpp's blocks, kept quantized, int8 activations; the output head stays >= q8_0 under q4); "
-                "q4_1+head = q4_1 with the output head in q4_1 too (a draft model's default); q4_0+head the same in q4_0")
+                "q4_1+head = q4_1 with the output head in q4_1 too (a draft model's default); q4_0+head the same in "
+                "q4_0")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, device: bool = True, weights_list: bool = False,

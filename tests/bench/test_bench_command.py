@@ -321,7 +321,8 @@ def test_usage_errors(tiny_model_dirs, prompt_file, capsys):
     assert "--draft-quant int8 and --draft-weights both" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(base + ["--weights", "auto,q3_k"])
-    assert "expected a comma list of auto, blocks, bf16, q8_0, q4_0, q4_1, q4_1+head, q4_0+head, got 'auto,q3_k'" in capsys.readouterr().err
+    assert ("expected a comma list of auto, blocks, bf16, q8_0, q4_0, q4_1, q4_1+head, q4_0+head, got 'auto,q3_k'"
+            in capsys.readouterr().err)
     assert main(base + ["--weights", "q4_1"]) == 2  # a float32 model: the projections would run on torch
     assert "--weights q4_1 needs one of our kernels" in capsys.readouterr().err
 

@@ -92,7 +92,7 @@ class Method:
         constrains: it decodes under each prompt's JSON schema (our engine).
         learns: its drafter keeps what earlier requests generated (``DrafterSpec.learns``), so its timed runs see
             the outputs of the prompts before them (and of earlier repeats).
-        forget: drops what its drafter learnt (``BatchEngine.forget_learned``; a learner's, after its warm-up).
+        forget: drops what its drafter learnt (``BatchEngine.forget_learned``), for a learner (None otherwise).
         close: releases what the method holds outside this process (a peer's server), or None.
     """
 
@@ -186,6 +186,7 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
         return Output(result.token_ids, seconds, result.stats.to_dict(), result.finish_reason, list(steps),
                       result.text)
 
+    learns = drafter_spec is not None and drafter_spec.learns
     uses_draft_model = drafter_spec is not None and (bool(drafter_spec.needs & Needs.DRAFT_MODEL) or
                                                      (draft_model is not None and family in DRAFT_MODEL_USERS))
     draft = draft_model if uses_draft_model else None
@@ -203,8 +204,7 @@ def engine_method(family: str, gamma: int | str | None, target: LoadedModel, sam
                   draft_dtype=dtype_name(drafts_with.dtype) if drafts_with else None,
                   weights=target.model.weight_format, weight_bytes=target.model.weight_nbytes,
                   draft_weights=drafts_with.weight_format if drafts_with else None,
-                  learns=drafter_spec is not None and drafter_spec.learns, forget=engine.batch.forget_learned,
-                  constrains=True)
+                  learns=learns, forget=engine.batch.forget_learned if learns else None, constrains=True)
 
 
 def _drafter_params(spec: DrafterSpec, drafter: Any, skip_layers: Sequence[int] | None,

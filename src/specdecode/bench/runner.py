@@ -24,8 +24,8 @@ from specdecode.control.config import MAX_GAMMA
 from specdecode.control.records import record_json
 from specdecode.bench.llamacpp_tools import PeerMissing
 from specdecode.bench.methods import (DRAFT_MODEL_FAMILIES, DRAFT_MODEL_USERS, FAMILIES, OUR_FAMILIES,
-                                      PREDICTION_FAMILY, SERVER_PEERS, Method, Output, build_hf_model, dtype_name, engine_method, hf_method,
-                                      llamacpp_available, llamacpp_method, llamacpp_server_method, method_name,
+                                      PREDICTION_FAMILY, SERVER_PEERS, Method, Output, build_hf_model, dtype_name,
+                                      engine_method, hf_method, llamacpp_available, llamacpp_method, llamacpp_server_method, method_name,
                                       plain_of)
 from specdecode.bench.costs import CostCurve, measure_cost_curve
 from specdecode.drafter_setup import PLAIN
@@ -664,7 +664,7 @@ def _run_methods(config: BenchConfig, prompts: list[Prompt], loaded: _Loaded, re
     t_run = time.perf_counter()
     for method in list(calls.alive):  # warm-up: untimed, longest prompt, full budget
         calls(method, longest, config.seed)
-        if method.learns and method.forget is not None:  # (else it would draft that prompt's timed run from its output)
+        if method.forget is not None:  # a learner: else that prompt's timed run would draft from its own output
             method.forget()
         bar.update(f"warm-up {method.name}")
     learners = [m.name for m in methods if m.learns]

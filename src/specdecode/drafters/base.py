@@ -197,8 +197,8 @@ class DrafterBase:
 class DrafterWrapper(DrafterBase):
     """A drafter that drafts in front of another (``wrapped``; None: nothing behind it) and hands every other part
     of the protocol on to it: name, signals, features, weights, cache, ``observe``, ``reset``, ``commit``,
-    ``long_run``, ``finish``, ``learned``, ``forget``, ``name_cache``. A subclass sets ``wrapped`` (a dataclass field), overrides
-    ``propose``, and calls ``super()`` where it adds to the rest."""
+    ``long_run``, ``finish``, ``learned``, ``forget``, ``name_cache``. A subclass sets ``wrapped`` (a dataclass
+    field), overrides ``propose``, and calls ``super()`` where it adds to the rest."""
 
     wrapped: Drafter | None = None
     alone_name = "none"  # its name when it wraps nothing

@@ -187,5 +187,6 @@ def model_drafter(inputs: DrafterInputs, name: str = "draft", tree_width: int = 
 MODEL_FLAGS = ("--draft-model", "--draft-quant", "--draft-weights", "--draft-vocab")  # the draft model's flags
 register(DrafterSpec("draft", lambda i: model_drafter(i, "draft", 0), "a smaller model with the target's vocabulary",
                      Needs.DRAFT_MODEL, owns_cache=True, flags=MODEL_FLAGS))
-register(DrafterSpec("draft-tree", lambda i: model_drafter(i, "draft-tree", i.tree_width), "a draft model searching a token tree",
+register(DrafterSpec("draft-tree", lambda i: model_drafter(i, "draft-tree", i.tree_width),
+                     "a draft model searching a token tree",
                      Needs.DRAFT_MODEL, owns_cache=True, tree=True, flags=(*MODEL_FLAGS, "--tree-width")))
