@@ -10,8 +10,9 @@ for telling controllers apart where the bench's run-to-run spread (~5-20% per pr
 hides the differences.
 
 What it leaves out: costs that depend on history (a draft model catching up after plain steps), the
-growth of v(k) with context, and the bookkeeping of each step. It records ``ngram`` and ``draft``
-(``layerskip`` shares the target's cache, which the recording does not drive).
+growth of v(k) with context, and the bookkeeping of each step. It records ``ngram``, ``suffix``, ``auto``
+and ``draft`` (``layerskip`` shares the target's cache, which the recording does not drive); a learning drafter
+learns as it goes, one output token at a time, not from the drafts a controller would have had verified.
 
     .venv/bin/python benchmarks/replay_gamma.py record --drafter ngram --limit 12 --out smol-ngram.json
     .venv/bin/python benchmarks/replay_gamma.py record --model qwen2.5-coder-1.5b-instruct \\
@@ -118,7 +119,7 @@ def replay(data: dict[str, Any], policies: Sequence[int | str], draft_cost: floa
 
 
 def _record_command(args: argparse.Namespace) -> None:
-    from specdecode.bench.prompts import default_prompts, select
+    from specdecode.bench.prompts import default_prompts, packaged_prompts, select
     from specdecode.models.build import load_model
     from specdecode.prompts import render
 
@@ -129,7 +130,9 @@ def _record_command(args: argparse.Namespace) -> None:
     drafter = registry.build(args.drafter, inputs)
     engine = Engine(target.model, target.tokenizer)
     engine.warmup()
-    prompts = [(p.id, p.category, render(p, target.tokenizer)) for p in select(default_prompts(), limit=args.limit)]
+    suites = args.categories.split(",") if args.categories else None
+    chosen = select(packaged_prompts(suites) if suites else default_prompts(), limit=args.limit)
+    prompts = [(p.id, p.category, render(p, target.tokenizer)) for p in chosen]
     data = record(engine, drafter, prompts, args.max_new_tokens, args.gamma_max)
     data.update(model=args.model, draft_model=args.draft_model)
     with open(args.out, "w") as f:
@@ -156,9 +159,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     r = sub.add_parser("record", help="record reference outputs and per-position proposals")
     r.add_argument("--model", default="smollm2-135m-instruct")
     r.add_argument("--draft-model", default=None)
-    r.add_argument("--drafter", choices=("ngram", "draft"), default="ngram")
+    r.add_argument("--drafter", choices=("ngram", "suffix", "auto", "draft"), default="ngram")
     r.add_argument("--max-new-tokens", type=int, default=96)
     r.add_argument("--limit", type=int, default=None, help="prompts per category (default: all)")
+    r.add_argument("--categories", default=None, help="comma list of the bench's suites (default: the chat ones)")
     r.add_argument("--gamma-max", type=int, default=8)
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--out", required=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specdecode.drafters import NgramDrafter
+from specdecode.drafters.auto import AutoDrafter
+from specdecode.drafters.suffix import SUFFIX_SIGNALS
 from specdecode.engine import Engine, SpeculativeConfig
 from repo_scripts import load_script
 from tiny_models import varied_model
@@ -39,6 +41,17 @@ def test_record_holds_outputs_proposals_and_costs(recorded, target):
         assert len(row["proposals"]) == len(row["output"])
         assert all(len(p["tokens"]) == len(p["signals"]) <= 6 for p in row["proposals"])
     assert any(p["tokens"] for row in recorded["prompts"] for p in row["proposals"])
+
+
+def test_a_learning_drafter_records_its_proposals_too(replay_gamma, target):
+    # auto (suffix tries and prompt lookup) learns as the record goes: its proposals and signals are recorded alike.
+    data = replay_gamma.record(Engine(target), AutoDrafter(), PROMPTS, NEW_TOKENS, gamma_max=6, repeats=1)
+    assert data["drafter"] == "auto" and data["signal_names"] == list(SUFFIX_SIGNALS)
+    proposals = [p for row in data["prompts"] for p in row["proposals"]]
+    assert all(len(p["tokens"]) == len(p["signals"]) <= 6 for p in proposals)
+    assert any(p["tokens"] for p in proposals)
+    data = {**data, "v": [1.0 + 0.04 * k for k in range(len(data["v"]))]}  # a fixed curve, as below
+    assert replay_gamma.replay(data, [4, "adaptive"], draft_cost=0.0)["4"]["repetitive"] > 1.2
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -93,3 +95,23 @@ def test_signals_give_match_length_occurrences_and_agreement():
     assert draft.tokens == [5, 7] and draft.signals == [(2.0, 2.0, 1.0), (2.0, 2.0, 0.5)] and calls == [0, 1]
     assert NgramDrafter().propose(seq, 3, SamplingParams(), None).signals == []
     assert NgramDrafter().propose([1, 2, 3], 3, SamplingParams(), None, stop=lambda i, s: False).tokens == []
+
+
+def _find_match_by_slices(seq: list[int], min_ngram: int, max_ngram: int, limit: int) -> tuple[int, list[int]]:
+    """find_match's definition, one slice per start and tail length (what it computed before the index pass)."""
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        starts = [s for s in range(len(seq) - n - 1, -1, -1) if seq[s:s + n] == seq[-n:]][:limit]
+        if starts:
+            return n, starts
+    return 0, []
+
+
+def test_find_match_agrees_with_the_slice_by_slice_definition():
+    rng = random.Random(0)
+    for _ in range(2000):
+        vocab = rng.choice([2, 3, 5, 50])  # small vocabularies: many overlapping, partial and full matches
+        seq = [rng.randrange(vocab) for _ in range(rng.randint(0, 60))]
+        for min_ngram, max_ngram in [(1, 3), (2, 4), (1, 1), (3, 5)]:
+            for limit in (1, 2, 16):
+                assert find_match(seq, min_ngram, max_ngram, limit) == \
+                    _find_match_by_slices(seq, min_ngram, max_ngram, limit), (seq, min_ngram, max_ngram, limit)

@@ -62,18 +62,31 @@ def find_match(seq: list[int], min_ngram: int, max_ngram: int, limit: int = 1) -
         (its length, the starts of its latest ``limit`` earlier occurrences, latest first); (0, []) when
         no tail matches.
     """
-    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
-        tail = seq[-n:]
-        starts: list[int] = []
-        # Scan right to left: the latest occurrence tends to continue the way the text goes now.
-        for start in range(len(seq) - n - 1, -1, -1):
-            if seq[start:start + n] == tail:
-                starts.append(start)
-                if len(starts) == limit:
-                    break
-        if starts:
-            return n, starts
-    return 0, []
+    top = min(max_ngram, len(seq) - 1)
+    if top < min_ngram:
+        return 0, []
+    # Every earlier occurrence of the last token, latest first, found by list.index (C speed) in the reversed
+    # sequence, with how many tokens its tail shares: one pass for all tail lengths instead of a slice per start.
+    rev = seq[::-1]
+    last, end = rev[0], len(rev)
+    found: list[tuple[int, int]] = []  # (index in rev, tail tokens shared)
+    full = 0
+    j = 0
+    try:
+        while full < limit:
+            j = rev.index(last, j + 1)
+            shared = 1
+            while shared < top and j + shared < end and rev[j + shared] == rev[shared]:
+                shared += 1
+            if shared >= min_ngram:
+                found.append((j, shared))
+                full += shared == top  # enough occurrences of the longest tail: none can beat them
+    except ValueError:  # no earlier occurrence left
+        pass
+    if not found:
+        return 0, []
+    n = max(shared for _, shared in found)
+    return n, [end - j - n for j, shared in found if shared >= n][:limit]
 
 
 def continuation(seq: list[int], start: int, k: int) -> list[int]:
