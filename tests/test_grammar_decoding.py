@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from distribution_check import (ALPHA, LETTERS, NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_p_value, exact_joint,
-                                sample_counts, small_vocab_model, small_vocab_target, small_vocab_tokenizer)
+                                letter_ids, sample_counts, small_vocab_model, small_vocab_target,
+                                small_vocab_tokenizer)
 from specdecode.batch import grammar_rows as grammar_rows_module
 from specdecode.batch.executor import BatchEngine
 from specdecode.batch.scheduler import SchedulerConfig
@@ -18,6 +19,7 @@ from specdecode.drafters import DraftModelDrafter, NgramDrafter, NgramTreeDrafte
 from specdecode.drafters import forced as forced_module
 from specdecode.drafters.auto import AutoDrafter
 from specdecode.drafters.base import Draft
+from specdecode.drafters.prediction import PredictionDrafter
 from specdecode.engine import Engine, SpeculativeConfig
 from specdecode.grammar import Grammar
 from specdecode.models.build import from_hf_tensors, pack_model
@@ -79,6 +81,17 @@ def test_constrained_sampling_matches_the_masked_target_distribution(target, tok
     assert forced > SAMPLES // 10 and total > forced  # the forced "b" was drafted, and the drafter's tokens too
 
 
+def test_constrained_sampling_with_a_prediction_matches_the_masked_target_distribution(target, tokenizer):
+    """A prediction drafted around the forced "b" (before it and, one-hot, after it) keeps the masked distribution."""
+    engine = Engine(target, tokenizer, None, SpeculativeConfig(gamma=3))
+    sampling, drafted = SamplingParams(temperature=1.0), []
+    counts = sample_counts(engine, sampling, grammar=Grammar.regex(PATTERN), prediction=letter_ids("cbdd"),
+                           on_result=lambda r: drafted.append(r.stats.prediction_drafted))
+    p_value = chi_square_p_value(counts, exact_joint(target, sampling, tuple(_allowed(a) for a in ALLOWED)))
+    assert p_value > ALPHA, f"prediction at {sampling}: chi-square p = {p_value:.2e}"
+    assert sum(drafted) > SAMPLES
+
+
 def _cut_before_refused(draft: Draft, constraint) -> Draft:
     """The wrong cut for a sampled draft: before its first refused token, as for a one-hot one."""
     n = constraint.valid(draft.tokens)
@@ -130,6 +143,38 @@ def _check_greedy_identity(target, tokenizer, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["ngram", "ngram-tree", "draft", "draft-tree", "auto"])
 def test_constrained_greedy_output_is_plain_constrained_greedy_output_in_any_batch(target, tokenizer, kind):
     _check_greedy_identity(target, tokenizer, kind)
+
+
+PREDICTED_PATTERNS = ["[a-g]b[c-j]([a-e]c)+", "([a-o]{2}bc)+", "[a-o]{3}bcd[a-o]{3}bcd[a-o]*"]  # 24-token answers
+
+
+@pytest.mark.parametrize("kind", [None, "ngram"])
+def test_a_prediction_drafts_past_forced_tokens_and_greedy_output_stays_plain_decodings(target, tokenizer, kind,
+                                                                                         monkeypatch):
+    """With a grammar and a prediction (plain decoding's own answer, one token edited), the prediction drafts after
+    the forced tokens too; tokens are constrained plain decoding's, alone and batched."""
+    past_forced = []  # the prediction's proposals made after tokens not yet verified
+    propose = PredictionDrafter.propose
+
+    def counting(self, seq, *args, **kwargs):
+        draft = propose(self, seq, *args, **kwargs)
+        past_forced.append(len(seq) > self._seen and bool(draft.tokens) and self._proposed == draft.tokens)
+        return draft
+    monkeypatch.setattr(PredictionDrafter, "propose", counting)
+    plain = Engine(target, tokenizer)
+    spec = Engine(target, tokenizer, _drafter(kind) if kind else None, SpeculativeConfig(gamma=4))
+    batch = BatchEngine(target, tokenizer, (lambda: _drafter(kind)) if kind else None, SpeculativeConfig(gamma=4),
+                        scheduler=SchedulerConfig(max_running=3), max_len=96)
+    requests = []
+    for pattern in PREDICTED_PATTERNS:
+        request = dict(prompt=PROMPT, max_new_tokens=24, eos_token_ids=(), grammar=Grammar.regex(pattern))
+        answer = plain.generate(**request).token_ids
+        edited = answer[:5] + [answer[5] ^ 1] + answer[6:]  # an edit: the place is found again after it
+        requests.append({**request, "prediction": edited})
+        fast = spec.generate(**requests[-1])
+        assert fast.token_ids == answer and fast.stats.forced_accepted > 0
+    assert [r.token_ids for r in batch.run(requests)] == [plain.generate(**r).token_ids for r in requests]
+    assert sum(past_forced) >= len(PREDICTED_PATTERNS)
 
 
 @pytest.mark.parametrize("path", path_params(NATIVE_PATHS))

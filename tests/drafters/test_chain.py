@@ -89,3 +89,24 @@ def test_chains_of_two_requests_share_nothing_but_the_slot_drafter():
     slot = _Echo()
     first, second = chain_for(slot, prediction=_prediction([1, 2])), chain_for(slot)
     assert first.prediction is not None and second.prediction is None and second.wrapped is slot
+
+
+def test_past_forced_tokens_the_prediction_drafts_where_they_follow_it(compiler):
+    grammar = compiler.start(Grammar.regex("ab[c-e]+"))
+    chain = chain_for(_Echo(), prediction=_prediction(ids("abcd")), constraint=grammar)
+    chain.reset(None, [5])
+    draft = chain.propose([5], 4, None, None)
+    assert draft.tokens == ids("abcd") and draft.forced == 2  # "ab" forced, then the prediction's place after them
+    chain.commit([5, *ids("abc"), *ids("e")])  # the forced pair and "c" kept, then the output departs
+    assert chain.prediction_counts() == PredictionCounts(tokens=4, drafted=2, accepted=1)
+
+
+def test_past_forced_tokens_that_leave_the_prediction_the_slot_drafter_drafts(compiler):
+    grammar = compiler.start(Grammar.regex("ab[c-e]+"))
+    chain = chain_for(_Echo(), prediction=_prediction(ids("cdcd")), constraint=grammar)
+    chain.reset(None, [5])
+    assert chain.propose([5], 4, None, None).tokens == [*ids("ab"), 7, 7]  # the prediction has nothing after "ab"
+    grammar = compiler.start(Grammar.regex("ab[c-e]+"))
+    lone = chain_for(None, prediction=_prediction(ids("cdcd")), constraint=grammar)
+    lone.reset(None, [5])
+    assert lone.propose([5], 4, None, None).tokens == ids("ab")  # and without one, the forced tokens alone

@@ -9,9 +9,10 @@ output departs from it (an edit), it finds its place again: first near where it 
 output's last token, if a word, or last two tokens, within a few words after that point: an edit is
 usually short), then anywhere by the output's last MIN_TAIL..MAX_TAIL tokens, then (token boundaries
 differ around the join) by the output's last characters in the prediction's text, tokenizing the
-prediction again from there. Proposals are
-deterministic (one-hot), so verification stays exact; the drafter never decides how far to draft
-(``control/long.py`` does, from ``long_run``). It keeps nothing between requests.
+prediction again from there. After a grammar's forced tokens, not yet verified (``forced.py``), it drafts
+from its place past them where they follow the prediction, else hands over as above (to a drafter that can draft
+past them). Proposals are deterministic (one-hot), so verification stays exact; the drafter never decides how
+far to draft (``control/long.py`` does, from ``long_run``). It keeps nothing between requests.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class PredictionDrafter(DrafterWrapper):
     _seen: int = 0  # tokens of the sequence already looked at
     _prompt_len: int = 0
     _proposed: list[int] = field(default_factory=list)
+    _proposed_at: int = 0  # where in the sequence the last proposal starts (after any unverified tokens)
 
     alone_name = "prediction"
 
@@ -115,15 +117,22 @@ class PredictionDrafter(DrafterWrapper):
         run = len(self._place.ids) - self._place.next if self._place is not None else 0
         return run or super().long_run()
 
+    @property
+    def drafts_past_unverified(self) -> bool:
+        # It reads its place over tokens not yet verified (a grammar's forced ones) without moving it: commit moves it.
+        return True
+
     def propose(self, seq: list[int], k: int, sampling: SamplingParams, generator: torch.Generator,
                 stop: StopRule | None = None) -> Draft:
-        place = self._place
-        if place is not None and place.next < len(place.ids):
-            self._proposed = list(place.ids[place.next:place.next + k])
-            self.drafted += len(self._proposed)
-            return Draft(self._proposed)
-        self._proposed = []
-        if self.wrapped is None:
+        unverified = seq[self._seen:]  # a grammar's forced tokens ahead of this draft (``forced.py``)
+        place, self._proposed, self._proposed_at = self._place, [], len(seq)
+        if place is not None:
+            ahead = place.next + len(unverified)
+            if ahead < len(place.ids) and list(place.ids[place.next:ahead]) == unverified:
+                self._proposed = list(place.ids[ahead:ahead + k])
+                self.drafted += len(self._proposed)
+                return Draft(self._proposed)
+        if self.wrapped is None or (unverified and not self.wrapped.drafts_past_unverified):
             return Draft([])
         return self.wrapped.propose(seq, k, sampling, generator, stop)
 
@@ -131,7 +140,7 @@ class PredictionDrafter(DrafterWrapper):
         super().commit(seq)
         new = seq[self._seen:]
         self._seen = len(seq)
-        self.accepted += common_prefix(self._proposed, new)
+        self.accepted += common_prefix(self._proposed, seq[self._proposed_at:])
         self._proposed = []
         self._advance(seq, new)
 
