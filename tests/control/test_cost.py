@@ -95,6 +95,20 @@ def test_step_costs_learn_the_draft_cost_and_the_verification_curve():
     assert c.step_s(3) == pytest.approx(3 * 0.01 + c.verify_s(3))
 
 
+def test_host_hiccups_do_not_ratchet_the_price_of_drafts_that_seldom_run():
+    """Plain and one-token steps at their usual times, a 10x hiccup among them now and then: the 3-token draft, never
+    run since the curve was seeded, keeps its seeded price (it drifted 2.5x in 4500 real steps when a hiccup could
+    move the curve's scale), and the k that ran keep theirs."""
+    c = StepCosts(gamma_max=8)
+    c.seed([0.0023, 0.0025, 0.0027, 0.0029])
+    c.update(drafted=1, draft_s=1e-5, verify_s=0.0025)
+    for i in range(3000):
+        hiccup = 10.0 if i % 150 == 75 else 1.0
+        c.update(drafted=i % 2, draft_s=1e-5, verify_s=(0.0023, 0.0025)[i % 2] * hiccup)
+    assert c.verify_s(3) == pytest.approx(0.0029, rel=0.05)
+    assert c.verify_s(0) == pytest.approx(0.0023, rel=0.05) and c.verify_s(1) == pytest.approx(0.0025, rel=0.05)
+
+
 def test_best_gamma_maximises_expected_tokens_per_second():
     costs = StepCosts(gamma_max=8)
     costs.update(drafted=1, draft_s=0.3, verify_s=1.02)  # base 1.0, one draft token costs 0.3 of a step

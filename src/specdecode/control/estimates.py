@@ -89,14 +89,21 @@ def verify_shape(k: int, slope: float) -> float:
     return 1.0 + slope * k
 
 
+OUTLIER = 2.0  # a timed step counts as at most this many times (or this share of) what the curve expects
+
+
 @dataclass
 class StepCosts:
     """Online step costs in seconds: drafting per token, and verification by the number of tokens verified.
 
     Verification is ``base * shape[k]``: ``base`` follows every step quickly (costs drift as the context
     grows), ``shape`` (starting from :func:`verify_shape`, or from a measured curve, see :meth:`seed`)
-    learns the curve v(k) slowly from the k that ran. An engine keeps one for all its requests
-    (see :class:`SharedEstimates`).
+    learns the curve v(k) slowly from the k that ran, relative to ``shape[0] = 1``. Both used to move at a plain
+    step: their split was free, and each host hiccup (a step timed 8-14x its like, a few a run on a shared VM)
+    left ``base`` higher and the shape of the k that ran lower, so the k that seldom ran were priced up step after
+    step (SmolLM2's suites, 4500 steps: a 3-token draft at 2.5x its measured cost; ``adaptive`` then drafted
+    shorter still). Now ``shape[0]`` stays 1 and a step counts as at most OUTLIER times (or 1/OUTLIER) what the
+    curve expects. An engine keeps one for all its requests (see :class:`SharedEstimates`).
 
     In a batch (``others`` > 0) the forward also holds other sequences' rows: the curve is then read at
     the forward's total rows, ``others + k + 1``. Past the rows it covers (prompt rows beside decoding ones
@@ -156,8 +163,12 @@ class StepCosts:
         off: no draft is timed then but these); ``others``: rows other sequences had in the same forward."""
         k = drafted + others
         if k <= self.top:
+            if self.base is not None:  # a hiccup of the host (a pause, a preempted thread) counts as OUTLIER x expected
+                expected = self.base * self.shape[k]
+                verify_s = min(max(verify_s, expected / OUTLIER), expected * OUTLIER)
             self.base = smoothed(self.base, verify_s / self.shape[k], self.smoothing)
-            self.shape[k] += self.shape_smoothing * (verify_s / self.base - self.shape[k])
+            if k:  # shape[0] stays 1: base is one row's cost, which pins the curve's scale
+                self.shape[k] += self.shape_smoothing * (verify_s / self.base - self.shape[k])
         if drafted and (draft_timed or (self.draft_per_token is not None and draft_s / drafted < self.draft_per_token)):
             self.draft_per_token = smoothed(self.draft_per_token, draft_s / drafted, self.smoothing)
 
