@@ -101,7 +101,7 @@ class StepCosts:
     learns the curve v(k) slowly from the k that ran, relative to ``shape[0] = 1``. Both used to move at a plain
     step: their split was free, and each host hiccup (a step timed 8-14x its like, a few a run on a shared VM)
     left ``base`` higher and the shape of the k that ran lower, so the k that seldom ran were priced up step after
-    step (SmolLM2's suites, 4500 steps: a 3-token draft at 2.5x its measured cost; ``adaptive`` then drafted
+    step (SmolLM2's suites, 4500 steps: a 2-token draft at 2.5x its measured cost; ``adaptive`` then drafted
     shorter still). Now ``shape[0]`` stays 1 and a step counts as at most OUTLIER times (or 1/OUTLIER) what the
     curve expects. An engine keeps one for all its requests (see :class:`SharedEstimates`).
 
