@@ -207,3 +207,56 @@ def test_kept_layers_cut_the_fused_forward_without_changing_a_bit(path, arch):
     assert torch.equal(out.logits, whole)
     assert torch.equal(out.features[..., 64:128], upto)
     assert torch.equal(cut.logits, per_layer.logits) and torch.equal(cut.features, per_layer.features)
+
+
+def _attention_layer(path: str, heads: int, kv_heads: int, head_dim: int, window: int) -> object:
+    """The fused kernel's layer object of a one-layer model with this attention shape (``layer_attend`` reads only it)."""
+    model = tiny_model(num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.bfloat16,
+                       hidden_size=64)
+    model.layers[0].window = window or None
+    pack_model(model, path, weights="bf16")
+    return model.runner.layers[0]
+
+
+@pytest.mark.parametrize("path", path_params(NATIVE_PATHS))
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64), (8, 1, 32), (6, 2, 48)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_and_query_heads_that_attend_together_give_the_bits_of_each_alone(path, heads, kv_heads, head_dim, threads):
+    """The fused layer attends the query heads of a key head and the rows of a sequence together (each key block read
+    once for all of them), in pieces that depend on the rows and threads; each (row, head)'s output is bitwise what
+    it gets attending alone (a one-head layer, one row over its own keys), for 1..17 rows, short and long contexts,
+    a window and a token tree's key index."""
+    from specdecode.models import native
+    ops = native.kernel(path)
+    layers_of = {w: (_attention_layer(path, heads, kv_heads, head_dim, w), _attention_layer(path, 1, 1, head_dim, w))
+                 for w in (0, 37, 300)}
+    g = torch.Generator().manual_seed(heads * head_dim)
+    torch.set_num_threads(threads)
+    try:
+        # 300 keys: past a block of keys; a window of 300: each row's blocks start elsewhere than alone
+        for length, n, window in [(1, 1, 0), (5, 2, 0), (300, 1, 0), (300, 4, 0), (700, 17, 0), (200, 3, 37),
+                                  (700, 9, 300)]:
+            layers = layers_of[window]
+            keys = torch.randn(1, kv_heads, length, head_dim, generator=g).to(torch.bfloat16)
+            values = torch.randn(1, kv_heads, length, head_dim, generator=g).to(torch.bfloat16)
+            q = torch.randn(n, heads, head_dim, generator=g)
+            trees = [(None, None)]
+            if n > 1:  # row i sees the context and rows 0 and i of the new ones (a star-shaped tree)
+                seen = [list(range(length - n + 1)) + ([length - n + i] if i else []) for i in range(n)]
+                index = torch.tensor([s + [0] * (length - n + 2 - len(s)) for s in seen], dtype=torch.long)
+                trees.append((index, torch.tensor([len(s) for s in seen], dtype=torch.long)))
+            for index, counts in trees:
+                together = torch.zeros(n, heads * head_dim)
+                ops.layer_attend(layers[0], q, 0, n, keys, values, index, counts, together)
+                for i in range(n):
+                    end = length if index is not None else length - n + i + 1  # a tree's row reads its index
+                    for h in range(heads):
+                        kh = h // (heads // kv_heads)
+                        one = torch.zeros(1, head_dim)
+                        ops.layer_attend(layers[1], q[i:i + 1, h:h + 1].contiguous(), 0, 1,
+                                         keys[:, kh:kh + 1, :end].contiguous(), values[:, kh:kh + 1, :end].contiguous(),
+                                         None if index is None else index[i:i + 1],
+                                         None if counts is None else counts[i:i + 1], one)
+                        assert torch.equal(together[i, h * head_dim:(h + 1) * head_dim], one[0]), (length, n, i, h)
+    finally:
+        torch.set_num_threads(1)

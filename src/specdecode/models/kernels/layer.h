@@ -321,23 +321,76 @@ struct KeyView {
   int64_t width = 0;
 };
 
-// Attention units i0..i1 (unit = row i of the sequence, query head) of rows row0.. into out fp32 [N, H * D].
-inline void attend_units(const Layer& L, const float* q, int64_t row0, const KeyView& kv, float* out, int64_t i0,
-                         int64_t i1, AttendScratch& s) {
-  const int64_t d = L.head_dim, group = L.heads / L.kv_heads;
-  const float scale = L.scale;
-  for (int64_t u = i0; u < i1; ++u) {
-    const int64_t i = u / L.heads, hi = u % L.heads, kh = hi / group, row = row0 + i;
-    const uint16_t* kp = kv.keys + kh * kv.head_stride_k;
-    const uint16_t* vp = kv.values + kh * kv.head_stride_v;
-    float* dst = out + row * L.heads * d + hi * d;
-    const float* qr = q + (row * L.heads + hi) * d;
-    if (kv.index) {
-      attend_row(qr, kp, vp, kv.row_stride_k, kv.row_stride_v, 0, kv.counts[i], kv.index + i * kv.width, d, scale, dst, s);
-    } else {
-      const int64_t end = kv.first + i + 1, start = kv.window > 0 ? std::max<int64_t>(0, end - kv.window) : 0;
-      attend_row(qr, kp, vp, kv.row_stride_k, kv.row_stride_v, start, end - start, nullptr, d, scale, dst, s);
+// One piece of a forward's attention: query heads head..head + heads - 1 (which share a key head) of rows
+// row..row + rows - 1 of sequence `seq`; `cost` (about the keys read times the heads) shares the pieces out among
+// threads.
+struct AttendUnit {
+  int64_t seq, row, rows, head, heads, cost;
+};
+
+// A layer's attention over sequences of counts[j] new rows after starts[j] cached tokens, in pieces: per key head
+// and run of up to kRowsTogether rows (a token tree's rows one by one: each has its own keys), the group's query
+// heads in chunks of what attend together (``attend_rows``), smaller where the threads would get fewer than two
+// pieces each (a one-row step of 3 key heads on 2 threads: chunks of 2 and 1). The same for every layer of a
+// forward; which thread runs a piece changes no result.
+struct AttendPlan {
+  std::vector<AttendUnit> units;
+  std::vector<int64_t> before;  // cost of the units before each, and the total last
+
+  AttendPlan(const Layer& L, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
+             const std::vector<bool>& tree, int nt) {
+    const int64_t group = L.heads / L.kv_heads;
+    int64_t runs = 0;
+    for (size_t j = 0; j < counts.size(); ++j) runs += tree[j] ? counts[j] : (counts[j] + kRowsTogether - 1) / kRowsTogether;
+    int64_t chunk = std::min<int64_t>(group, heads_together(L.head_dim));
+    while (chunk > 1 && runs * L.kv_heads * ((group + chunk - 1) / chunk) < 2 * nt) --chunk;
+    before.push_back(0);
+    for (size_t j = 0; j < counts.size(); ++j) {
+      const int64_t run = tree[j] ? 1 : kRowsTogether;
+      for (int64_t i = 0; i < counts[j]; i += run) {
+        const int64_t rows = std::min(run, counts[j] - i);
+        int64_t keys = 0;
+        for (int64_t r = i; r < i + rows; ++r) {
+          const int64_t end = starts[j] + r + 1;
+          keys += L.window > 0 ? std::min(end, L.window) : end;
+        }
+        for (int64_t kh = 0; kh < L.kv_heads; ++kh)
+          for (int64_t h = 0; h < group; h += chunk) {
+            const int64_t heads = std::min(chunk, group - h);
+            units.push_back({int64_t(j), i, rows, kh * group + h, heads, (keys + 16 * rows) * heads});
+            before.push_back(before.back() + units.back().cost);
+          }
+      }
     }
+  }
+
+  // The units [a, b) thread tid of nt runs: shares of the cost as equal as whole units make them.
+  void share(int tid, int nt, int64_t& a, int64_t& b) const {
+    const auto at = [&](int k) {  // the unit boundary nearest to k / nt of the cost
+      const int64_t target = before.back() * k / nt;
+      int64_t u = std::lower_bound(before.begin(), before.end(), target) - before.begin();
+      if (u > 0 && target - before[u - 1] < before[u] - target) --u;
+      return u;
+    };
+    a = tid == 0 ? 0 : at(tid);
+    b = tid + 1 == nt ? int64_t(units.size()) : at(tid + 1);
+  }
+};
+
+// Attention unit u of a sequence whose rows start at row0 into out fp32 [N, H * D].
+inline void attend_unit(const Layer& L, const float* q, int64_t row0, const KeyView& kv, const AttendUnit& u,
+                        float* out, AttendScratch& s) {
+  const int64_t d = L.head_dim, kh = u.head / (L.heads / L.kv_heads), row = row0 + u.row, stride = L.heads * d;
+  const uint16_t* kp = kv.keys + kh * kv.head_stride_k;
+  const uint16_t* vp = kv.values + kh * kv.head_stride_v;
+  const float* qr = q + row * stride + u.head * d;
+  float* dst = out + row * stride + u.head * d;
+  if (kv.index) {  // one row of a tree
+    attend_rows(qr, stride, kp, vp, kv.row_stride_k, kv.row_stride_v, kv.counts[u.row], 0, kv.index + u.row * kv.width,
+                1, d, int(u.heads), L.scale, dst, stride, s);
+  } else {
+    attend_rows(qr, stride, kp, vp, kv.row_stride_k, kv.row_stride_v, kv.first + u.row + 1, kv.window, nullptr, u.rows,
+                d, int(u.heads), L.scale, dst, stride, s);
   }
 }
 
@@ -518,9 +571,10 @@ inline void layer_attend(const Layer& L, const torch::Tensor& q, int64_t row0, i
     kv.counts = counts->data_ptr<int64_t>();
     kv.width = index->size(1);
   }
-  at::parallel_for(0, n * L.heads, sd::attention_grain(length, L.head_dim), [&](int64_t u0, int64_t u1) {
+  const sd::AttendPlan plan(L, {kv.first}, {n}, {kv.index != nullptr}, at::get_num_threads());
+  at::parallel_for(0, int64_t(plan.units.size()), sd::attention_grain(length, L.head_dim), [&](int64_t u0, int64_t u1) {
     sd::AttendScratch s(L.head_dim);
-    sd::attend_units(L, q.data_ptr<float>(), row0, kv, out.data_ptr<float>(), u0, u1, s);
+    for (int64_t u = u0; u < u1; ++u) sd::attend_unit(L, q.data_ptr<float>(), row0, kv, plan.units[u], out.data_ptr<float>(), s);
   });
 }
 
@@ -601,6 +655,12 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
   std::vector<float> proj(n * width), q(n * hidden), attn(n * hidden);
   std::vector<float> o(n * hidden), gu(n * 2 * inter), down(n * hidden);
   std::vector<uint16_t> k(n * kv_width), v(n * kv_width);
+  for (const Layer* L : layers)  // one attention plan serves every layer
+    TORCH_CHECK(L->heads == layers[0]->heads && L->kv_heads == layers[0]->kv_heads && L->head_dim == layers[0]->head_dim,
+                "layers_rows: layers of different attention shapes");
+  std::vector<bool> tree;
+  for (const auto& t : trees) tree.push_back(t.has_value());
+  const sd::AttendPlan attention(*layers[0], starts, counts, tree, at::get_num_threads());
   sd::SharedRows rows_shared;
   sd::SharedRows* shared = n >= sd::kShareRows ? &rows_shared : nullptr;
   if (shared) shared->mid.resize(n * hidden);
@@ -626,9 +686,10 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
         std::memcpy(const_cast<uint16_t*>(kv.values) + at, v.data() + (kh * n + r) * d, sizeof(uint16_t) * d);
       }
 #pragma omp barrier
-      for (size_t j = 0; j < views[l].size(); ++j) {
-        sd::share(counts[j] * L.heads, tid, nt, a, b);
-        sd::attend_units(L, q.data(), first_row[j], views[l][j], attn.data(), a, b, s);
+      attention.share(tid, nt, a, b);
+      for (int64_t u = a; u < b; ++u) {
+        const sd::AttendUnit& unit = attention.units[u];
+        sd::attend_unit(L, q.data(), first_row[unit.seq], views[l][unit.seq], unit, attn.data(), s);
       }
 #pragma omp barrier
       sd::finish_part(L, xin, attn.data(), n, o.data(), gu.data(), down.data(), xout, tb, shared, tid, nt);

@@ -21,6 +21,7 @@
 // passes that prefetch stay functions of their own (tile_passes, linear_quant.h).
 #define SD_INLINE inline __attribute__((always_inline))
 #define SD_TILE __attribute__((noinline))
+#define SD_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace sd {
 
@@ -163,6 +164,52 @@ inline float hsum(vf a) {
   b = _mm_add_ps(b, _mm_movehl_ps(b, b));
   b = _mm_add_ss(b, _mm_movehdup_ps(b));
   return _mm_cvtss_f32(b);
+}
+
+// The largest lane (exact: any order gives the same).
+inline float hmax(vf a) {
+#ifdef SPECDECODE_AVX512
+  return _mm512_reduce_max_ps(a);
+#else
+  __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
+#endif
+}
+
+// Lane k = hsum(x[k]) for kLanes vectors, bit for bit (the same tree of adds, kLanes sums at a time by shuffles:
+// about 3 instructions a sum instead of hsum's 8).
+inline vf hsum_lanes(const vf* x) {
+#ifdef SPECDECODE_AVX512
+  __m512 h[8], s[4];
+  for (int i = 0; i < 8; ++i)  // per key: quarters 0 + 2 and 1 + 3 (hsum's halves); keys 2i, 2i+1 side by side
+    h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int m = 0; m < 4; ++m)  // the two quarters added: quarter k holds key 4m + k's four lanes
+    s[m] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * m], h[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(h[2 * m], h[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lanes 0 + 2 and 1 + 3 of each key's four, then those two added: quarter k, position p holds key 4p + k
+  const __m512 c01 = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 c23 = _mm512_add_ps(_mm512_shuffle_ps(s[2], s[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(s[2], s[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(c01, c23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(c01, c23, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+#else
+  __m256 s[4];
+  for (int i = 0; i < 4; ++i)  // per key: halves added; keys 2i, 2i+1 side by side
+    s[i] = _mm256_add_ps(_mm256_permute2f128_ps(x[2 * i], x[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(x[2 * i], x[2 * i + 1], 0x31));
+  // lanes 0 + 2 and 1 + 3 of each key's four, then those two added: half k, position p holds key 2p + k
+  const __m256 c0 = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 c1 = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+#endif
 }
 
 // e^x for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction and a degree-6
