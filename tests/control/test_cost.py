@@ -264,3 +264,30 @@ def test_a_step_curve_is_step_s_at_every_k_inside_and_past_the_measured_rows():
     for others in (0, 3, 9, 11, 15):
         for k_max in (0, 1, 8, 20):
             assert costs.step_curve(k_max, others) == [costs.step_s(k, others) for k in range(k_max + 1)]
+
+
+def test_kept_step_curves_and_acceptance_follow_every_change_of_what_they_are_made_of():
+    """step_curve and cumulative keep their answers for the next sequence of the step: a learnt step, a new seed, a
+    changed draft cost or new evidence gives the new answer, never the kept one."""
+    costs = StepCosts(gamma_max=8, max_rows=12)
+    costs.seed([0.010, 0.011, 0.0125, 0.013, 0.017, 0.018, 0.018, 0.019])
+    costs.draft_per_token = 0.0007
+    fresh = lambda k_max, others: [costs.step_s(k, others) for k in range(k_max + 1)]  # noqa: E731
+    kept = costs.step_curve(4, 3)
+    assert costs.step_curve(4, 3) is kept  # the same step: kept
+    costs.update(drafted=2, draft_s=0.002, verify_s=0.020, others=3)
+    assert costs.step_curve(4, 3) == fresh(4, 3) != kept
+    kept = costs.step_curve(4, 3)
+    costs.draft_per_token = 0.002
+    assert costs.step_curve(4, 3) == fresh(4, 3) != kept
+    costs.seed([0.020, 0.021, 0.022, 0.023, 0.030, 0.031, 0.032, 0.033])
+    costs.draft_per_token = 0.002
+    assert costs.step_curve(4, 3) == fresh(4, 3)
+    acceptance = PositionAcceptance(gamma_max=6)
+    before = acceptance.cumulative(6)
+    assert acceptance.cumulative(3) == before[:3]
+    acceptance.update(drafted=4, accepted=1)
+    after = acceptance.cumulative(6)
+    assert after[0] > before[0] and after[1] < before[1]  # the first drafted token kept, the second not
+    acceptance.forget(0.0)  # no evidence left: back to the priors
+    assert acceptance.cumulative(6) == pytest.approx(before)

@@ -42,8 +42,9 @@ class OffSwitch:
         In a batch (``ctx.others_tokens`` other sequences) a probe slows every sequence's step and each of
         them probes: the spacing (its bounds too) grows with the sequences sharing the step."""
         others_rows, sharers = (ctx.others_rows, 1.0 + ctx.others_tokens) if ctx is not None else (0, 1.0)
-        plain = costs.step_s(0, others_rows)
-        extra = sharers * (costs.step_s(self.probe_gamma, others_rows) - plain) / plain
+        steps = costs.step_curve(self.probe_gamma, others_rows)
+        plain = steps[0]
+        extra = sharers * (steps[self.probe_gamma] - plain) / plain
         spacing = max(self.min_interval, math.ceil(extra / self.probe_overhead))
         return min(math.ceil(self.max_interval * sharers), spacing)
 

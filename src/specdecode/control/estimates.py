@@ -40,6 +40,7 @@ class PositionAcceptance:
     def __post_init__(self) -> None:
         self.seen = [0.0] * self.gamma_max
         self.hits = [0.0] * self.gamma_max
+        self._cumulative: list[float] | None = None  # [P_1..P_gamma_max] until the evidence changes
 
     def update(self, drafted: int, accepted: int) -> None:
         """Counts one step: positions up to the first rejection were judged, later ones never were."""
@@ -54,6 +55,7 @@ class PositionAcceptance:
         """Scales all evidence by ``keep`` (0..1)."""
         self.seen = [s * keep for s in self.seen]
         self.hits = [h * keep for h in self.hits]
+        self._cumulative = None
 
     @property
     def pooled(self) -> float:
@@ -66,13 +68,17 @@ class PositionAcceptance:
         return (sum(self.hits[1:]) + self.strength * self.later_prior) / (sum(self.seen[1:]) + self.strength)
 
     def cumulative(self, k: int) -> list[float]:
-        """[P_1..P_k]: P_i = p_1 * ... * p_i, the chance that the first i drafted tokens are all accepted."""
-        pooled, later = self.pooled, self.later
-        out, prob = [], 1.0
-        for i in range(min(k, self.gamma_max)):
-            prob *= (self.hits[i] + self.strength * (later if i else pooled)) / (self.seen[i] + self.strength)
-            out.append(prob)
-        return out
+        """[P_1..P_k]: P_i = p_1 * ... * p_i, the chance that the first i drafted tokens are all accepted. Kept
+        until the evidence changes (every decoding sequence reads it each step; most steps of a batch draft
+        nothing, so learn nothing)."""
+        if self._cumulative is None:
+            pooled, later = self.pooled, self.later
+            out, prob = [], 1.0
+            for i in range(self.gamma_max):
+                prob *= (self.hits[i] + self.strength * (later if i else pooled)) / (self.seen[i] + self.strength)
+                out.append(prob)
+            self._cumulative = out
+        return self._cumulative[:k]
 
 
 def smoothed(old: float | None, new: float, weight: float) -> float:
@@ -132,6 +138,9 @@ class StepCosts:
     def __post_init__(self) -> None:
         self.top = max(self.gamma_max, self.max_rows - 1)  # the largest k (rows - 1) the curve covers
         self.shape = [verify_shape(k, self.verify_slope) for k in range(self.top + 1)]
+        # step_curve's answers while the curve stands: a batch's sequences each price their draft at much the same
+        # rows before any of them is timed (seed and update start it anew; base and the draft cost are its key)
+        self._curves: dict[tuple, list[float]] = {}
 
     @property
     def ready(self) -> bool:
@@ -148,6 +157,7 @@ class StepCosts:
         if not verify_s or min(verify_s) <= 0:
             raise ValueError(f"seed needs positive verification seconds, got {list(verify_s)}")
         curve = list(itertools.accumulate(verify_s[:self.top + 1], max))
+        self._curves.clear()
         self.base = curve[0]
         self.shape[:len(curve)] = [t / curve[0] for t in curve]
         # Past the measured k: the last measured slope.
@@ -162,6 +172,7 @@ class StepCosts:
         below the estimate (one slow draft, a host's hiccup, must not stay in the estimate while speculation is
         off: no draft is timed then but these); ``others``: rows other sequences had in the same forward."""
         k = drafted + others
+        self._curves.clear()
         if k <= self.top:
             if self.base is not None:  # a hiccup of the host (a pause, a preempted thread) counts as OUTLIER x expected
                 expected = self.base * self.shape[k]
@@ -185,7 +196,15 @@ class StepCosts:
         return k * self.draft_per_token + self.verify_s(k + others)
 
     def step_curve(self, k_max: int, others: int = 0) -> list[float]:
-        """[step_s(0, others) .. step_s(k_max, others)] in one pass (a controller's every step reads it)."""
+        """[step_s(0, others) .. step_s(k_max, others)] in one pass (a controller's every step reads it; the list is
+        shared: read it, do not change it)."""
+        key = (k_max, others, self.base, self.draft_per_token)
+        curve = self._curves.get(key)
+        if curve is None:
+            curve = self._curves[key] = self._step_curve(k_max, others)
+        return curve
+
+    def _step_curve(self, k_max: int, others: int) -> list[float]:
         base, shape, top, per_token = self.base, self.shape, self.top, self.draft_per_token
         out = [base * shape[k + others] for k in range(0, max(0, min(k_max, top - others) + 1))]
         if len(out) <= k_max:  # past the curve: its last point and the mean row's cost per row
