@@ -450,6 +450,9 @@ class _StopAfter:
         self.calls.append(position)
         return position + 1 >= self.n
 
+    def keep(self, drafted: int) -> int:
+        return drafted
+
     def update(self, record) -> None:
         pass
 
@@ -463,6 +466,36 @@ def test_an_early_stop_shortens_drafts_and_keeps_the_output(target, models, plai
     assert result.token_ids == plain[tuple(PROMPTS[1])]
     assert len(result.stats.drafted_by_position) <= 2 and result.stats.drafted_tokens > 0
     assert set(controller.calls) <= {0, 1}
+
+
+class _KeepEveryOther(_StopAfter):
+    """_StopAfter(6) that, once a deterministic draft is made, keeps none of it and then its first token, in turn."""
+
+    def __init__(self) -> None:
+        super().__init__(6)
+        self.kept: list[int] = []
+
+    def keep(self, drafted: int) -> int:
+        self.kept.append(min(drafted, len(self.kept) % 2))
+        return self.kept[-1]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft-same", "layerskip"])
+def test_drafts_cut_once_made_keep_the_output(target, models, plain, kind):
+    """A controller may cut a deterministic chain after seeing its tokens (``keep``): only the kept tokens are
+    verified and the output stays plain greedy decoding's; a sampled draft is never cut (its length must not
+    depend on what it drew)."""
+    controller = _KeepEveryOther()
+    engine = Engine(target, drafter=_drafter(kind, target, models), spec=SpeculativeConfig(gamma=6))
+    engine.batch.admission.new_controller = ControllerFactory(lambda _: controller)
+    result = engine.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == plain[tuple(PROMPTS[1])]
+    assert controller.kept and result.stats.drafted_tokens == sum(controller.kept) > 0
+    assert len(result.stats.drafted_by_position) <= 1
+    if kind == "draft-same":  # sampled drafts carry q: not cut
+        controller.kept.clear()
+        engine.generate(PROMPTS[1], SamplingParams(temperature=1.0, seed=3), max_new_tokens=NEW_TOKENS)
+        assert not controller.kept
 
 
 def test_speculative_config_max_draft():

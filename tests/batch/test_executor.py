@@ -192,6 +192,9 @@ class _FillSpy:
     def stop(self, position, signal) -> bool:
         return False
 
+    def keep(self, drafted: int) -> int:
+        return drafted
+
     def update(self, record) -> None:
         pass
 
@@ -213,6 +216,9 @@ class _RowSpy:
 
     def stop(self, position, signal) -> bool:
         return False
+
+    def keep(self, drafted: int) -> int:
+        return drafted
 
     def update(self, record) -> None:
         pass

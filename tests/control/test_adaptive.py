@@ -227,3 +227,24 @@ def test_in_a_batch_it_probes_as_cost_does_where_alone_it_probes_more():
     assert OffSwitch(probe_overhead=0.05, max_interval=32).interval(costs, busy) < spacing
     assert probes(7) == 2000 // spacing  # one probe per cost's spacing
     assert probes(0) > 0  # alone it probes too (by its own, denser spacing)
+
+
+def test_in_a_batch_a_draft_its_own_tokens_do_not_pay_for_is_dropped_once_seen():
+    # Per-position acceptance (0.95) said a draft pays beside 3 others, so it was drafted; its first token's
+    # confidence (2%) then stopped it at one row, which costs a tenth of a step for 0.02 of a token: keep() drops it.
+    # A confident draft keeps all its tokens, and alone keep() leaves every draft whole.
+    c = AdaptiveGamma(MODEL, gamma_max=8)
+    _warm(c, 0.01 * VERIFY, accept_share=1.0)
+    c.shared.costs.seed([0.010 * (1 + 0.1 * (rows - 1)) for rows in range(1, 17)])  # each row a tenth of a step
+    c.shared.costs.draft_per_token = 1e-6
+    c.cost.acceptance = PositionAcceptance(8, prior=0.95, later_prior=0.95)
+    busy = ctx(others_rows=3, others_tokens=3.0)
+    assert c.next_gamma(busy) == 8 and c.early_stop
+    assert c.stop(0, (0.1, 0.0))  # an unlikely first token: stop after it
+    assert c.keep(1) == 0
+    assert c.next_gamma(busy) == 8
+    n = next(i + 1 for i in range(8) if c.stop(i, (0.99, 0.0)) or i == 7)
+    assert n >= 2 and c.keep(n) == n
+    assert c.next_gamma(ctx()) == 8
+    c.stop(0, (0.1, 0.0))  # alone: confidence stops drafts, keep() cuts nothing
+    assert c.keep(1) == 1

@@ -158,7 +158,19 @@ class Proposer:
             return NO_DRAFT
         draft = seq.drafter.propose(seq.tokens, k, seq.request.sampling, seq.generator,
                                     self._stop_rule(seq)).check(k, seq.drafter.name)
-        return draft if seq.constraint is None else within(draft, seq.constraint)
+        draft = draft if seq.constraint is None else within(draft, seq.constraint)
+        return self._kept(seq, draft)
+
+    @staticmethod
+    def _kept(seq: SequenceState, draft: Draft) -> Draft:
+        """The part of a deterministic chain its controller keeps, having seen its tokens' signals (a sampled
+        draft's length must not depend on what it drew; a grammar's forced tokens stay)."""
+        if draft.q is not None or draft.parents is not None or draft.forced or not draft.tokens:
+            return draft
+        tick = time.perf_counter()
+        n = seq.controller.keep(len(draft.tokens))
+        seq.stats.control_s += time.perf_counter() - tick
+        return draft if n >= len(draft.tokens) else Draft(draft.tokens[:n], None, draft.signals[:n])
 
     def _stop_rule(self, seq: SequenceState) -> StopRule | None:
         """The controller's early stop, timed as control (None, so no signals are computed, unless a controller

@@ -67,6 +67,7 @@ class AdaptiveGamma:
         self._stopping = False
         self._all_accepted = 1.0
         self._tokens = 1.0
+        self._rates: list[float] = []  # in a batch: the step's tokens per second with each drafted token
 
     @property
     def early_stop(self) -> bool:
@@ -92,7 +93,7 @@ class AdaptiveGamma:
         if not ctx.others_rows and self.shared.plain_age >= self.refresh:
             return 0  # time a plain step again: drafting's speed is judged against it
         self._stopping = True
-        self._ctx, self._all_accepted, self._tokens = ctx, 1.0, 1.0
+        self._ctx, self._all_accepted, self._tokens, self._rates = ctx, 1.0, 1.0, []
         return cap  # a probe too: it shows what drafting gains as drafting is done
 
     def _pays(self, ctx: StepContext, cap: int) -> bool:
@@ -119,7 +120,21 @@ class AdaptiveGamma:
         # Next token: gain P_i * p (p standing in for its own acceptance) over extra seconds, vs tokens/s so
         # far (in a batch, the whole step's: the others' tokens wait for the longer forward too).
         extra_s = costs.step_s(drafted + 1, ctx.others_rows) - step_s
+        if ctx.others_rows:
+            self._rates.append((self._tokens + ctx.others_tokens) / step_s)
         return self._all_accepted * p * step_s < extra_s * (self._tokens + ctx.others_tokens)
+
+    def keep(self, drafted: int) -> int:
+        """In a batch, the draft's best prefix by its tokens' confidence, or none when even that prefix does not
+        beat the plain step by ``cost``'s margin. Whether to draft was decided by per-position acceptance before
+        any token was seen, and the tokens that stop the draft early are known only after: a one-token draft
+        stopped there costs the row of a 9th (a kernel's new pass at c = 8) for at most one token of eight."""
+        if not (self._stopping and self._ctx.others_rows) or len(self._rates) < drafted or not drafted:
+            return drafted
+        ctx, costs = self._ctx, self.cost.costs
+        plain = (1.0 + ctx.others_tokens) / costs.step_s(0, ctx.others_rows) * (1.0 + self.cost.margin)
+        best = max(range(drafted), key=self._rates.__getitem__)
+        return best + 1 if self._rates[best] > plain else 0
 
     def update(self, record: StepRecord) -> None:
         # Drafting's measured speed is a lone sequence's: a step shared with others times their rows too.

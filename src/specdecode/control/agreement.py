@@ -42,6 +42,9 @@ class AgreementGamma:
     def stop(self, position: int, signal: Signal) -> bool:
         return False
 
+    def keep(self, drafted: int) -> int:
+        return drafted
+
     def update(self, record: StepRecord) -> None:
         if record.drafted:
             # Per-token acceptance of this step: tokens after the first rejection were never judged.

@@ -92,6 +92,11 @@ class GammaController(Protocol):
     def stop(self, position: int, signal: Signal) -> bool:
         """Called after each drafted token (``position`` 0-based) with its signal: True ends the draft there."""
 
+    def keep(self, drafted: int) -> int:
+        """How many of the ``drafted`` tokens to verify, once the draft is made: all, or fewer (none) where its
+        tokens' own signals say the step does better without them. Asked only for a deterministic chain (a
+        sampled draft's length must not depend on what it drew)."""
+
     def update(self, record: StepRecord) -> None:
         """Learns from the step that just ran."""
 
@@ -108,6 +113,9 @@ class FixedGamma:
 
     def stop(self, position: int, signal: Signal) -> bool:
         return False
+
+    def keep(self, drafted: int) -> int:
+        return drafted
 
     def update(self, record: StepRecord) -> None:
         pass

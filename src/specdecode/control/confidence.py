@@ -70,5 +70,8 @@ class ConfidenceGamma:
         self._all_accepted *= p
         return self._all_accepted * p < self.threshold
 
+    def keep(self, drafted: int) -> int:
+        return drafted
+
     def update(self, record: StepRecord) -> None:
         self.acceptance.learn(record)

@@ -110,6 +110,9 @@ class CostGamma:
     def stop(self, position: int, signal: Signal) -> bool:
         return False
 
+    def keep(self, drafted: int) -> int:
+        return drafted
+
     def update(self, record: StepRecord) -> None:
         if self.off.probing and record.drafted:
             self.acceptance.forget(self.probe_forget)

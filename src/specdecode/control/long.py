@@ -75,6 +75,9 @@ class LongDrafts:
     def stop(self, position: int, signal: Signal) -> bool:
         return not self._long and self.inner.stop(position, signal)
 
+    def keep(self, drafted: int) -> int:
+        return drafted if self._long else self.inner.keep(drafted)
+
     def update(self, record: StepRecord) -> None:
         if not self._long:
             self.inner.update(record)
