@@ -134,6 +134,48 @@ def test_negative_control_detects_the_lossy_seed_rule(target, monkeypatch):
     assert p_value < ALPHA, f"the lossy rule went undetected (p = {p_value:.3f})"
 
 
+class _CutByContent:
+    """A controller that drafts 3 tokens and, once the draft is made, keeps none of it where its first token's
+    match count (a signal of the draft) is odd: the cut depends on what was drafted."""
+
+    early_stop = True
+
+    def __init__(self) -> None:
+        self.signals: list = []
+        self.cuts = self.kept = 0
+
+    def next_gamma(self, ctx) -> int:
+        self.signals = []
+        return 3
+
+    def stop(self, position, signal) -> bool:
+        self.signals.append(signal)
+        return False
+
+    def keep(self, drafted: int) -> int:
+        n = 0 if int(self.signals[0][1]) % 2 else drafted
+        self.cuts += n < drafted
+        self.kept += n == drafted
+        return n
+
+    def update(self, record) -> None:
+        pass
+
+
+def test_deterministic_drafts_cut_by_what_they_hold_keep_the_target_distribution(target):
+    """A one-hot draft is a function of the context, so a cut that looks at its tokens (``controller.keep``, as
+    ``adaptive`` does in a batch) leaves the distribution exact."""
+    from specdecode.control import ControllerFactory
+
+    controller = _CutByContent()
+    engine = Engine(target, drafter=_drafter("ngram", target), spec=SpeculativeConfig(gamma=3))
+    engine.batch.admission.new_controller = ControllerFactory(lambda _: controller)
+    sampling = SamplingParams(temperature=1.0)
+    p_value = chi_square_p_value(sample_counts(engine, sampling), exact_joint(target, sampling))
+    assert p_value > ALPHA, f"cut one-hot drafts: chi-square p = {p_value:.2e}"
+    assert controller.cuts > 0 and controller.kept > 0
+
+
 @pytest.mark.parametrize("kind, sampling", [("none", SETTINGS[0]), ("ngram", SETTINGS[0]), ("ngram", SETTINGS[3])],
                          ids=["plain-T1.0", "ngram-T1.0", "ngram-T1.0-k8-p0.9"])
 def test_batched_sampling_matches_target_distribution(target, kind, sampling):

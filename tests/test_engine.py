@@ -483,8 +483,8 @@ class _KeepEveryOther(_StopAfter):
 @pytest.mark.parametrize("kind", ["ngram", "draft-same", "layerskip"])
 def test_drafts_cut_once_made_keep_the_output(target, models, plain, kind):
     """A controller may cut a deterministic chain after seeing its tokens (``keep``): only the kept tokens are
-    verified and the output stays plain greedy decoding's; a sampled draft is never cut (its length must not
-    depend on what it drew)."""
+    verified and the output stays plain greedy decoding's, alone and batched; a sampled draft is never cut (its
+    length must not depend on what it drew)."""
     controller = _KeepEveryOther()
     engine = Engine(target, drafter=_drafter(kind, target, models), spec=SpeculativeConfig(gamma=6))
     engine.batch.admission.new_controller = ControllerFactory(lambda _: controller)
@@ -492,6 +492,14 @@ def test_drafts_cut_once_made_keep_the_output(target, models, plain, kind):
     assert result.token_ids == plain[tuple(PROMPTS[1])]
     assert controller.kept and result.stats.drafted_tokens == sum(controller.kept) > 0
     assert len(result.stats.drafted_by_position) <= 1
+    from specdecode.batch.executor import BatchEngine
+    from specdecode.batch.scheduler import SchedulerConfig
+
+    batch = BatchEngine(target, new_drafter=lambda: _drafter(kind, target, models), spec=SpeculativeConfig(gamma=6),
+                        scheduler=SchedulerConfig(max_running=3))
+    batch.admission.new_controller = ControllerFactory(lambda _: _KeepEveryOther())
+    results = batch.run([dict(prompt=p, max_new_tokens=NEW_TOKENS) for p in PROMPTS[:3]])
+    assert [r.token_ids for r in results] == [plain[tuple(p)] for p in PROMPTS[:3]]  # batched: the same tokens
     if kind == "draft-same":  # sampled drafts carry q: not cut
         controller.kept.clear()
         engine.generate(PROMPTS[1], SamplingParams(temperature=1.0, seed=3), max_new_tokens=NEW_TOKENS)

@@ -31,7 +31,7 @@ inline float* aligned_floats(std::vector<float>& v, int64_t n, float fill) {
 
 // One new token of one query head over n keys: key j is lo + j, or index[j] when an index is given (a tree
 // node sees its context and its ancestors). out[D] = softmax(q k_j * scale) v_j in fp32, for any D, through
-// memory: the form of head sizes that are not 1, 2, 4 or 8 vectors (attend_heads_impl's operations in the same
+// memory: the form of head sizes that are not 1, 2, 4 or 8 vectors (attend_rows_impl's operations in the same
 // order lane by lane, but no promise that both forms agree bitwise: a model always takes the same one).
 inline void attend_row_any(const float* qf, const uint16_t* keys, const uint16_t* values, int64_t key_stride,
                            int64_t value_stride, int64_t lo, int64_t n, const int64_t* index, int64_t d, float scale,
