@@ -37,11 +37,11 @@ inline vi pair_to_high(vi h, int p) {
 // Where block j of a q6_k record starts: its low nibbles (16 T), high bit pairs (8 T), two scales (2 T).
 inline const uint8_t* q6_block(const uint8_t* record, int64_t j) { return record + 2 * kQTile + j * 26 * kQTile; }
 
-// Quad p of output vector v of a q6_k block: the 6-bit codes of inputs 4p.. (lo) and 16 + 4p.. (hi).
-SD_INLINE void q6_codes(const uint8_t* block, vi high0, vi high1, int p, int v, vi& lo, vi& hi) {
+// Quad p of output vector v of half h of a q6_k block: the 6-bit codes of inputs 16h + 4p.. (their low
+// nibbles for h = 0, high for h = 1, with the half's bit pairs `high`).
+SD_INLINE vi q6_codes(const uint8_t* block, vi high, int h, int p, int v) {
   const vi raw = vload_i(block + (p * kQVecs + v) * kLanes * 4);
-  lo = vor_i(low_nibbles(raw), pair_to_high(high0, p));
-  hi = vor_i(high_nibbles(raw), pair_to_high(high1, p));
+  return vor_i(h == 0 ? low_nibbles(raw) : high_nibbles(raw), pair_to_high(high, p));
 }
 
 // Block j's share (an eighth) of super-block s of the next tile: prefetching a whole record at once overruns
@@ -64,10 +64,8 @@ SD_INLINE void q6_unpack(const uint8_t* w, int64_t supers, uint8_t* out, const A
       for (int v = 0; v < kQVecs; ++v) {
         const vi high0 = vload_i(ql + 16 * T + v * kVecBytes), high1 = vload_i(ql + 16 * T + (kQVecs + v) * kVecBytes);
         for (int p = 0; p < 4; ++p) {
-          vi lo, hi;
-          q6_codes(ql, high0, high1, p, v, lo, hi);
-          vstore_bytes(block + (p * kQVecs + v) * kVecBytes, lo);
-          vstore_bytes(block + ((4 + p) * kQVecs + v) * kVecBytes, hi);
+          vstore_bytes(block + (p * kQVecs + v) * kVecBytes, q6_codes(ql, high0, 0, p, v));
+          vstore_bytes(block + ((4 + p) * kQVecs + v) * kVecBytes, q6_codes(ql, high1, 1, p, v));
         }
       }
     }
@@ -114,36 +112,35 @@ SD_INLINE void k_pass(const QuantRows& a, int64_t r0, const uint8_t* w, const fl
             facc[r][v] = vfma(low[v], sx, vfma(vcvt_i(acc[r][v]), vmul(step[v], dx), facc[r][v]));
         }
       } else {
+        // One half of 16 inputs at a time (each has its own scale), so that the accumulators of more rows fit.
         const uint8_t* ql = q6_block(rec, j);
-        const uint8_t* qh = ql + 16 * T;
-        vi high[2][kQVecs], acc[2][R][kQVecs];  // per half of 16 inputs, which has its own scale
+        const uint8_t* sc = ql + 24 * T;
+        vf part[R][kQVecs];  // the block's sum over both halves: integers below 2^24, exact in fp32 in any order
         for (int h = 0; h < 2; ++h) {
-          for (int v = 0; v < kQVecs; ++v) high[h][v] = vload_i(qh + (h * kQVecs + v) * kVecBytes);
-          for (int r = 0; r < R; ++r)
-            for (int v = 0; v < kQVecs; ++v) acc[h][r][v] = vzero_i();
-        }
-        for (int p = 0; p < 4; ++p) {
-          vi lo[kQVecs], hi[kQVecs];
-          for (int v = 0; v < kQVecs; ++v) q6_codes(ql, high[0][v], high[1][v], p, v, lo[v], hi[v]);
-          for (int r = 0; r < R; ++r) {
-            const vi xlo = bcast4(xb[r] + 4 * p), xhi = bcast4(xb[r] + 16 + 4 * p);
-            for (int v = 0; v < kQVecs; ++v) {
-              acc[0][r][v] = dot_u4(acc[0][r][v], lo[v], xlo);
-              acc[1][r][v] = dot_u4(acc[1][r][v], hi[v], xhi);
+          vi high[kQVecs], acc[R][kQVecs];
+          for (int v = 0; v < kQVecs; ++v) high[v] = vload_i(ql + 16 * T + (h * kQVecs + v) * kVecBytes);
+          for (int r = 0; r < R; ++r) {  // from -32 sum(x): the codes' offset 32 taken off in the sum
+            const vi offset = vset_i(-32 * a.sx16[2 * ((r0 + r) * a.blocks + b) + h]);
+            for (int v = 0; v < kQVecs; ++v) acc[r][v] = offset;
+          }
+          for (int p = 0; p < 4; ++p) {
+            vi codes[kQVecs];
+            for (int v = 0; v < kQVecs; ++v) codes[v] = q6_codes(ql, high[v], h, p, v);
+            for (int r = 0; r < R; ++r) {
+              const vi x = bcast4(xb[r] + 16 * h + 4 * p);
+              for (int v = 0; v < kQVecs; ++v) acc[r][v] = dot_u4(acc[r][v], codes[v], x);
             }
           }
-        }
-        const uint8_t* sc = ql + 24 * T;
-        for (int v = 0; v < kQVecs; ++v) {
-          const vf sc0 = vcvt_i(load_i8_lanes(sc + v * kLanes)), sc1 = vcvt_i(load_i8_lanes(sc + T + v * kLanes));
-          const vf d = load_half(halfs + v * kLanes);
-          for (int r = 0; r < R; ++r) {
-            const int64_t at = (r0 + r) * a.blocks + b;
-            // integers below 2^24 all through: sc_0 * sum(q - 32) x + sc_1 * ... is exact in fp32
-            const vf s0 = vcvt_i(vsub_i(acc[0][r][v], vset_i(32 * a.sx16[2 * at])));
-            const vf s1 = vcvt_i(vsub_i(acc[1][r][v], vset_i(32 * a.sx16[2 * at + 1])));
-            facc[r][v] = vfma(vfma(s0, sc0, vmul(s1, sc1)), vmul(d, vset(a.d[at])), facc[r][v]);
+          for (int v = 0; v < kQVecs; ++v) {
+            const vf scale = vcvt_i(load_i8_lanes(sc + h * T + v * kLanes));
+            for (int r = 0; r < R; ++r)
+              part[r][v] = h == 0 ? vmul(vcvt_i(acc[r][v]), scale) : vfma(vcvt_i(acc[r][v]), scale, part[r][v]);
           }
+        }
+        for (int v = 0; v < kQVecs; ++v) {
+          const vf d = load_half(halfs + v * kLanes);
+          for (int r = 0; r < R; ++r)
+            facc[r][v] = vfma(part[r][v], vmul(d, vset(a.d[(r0 + r) * a.blocks + b])), facc[r][v]);
         }
       }
     }
@@ -169,8 +166,10 @@ SD_INLINE void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* c
     vf part[R][kQVecs];  // the block's exact sum over both halves
     for (int h = 0; h < 2; ++h) {
       vi acc[R][kQVecs];
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < kQVecs; ++v) acc[r][v] = vzero_i();
+      for (int r = 0; r < R; ++r) {  // from -32 sum(x): the codes' offset 32 taken off in the sum
+        const vi offset = vset_i(-32 * a.sx16[2 * ((r0 + r) * a.blocks + b) + h]);
+        for (int v = 0; v < kQVecs; ++v) acc[r][v] = offset;
+      }
       for (int p = 0; p < 4; ++p) {
         vi wv[kQVecs];
         for (int v = 0; v < kQVecs; ++v) wv[v] = vload_i(codes + ((b * 8 + 4 * h + p) * kQVecs + v) * kVecBytes);
@@ -181,13 +180,9 @@ SD_INLINE void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* c
       }
       vf sc[kQVecs];
       for (int v = 0; v < kQVecs; ++v) sc[v] = vcvt_i(load_i8_lanes(q6_block(rec, j) + (24 + h) * T + v * kLanes));
-      for (int r = 0; r < R; ++r) {
-        const vi offset = vset_i(32 * a.sx16[2 * ((r0 + r) * a.blocks + b) + h]);  // the codes' offset 32
-        for (int v = 0; v < kQVecs; ++v) {
-          const vf sum = vcvt_i(vsub_i(acc[r][v], offset));
-          part[r][v] = h == 0 ? vmul(sum, sc[v]) : vfma(sum, sc[v], part[r][v]);
-        }
-      }
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kQVecs; ++v)
+          part[r][v] = h == 0 ? vmul(vcvt_i(acc[r][v]), sc[v]) : vfma(vcvt_i(acc[r][v]), sc[v], part[r][v]);
     }
     vf d[kQVecs];
     for (int v = 0; v < kQVecs; ++v) d[v] = load_half(reinterpret_cast<const uint16_t*>(rec) + v * kLanes);
@@ -199,34 +194,25 @@ SD_INLINE void q6_unpacked_pass(const QuantRows& a, int64_t r0, const uint8_t* c
   store_tile<R>(facc, bias, y, ldy, n_out, n0);
 }
 
-// Every row against one K-quant tile, in passes of up to kQRows rows (q6_k up to 24 rows: 2, its two sums per
-// row); y's rows are ldy apart and n_out wide. Past 24 rows, q6_k's codes are unpacked once per tile rather than in
-// every pass.
+// Every row against one K-quant tile, in passes of up to kQRows rows; y's rows are ldy apart and n_out wide. Past
+// 32 rows, q6_k's codes are unpacked once per tile rather than in every pass.
 template <int64_t F, typename Out>
 SD_TILE void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const float* bias, Out* y, int64_t ldy,
                     int64_t n_out, int64_t n0) {
-  if constexpr (F == kQ6_K) {
-    // Passes of 2 rows unpacking in registers, each tile pass but the first from cache; unpacking to memory
-    // once pays past 24 rows (Zen 4: 6 rows 0.96x of q8_0's time against 1.25x; Zen 5, Qwen 1.5B with its q6_k
-    // head, since tiles of a few passes prefetch the next: verifying 9 rows 38-41 ms against 49-52 with the
-    // unpacking from 9 rows, 17 rows 67-72 against 74-78).
-    if (a.rows <= 24) {
-      tile_passes<2>(a.rows, w + stride, [&](auto r, int64_t m, auto prefetch, Ahead ahead) {
-        k_pass<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);
-      });
-      return;
-    }
+  // Unpacking q6_k's codes to memory once pays past 32 rows (Zen 5, 6 projections of 17920 x 1536 against q4_k's
+  // time: 24 / 32 / 64 rows 1.37 / 1.41 / 1.44x unpacking in registers, 1.53 / 1.52 / 1.32x from memory).
+  if (F == kQ6_K && a.rows > 32) {
     thread_local std::vector<uint8_t> scratch;
     scratch.resize(a.blocks * kQBlock * kQTile);
     q6_unpack(w, a.blocks / kSuperBlocks, scratch.data(), Ahead(w + stride, 0, 1, 1));  // all the next tile
     row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
       q6_unpacked_pass<decltype(r)::value>(a, m, scratch.data(), w, bias, y + m * ldy, ldy, n_out, n0);
     });
-  } else {
-    tile_passes<kQRows>(a.rows, w + stride, [&](auto r, int64_t m, auto prefetch, Ahead ahead) {
-      k_pass<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);
-    });
+    return;
   }
+  tile_passes<kQRows>(a.rows, w + stride, [&](auto r, int64_t m, auto prefetch, Ahead ahead) {
+    k_pass<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);
+  });
 }
 
 }  // namespace sd

@@ -73,20 +73,17 @@ inline void quantize_range(const float* x, int64_t ldx, int64_t r0, int64_t r1, 
   const int64_t blocks = out.blocks;
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      alignas(64) float tail[kQBlock] = {};
+      alignas(64) float tail[kQBlock];
       const int64_t n = std::min<int64_t>(kQBlock, k - b * kQBlock);
       const float* v = x + (r - r0) * ldx + b * kQBlock;
       if (n < kQBlock) {  // the last block of a row whose length is not a whole number of blocks
+        std::memset(tail, 0, sizeof(tail));
         std::memcpy(tail, v, sizeof(float) * n);
         v = tail;
       }
       vf amax = vzero();
       for (int i = 0; i < kQBlock; i += kLanes) amax = vmax(amax, vabs(vload(v + i)));
-      alignas(64) float lanes[kLanes];
-      vstore(lanes, amax);
-      float m = 0.0f;
-      for (int i = 0; i < kLanes; ++i) m = std::max(m, lanes[i]);  // a max: exact in any order
-      const float d = m / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      const float d = hmax(amax) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
       int8_t* q = out.q.data() + (r * blocks + b) * kQBlock;
       vi sum[2] = {vzero_i(), vzero_i()};  // per half of 16 codes
       for (int i = 0; i < kQBlock; i += kLanes) {  // codes: rounded to nearest even, then narrowed (|c| <= 127)
@@ -94,16 +91,10 @@ inline void quantize_range(const float* x, int64_t ldx, int64_t r0, int64_t r1, 
         sum[i / 16] = vadd_i(sum[i / 16], c);
         store_i8(q + i, c);
       }
-      int32_t halves[2] = {0, 0};
-      for (int h = 0; h < 2; ++h) {
-        alignas(64) int32_t parts[kLanes];
-        vstore_i(parts, sum[h]);
-        for (int i = 0; i < kLanes; ++i) halves[h] += parts[i];  // integers: exact in any order
-      }
-      const int32_t total = halves[0] + halves[1];
+      const int32_t low = hsum_i(sum[0]), high = hsum_i(sum[1]), total = low + high;
       out.d[r * blocks + b] = d;
-      out.sx16[2 * (r * blocks + b)] = halves[0];
-      out.sx16[2 * (r * blocks + b) + 1] = halves[1];
+      out.sx16[2 * (r * blocks + b)] = low;
+      out.sx16[2 * (r * blocks + b) + 1] = high;
       out.sx[r * blocks + b] = total;
       out.s[r * blocks + b] = d * float(total);
     }

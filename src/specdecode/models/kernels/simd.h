@@ -177,6 +177,17 @@ inline float hmax(vf a) {
 #endif
 }
 
+// The sum of the integer lanes (exact: any order gives the same).
+inline int32_t hsum_i(vi a) {
+#ifdef SPECDECODE_AVX512
+  return _mm512_reduce_add_epi32(a);
+#else
+  __m128i b = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  b = _mm_add_epi32(b, _mm_shuffle_epi32(b, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(b, _mm_shuffle_epi32(b, _MM_SHUFFLE(2, 3, 0, 1))));
+#endif
+}
+
 // Lane k = hsum(x[k]) for kLanes vectors, bit for bit (the same tree of adds, kLanes sums at a time by shuffles:
 // about 3 instructions a sum instead of hsum's 8).
 inline vf hsum_lanes(const vf* x) {
