@@ -52,7 +52,7 @@ SD_INLINE void prefetch_share(const Ahead& ahead, int64_t record_bytes, int64_t 
 }
 
 // A q6_k tile's 6-bit codes as whole bytes, q8_0's arrangement per block (quads 0-3: the low half's inputs,
-// 4-7: the high half's): unpacked once for all the passes of a call with several rows.
+// 4-7: the high half's): unpacked once for all the passes of a call past 32 rows.
 SD_INLINE void q6_unpack(const uint8_t* w, int64_t supers, uint8_t* out, const Ahead& ahead) {
   constexpr int64_t T = kQTile, kRecord = k_record_bytes(kQ6_K);
   constexpr int kVecBytes = kLanes * 4;
@@ -203,14 +203,16 @@ SD_TILE void k_tile(const QuantRows& a, const uint8_t* w, int64_t stride, const 
                     int64_t n_out, int64_t n0) {
   // Unpacking q6_k's codes to memory once pays past 32 rows (Zen 5, 6 projections of 17920 x 1536 against q4_k's
   // time: 48 / 64 / 128 rows 1.31 / 1.27 / 1.45x unpacking in registers, 1.25 / 1.12 / 1.12x from memory).
-  if (F == kQ6_K && a.rows > 32) {
-    thread_local std::vector<uint8_t> scratch;
-    scratch.resize(a.blocks * kQBlock * kQTile);
-    q6_unpack(w, a.blocks / kSuperBlocks, scratch.data(), Ahead(w + stride, 0, 1, 1));  // all the next tile
-    row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
-      q6_unpacked_pass<decltype(r)::value>(a, m, scratch.data(), w, bias, y + m * ldy, ldy, n_out, n0);
-    });
-    return;
+  if constexpr (F == kQ6_K) {
+    if (a.rows > 32) {
+      thread_local std::vector<uint8_t> scratch;
+      scratch.resize(a.blocks * kQBlock * kQTile);
+      q6_unpack(w, a.blocks / kSuperBlocks, scratch.data(), Ahead(w + stride, 0, 1, 1));  // all the next tile
+      row_blocks<kQRows>(a.rows, [&](auto r, int64_t m) {
+        q6_unpacked_pass<decltype(r)::value>(a, m, scratch.data(), w, bias, y + m * ldy, ldy, n_out, n0);
+      });
+      return;
+    }
   }
   tile_passes<kQRows>(a.rows, w + stride, [&](auto r, int64_t m, auto prefetch, Ahead ahead) {
     k_pass<decltype(r)::value, F, decltype(prefetch)::value>(a, m, w, bias, y + m * ldy, ldy, n_out, n0, ahead);

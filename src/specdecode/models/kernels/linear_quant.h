@@ -83,7 +83,8 @@ inline void quantize_range(const float* x, int64_t ldx, int64_t r0, int64_t r1, 
       }
       vf amax = vzero();
       for (int i = 0; i < kQBlock; i += kLanes) amax = vmax(amax, vabs(vload(v + i)));
-      const float d = hmax(amax) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      // max(lane, 0) first drops a NaN lane (the second operand wins), as a scalar std::max over the lanes did
+      const float d = hmax(vmax(amax, vzero())) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
       int8_t* q = out.q.data() + (r * blocks + b) * kQBlock;
       vi sum[2] = {vzero_i(), vzero_i()};  // per half of 16 codes
       for (int i = 0; i < kQBlock; i += kLanes) {  // codes: rounded to nearest even, then narrowed (|c| <= 127)

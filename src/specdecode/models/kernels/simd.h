@@ -47,7 +47,6 @@ inline vi vsub_i(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 inline vf vcvt_i(vi a) { return _mm512_cvtepi32_ps(a); }
 inline vi vcvt_f(vf a) { return _mm512_cvtps_epi32(a); }  // integral inputs: exact
 inline vi vadd_i(vi a, vi b) { return _mm512_add_epi32(a, b); }
-inline void vstore_i(int32_t* p, vi a) { _mm512_storeu_si512(p, a); }
 inline void vstore_bytes(uint8_t* p, vi a) { _mm512_storeu_si512(p, a); }
 inline vi vand_i(vi a, vi b) { return _mm512_and_si512(a, b); }
 inline vi vor_i(vi a, vi b) { return _mm512_or_si512(a, b); }
@@ -106,7 +105,6 @@ inline vi vsub_i(vi a, vi b) { return _mm256_sub_epi32(a, b); }
 inline vf vcvt_i(vi a) { return _mm256_cvtepi32_ps(a); }
 inline vi vcvt_f(vf a) { return _mm256_cvtps_epi32(a); }
 inline vi vadd_i(vi a, vi b) { return _mm256_add_epi32(a, b); }
-inline void vstore_i(int32_t* p, vi a) { _mm256_storeu_si256((__m256i*)p, a); }
 inline void vstore_bytes(uint8_t* p, vi a) { _mm256_storeu_si256((__m256i*)p, a); }
 inline vi vand_i(vi a, vi b) { return _mm256_and_si256(a, b); }
 inline vi vor_i(vi a, vi b) { return _mm256_or_si256(a, b); }
@@ -166,7 +164,7 @@ inline float hsum(vf a) {
   return _mm_cvtss_f32(b);
 }
 
-// The largest lane (exact: any order gives the same).
+// The largest lane (exact in any order for lanes without NaN).
 inline float hmax(vf a) {
 #ifdef SPECDECODE_AVX512
   return _mm512_reduce_max_ps(a);
