@@ -39,5 +39,5 @@ def block_activations(x: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     blocks = F.pad(x.float(), (0, -k % 32)).view(x.shape[0], -1, 32)
     d = blocks.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    inv = torch.where(torch.isfinite(1 / d), 1 / d, torch.zeros_like(d))  # all codes 0 where 1 / d overflows
     return (torch.round(blocks * inv).double() * d.double()).view(x.shape[0], -1)[:, :k]

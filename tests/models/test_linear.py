@@ -106,6 +106,27 @@ def test_block_formats_are_close_to_float64_and_row_invariant(path, fmt, out_fea
         assert torch.equal(layer(x.bfloat16()), layer(x.bfloat16().float()).bfloat16())  # bf16 in, bf16 out
 
 
+@pytest.mark.parametrize("path", OURS)
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q6_k"])
+def test_a_block_too_small_for_its_scale_quantizes_to_zero_codes(path, fmt):
+    """amax / 127 below 2^-128 makes 1 / d overflow: such a block counts as zeros (before, its codes were
+    INT_MIN narrowed differently per build, and its code sums overflowed)."""
+    g = torch.Generator().manual_seed(5)
+    blocks = _stored_k_quant(fmt, 40, 256) if fmt in SUPER_FORMATS else _blocks(torch.randn(40, 256, generator=g), fmt)
+    layer = QuantLinear(blocks, None, path)
+    zero = torch.zeros(4, 256)
+    zero[0] = torch.randn(256, generator=g)
+    zero[3, :128] = torch.randn(128, generator=g)
+    tiny = zero.clone()
+    tiny[1, 32:64] = torch.linspace(-1e-37, 1e-37, 32)  # d ~ 8e-40: subnormal, 1 / d = inf
+    tiny[2, 224:] = 1e-44
+    tiny[3, 128:160] = 1e-38
+    with torch.inference_mode():
+        got = layer(tiny)
+        assert torch.equal(got, layer(zero)) and not got[1:3].any()  # the tiny rows' only block: exactly zero
+        assert torch.equal(block_activations(tiny), block_activations(zero))
+
+
 def _stored_k_quant(fmt: str, n: int, k: int, seed: int = 0):
     return from_gguf(k_quant_blocks(SUPER_QTYPES[fmt], (n, k), seed), SUPER_QTYPES[fmt], (n, k))
 

@@ -68,7 +68,7 @@ inline void shape_quant(int64_t rows, int64_t k, QuantRows& out) {
 
 // Quantizes rows r0..r1 of `out` (shaped) from fp32 x (row r0 at x, row stride ldx, k features; zero beyond k up
 // to a whole block) with llama.cpp's q8_0 scale, d = amax / 127, and codes x * (1 / d) rounded to nearest (ties
-// to even).
+// to even); all codes 0 where 1 / d is not finite.
 inline void quantize_range(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, QuantRows& out) {
   const int64_t blocks = out.blocks;
   for (int64_t r = r0; r < r1; ++r) {
@@ -84,7 +84,8 @@ inline void quantize_range(const float* x, int64_t ldx, int64_t r0, int64_t r1, 
       vf amax = vzero();
       for (int i = 0; i < kQBlock; i += kLanes) amax = vmax(amax, vabs(vload(v + i)));
       // max(lane, 0) first drops a NaN lane (the second operand wins), as a scalar std::max over the lanes did
-      const float d = hmax(vmax(amax, vzero())) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      const float d = hmax(vmax(amax, vzero())) / 127.0f, inv = 1.0f / d;
+      const float id = std::isfinite(inv) ? inv : 0.0f;  // d = 0, or so small (< 2^-128) that 1 / d overflows: codes 0
       int8_t* q = out.q.data() + (r * blocks + b) * kQBlock;
       vi sum[2] = {vzero_i(), vzero_i()};  // per half of 16 codes
       for (int i = 0; i < kQBlock; i += kLanes) {  // codes: rounded to nearest even, then narrowed (|c| <= 127)
