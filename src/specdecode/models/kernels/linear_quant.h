@@ -173,6 +173,7 @@ SD_INLINE void nibble_sums(const uint8_t* codes, const int8_t* const (&xb)[R], v
   vi fifth[kQVecs];
   if (high)
     for (int v = 0; v < kQVecs; ++v) fifth[v] = vload_i(high + v * kVecBytes);
+#pragma GCC unroll 4  // with the fifth bits GCC kept the loop, shifting by a p known only at run time
   for (int p = 0; p < 4; ++p) {
     vi lo[kQVecs], hi[kQVecs];
     for (int v = 0; v < kQVecs; ++v) {
