@@ -186,6 +186,22 @@ inline int32_t hsum_i(vi a) {
 #endif
 }
 
+// Per 128-bit lane of a and b: (a0 + a2, a1 + a3, b0 + b2, b1 + b3), and (a0 + a1, a2 + a3, b0 + b1, b2 + b3).
+#ifdef SPECDECODE_AVX512
+inline __m512 add_halves4(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+inline __m512 add_neighbours4(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+inline __m256 add_halves4(__m256 a, __m256 b) {
+  return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+inline __m256 add_neighbours4(__m256 a, __m256 b) {
+  return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // Lane k = hsum(x[k]) for kLanes vectors, bit for bit (the same tree of adds, kLanes sums at a time by shuffles:
 // about 3 instructions a sum instead of hsum's 8).
 inline vf hsum_lanes(const vf* x) {
@@ -198,12 +214,7 @@ inline vf hsum_lanes(const vf* x) {
     s[m] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * m], h[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(h[2 * m], h[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   // lanes 0 + 2 and 1 + 3 of each key's four, then those two added: quarter k, position p holds key 4p + k
-  const __m512 c01 = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 c23 = _mm512_add_ps(_mm512_shuffle_ps(s[2], s[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(s[2], s[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(c01, c23, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(c01, c23, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 f = add_neighbours4(add_halves4(s[0], s[1]), add_halves4(s[2], s[3]));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
 #else
   __m256 s[4];
@@ -211,12 +222,7 @@ inline vf hsum_lanes(const vf* x) {
     s[i] = _mm256_add_ps(_mm256_permute2f128_ps(x[2 * i], x[2 * i + 1], 0x20),
                          _mm256_permute2f128_ps(x[2 * i], x[2 * i + 1], 0x31));
   // lanes 0 + 2 and 1 + 3 of each key's four, then those two added: half k, position p holds key 2p + k
-  const __m256 c0 = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 c1 = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm256_shuffle_ps(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m256 f = add_neighbours4(add_halves4(s[0], s[1]), add_halves4(s[2], s[3]));
   return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 #endif
 }
