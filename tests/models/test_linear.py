@@ -4,6 +4,8 @@ weight-only. Each test of ours runs on every path this CPU can execute; the othe
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
@@ -129,6 +131,26 @@ def test_a_block_too_small_for_its_scale_quantizes_to_zero_codes(path, fmt):
 
 def _stored_k_quant(fmt: str, n: int, k: int, seed: int = 0):
     return from_gguf(k_quant_blocks(SUPER_QTYPES[fmt], (n, k), seed), SUPER_QTYPES[fmt], (n, k))
+
+
+@pytest.mark.parametrize("path", OURS)
+def test_the_next_tile_prefetched_into_l1_or_l2_gives_the_same_bits(path):
+    """Each CPU's choice (L1 where its L1 data cache holds 48 KB or more, linear_quant.h) and the other."""
+    ops, layer = native.kernel(path), QuantLinear(_stored_k_quant("q4_k", 100, 512, seed=2), None, path)
+    l1_bytes = ctypes.CDLL(None).sysconf(190)  # glibc's _SC_LEVEL1_DCACHE_SIZE
+    assert ops.prefetch_level() == (0 if l1_bytes >= 48 * 1024 else 1)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))  # 9 rows: passes that prefetch in turns
+    start, outs = ops.prefetch_level(), []
+    try:
+        for level in (0, 1):
+            native.set_prefetch_level(level)
+            assert ops.prefetch_level() == level
+            outs.append(layer(x))
+    finally:
+        native.set_prefetch_level(start)
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match=r"must be 0 \(L1\) or 1 \(L2\), not 2"):
+        native.set_prefetch_level(2)
 
 
 @pytest.mark.parametrize("path", OURS)

@@ -161,6 +161,17 @@ def unavailable_reason(name: str, log: Callable[[str], None] | None = None) -> s
     return _build(name, log)[1]
 
 
+def set_prefetch_level(level: int) -> None:
+    """Where the quantized kernels of every build loaded so far prefetch a projection's next tile: 0 into L1, 1
+    into L2. Each build starts from the L1 data cache's size (L1 where it is 48 KB or more); a benchmark's switch
+    (``benchmarks/prefetch_level.py``), not a setting: the bits are the same either way."""
+    if level not in (0, 1):
+        raise ValueError(f"prefetch level must be 0 (L1) or 1 (L2), not {level!r}")
+    for module, _ in _built.values():
+        if module is not None:
+            module.set_prefetch_level(level)
+
+
 def pack(weight: torch.Tensor, tile: int = 64) -> torch.Tensor:
     """``[N, K]`` bf16 -> ``[ceil(N/tile), ceil(K/2), tile, 2]``, zero-padded, as the kernels read it."""
     n, k = weight.shape
