@@ -17,11 +17,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, free);
   m.def("quant_tile_outputs", &quant_tile_outputs);
   m.def("quant_record_bytes", &quant_record_bytes);
-  m.def("prefetch_level", [] { return sd::prefetch_level().load(); },
+  m.def("prefetch_level", [] { return sd::prefetch_level.load(); },
         "the cache the quantized kernels prefetch the next tile into: 0 for L1, 1 for L2");
   m.def("set_prefetch_level", [](int level) {
     TORCH_CHECK(level == 0 || level == 1, "prefetch level must be 0 (L1) or 1 (L2), not ", level);
-    sd::prefetch_level().store(level);
+    sd::prefetch_level.store(level);
   });
   m.def("attention", &attention, free);
   m.def("attention_indexed", &attention_indexed, free);

@@ -212,17 +212,19 @@ constexpr int64_t kAheadPasses = 16;
 
 // The cache the next tile is prefetched into: 1 for L2, 0 for L1. Where L1 cannot hold the tile in use beside the
 // next one (32 KB, and a q4_k tile of 1536 inputs is 28 KB), a tile prefetched into L1 evicted the one that the
-// next pass of rows reads again (Zen 4, 6 q4_k projections 17920 x 1536: 5 rows 6.3-7.5 -> 3.6-4.4 ms into L2, 1
-// row no slower); where it is 48 KB or more (Zen 5) L1 was measured and kept. set_prefetch_level overrides it.
-inline std::atomic<int>& prefetch_level() {
-  static std::atomic<int> level{sysconf(_SC_LEVEL1_DCACHE_SIZE) >= 48 * 1024 ? 0 : 1};
-  return level;
+// next pass of rows reads again (Zen 4: a 5-row forward of Qwen 1.5B 0.61-0.66x the time into L2, 1 row no
+// slower; its AVX2 build, with half-width tiles, the same either way). L1 stays where L1 holds 48 KB or more
+// (Zen 5: measured with L1 only) or its size is unknown. set_prefetch_level overrides it.
+inline int default_prefetch_level() {
+  const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+  return l1 > 0 && l1 < 48 * 1024 ? 1 : 0;
 }
+inline std::atomic<int> prefetch_level{default_prefetch_level()};
 
 struct Ahead {
   const uint8_t* next;
   int64_t period, wait;  // every period-th block, from block `wait`
-  bool to_l2 = prefetch_level().load(std::memory_order_relaxed) == 1;
+  bool to_l2 = prefetch_level.load(std::memory_order_relaxed) == 1;
 
   // Pass m / rows_per_pass of a tile's passes over `rows` rows (m: its first row).
   Ahead(const uint8_t* next_tile, int64_t m, int64_t rows, int64_t rows_per_pass)
