@@ -1,10 +1,12 @@
 """Speedups of a `specdecode bench` run as totals: each method's generated tokens over its seconds, summed over the
 prompts (overall and per category), against plain decoding's over the same prompts, and the geometric mean of the
 per-prompt ratios. The report's own figure is the median of per-prompt ratios, which moves with a few prompts'
-timing; totals weigh every prompt by its time. Reads results.json; prints a table, then one JSON line. It does not
-run anything.
+timing; totals weigh every prompt by its time. With ``--against M``, also M's total over the best other method's in
+each column (methods named M's drafter left out, and plain): issue 51's per-suite check of ``auto``. Reads
+results.json; prints a table, then one JSON line. It does not run anything.
 
     python benchmarks/bench_totals.py docs/benchmarks/i51-suites-zen5/qwen-suites/results.json
+    python benchmarks/bench_totals.py docs/benchmarks/zen4-dec07/smol-l8/results.json --against auto:adaptive
 """
 
 from __future__ import annotations
@@ -39,9 +41,26 @@ def totals(samples: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+def against(rows: dict[str, dict[str, float]], method: str) -> dict[str, tuple[float, str]]:
+    """Per column: ``method``'s total over the best single method's (not plain, not ``method``'s own drafter), and
+    that method's name."""
+    if method not in rows:
+        raise SystemExit(f"--against {method}: the run has no such method (it has {', '.join(rows)})")
+    drafter = method.split(":")[0]
+    others = {m: row for m, row in rows.items() if m != PLAIN and m.split(":")[0] != drafter}
+    if not others:
+        raise SystemExit(f"--against {method}: the run has no other drafter to compare with")
+    out = {}
+    for key in rows[method]:
+        best = max(others, key=lambda m: others[m][key])
+        out[key] = (rows[method][key] / others[best][key], best)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", help="a bench run's results.json")
+    p.add_argument("--against", metavar="METHOD", help="also METHOD over the best other method, per column")
     args = p.parse_args()
     with open(args.results) as f:
         run = json.load(f)
@@ -52,7 +71,14 @@ def main() -> None:
     print(f"{'method':24s}" + "".join(f"{k[:9]:>10s}" for k in keys))
     for method, row in rows.items():
         print(f"{method:24s}" + "".join(f"{row[k]:10.3f}" for k in keys))
-    print(json.dumps({"model": run["config"]["model"], "cpu": run["environment"].get("cpu_model"), "rows": rows}))
+    line = {"model": run["config"]["model"], "cpu": run["environment"].get("cpu_model"), "rows": rows}
+    if args.against:
+        ratios = against(rows, args.against)
+        print(f"\n{args.against} over the best other method (at least 0.98: {sum(r >= 0.98 for k, (r, _) in ratios.items() if k not in ('overall', 'geomean'))} of {len(keys) - 2} categories)")
+        for key in keys:
+            print(f"  {key:16s} {ratios[key][0]:6.3f}  ({ratios[key][1]})")
+        line["against"] = {"method": args.against, "ratios": {k: {"ratio": r, "best": b} for k, (r, b) in ratios.items()}}
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

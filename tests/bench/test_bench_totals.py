@@ -34,3 +34,14 @@ def test_totals_are_summed_tokens_over_summed_seconds_against_plain(bench_totals
 def test_a_run_without_plain_decoding_is_refused(bench_totals):
     with pytest.raises(SystemExit, match="no plain decoding"):
         bench_totals.totals([_sample("x", "a", "chat", 10, 1.0)])
+
+
+def test_against_takes_the_best_other_drafter_per_column_and_leaves_out_its_own(bench_totals):
+    rows = {"none": {"overall": 1.0, "chat": 1.0}, "auto:adaptive": {"overall": 1.2, "chat": 1.5},
+            "auto:agreement": {"overall": 2.0, "chat": 2.0},  # auto's own: not a single pair to beat
+            "ngram:adaptive": {"overall": 1.5, "chat": 1.0}, "suffix:adaptive": {"overall": 1.0, "chat": 1.2}}
+    ratios = bench_totals.against(rows, "auto:adaptive")
+    assert ratios["overall"] == (pytest.approx(1.2 / 1.5), "ngram:adaptive")
+    assert ratios["chat"] == (pytest.approx(1.5 / 1.2), "suffix:adaptive")
+    with pytest.raises(SystemExit, match="no such method"):
+        bench_totals.against(rows, "eagle:adaptive")
