@@ -280,9 +280,10 @@ struct Layer {
 };
 
 // RoPE and routing of the projected rows proj [N, (H + 2 Hkv) * D] for the (row, head) units u0..u1: queries
-// to q fp32 [N, H, D], keys and values (bf16) to k/v [Hkv, N, D].
+// to q fp32 [N, H, D], keys and values (bf16) to where kv_at(is_key, key head, row) says (D values there).
+template <typename KVAt>
 inline void rope_units(const Layer& L, float* proj, int64_t n, const float* cos, const float* sin, const int64_t* pos,
-                       float* q, uint16_t* k, uint16_t* v, int64_t u0, int64_t u1) {
+                       float* q, const KVAt& kv_at, int64_t u0, int64_t u1) {
   const int64_t d = L.head_dim, half = d / 2, heads = L.heads + 2 * L.kv_heads, width = heads * d;
   for (int64_t u = u0; u < u1; ++u) {
     const int64_t r = u / heads, head = u % heads;
@@ -303,7 +304,7 @@ inline void rope_units(const Layer& L, float* proj, int64_t n, const float* cos,
     } else {
       const bool is_key = head < L.heads + L.kv_heads;
       const int64_t kh = is_key ? head - L.heads : head - L.heads - L.kv_heads;
-      uint16_t* dst = (is_key ? k : v) + (kh * n + r) * d;
+      uint16_t* dst = kv_at(is_key, kh, r);
       for (int64_t i = 0; i < d; ++i) dst[i] = float_to_bf16(src[i]);
     }
   }
@@ -430,9 +431,9 @@ inline const Prepared& prepare_rows(const Proj& p, int64_t n, int64_t ldx, Rows&
 }
 
 // The first half of the layer for n rows: queries and new keys/values (see rope_units).
+template <typename KVAt>
 inline void qkv_part(const Layer& L, const float* x, int64_t n, const float* cos, const float* sin, const int64_t* pos,
-                     float* proj, float* q, uint16_t* k, uint16_t* v, ThreadBuffers& tb, SharedRows* shared, int tid,
-                     int nt) {
+                     float* proj, float* q, const KVAt& kv_at, ThreadBuffers& tb, SharedRows* shared, int tid, int nt) {
   const int64_t h = L.hidden;
   const Prepared& in = prepare_rows(L.qkv, n, h, [&](int64_t a, int64_t b) {
     tb.normed.resize((b - a) * h);
@@ -444,7 +445,7 @@ inline void qkv_part(const Layer& L, const float* x, int64_t n, const float* cos
   project_tiles(L.qkv, in, proj, L.qkv.n_out, a, b);
 #pragma omp barrier
   share(n * (L.heads + 2 * L.kv_heads), tid, nt, a, b);
-  rope_units(L, proj, n, cos, sin, pos, q, k, v, a, b);
+  rope_units(L, proj, n, cos, sin, pos, q, kv_at, a, b);
 }
 
 // The second half: x [N, hidden] -> out = x + o(attn), then + down(silu(gate) * up) of its norm (Gemma: o(attn)
@@ -543,8 +544,12 @@ inline std::vector<torch::Tensor> layer_qkv(const Layer& L, const torch::Tensor&
   std::vector<float> proj(n * L.qkv.n_out);
   sd::on_threads([&](int tid, int nt) {
     sd::ThreadBuffers tb;
+    uint16_t *keys = sd::bf16_ptr_mut(k), *values = sd::bf16_ptr_mut(v);
+    const auto kv_at = [&](bool is_key, int64_t kh, int64_t r) {
+      return (is_key ? keys : values) + (kh * n + r) * L.head_dim;
+    };
     sd::qkv_part(L, x.data_ptr<float>(), n, cos.data_ptr<float>(), sin.data_ptr<float>(), pos.data_ptr<int64_t>(),
-                 proj.data(), q.data_ptr<float>(), sd::bf16_ptr_mut(k), sd::bf16_ptr_mut(v), tb, nullptr, tid, nt);
+                 proj.data(), q.data_ptr<float>(), kv_at, tb, nullptr, tid, nt);
   });
   return {q, k, v};
 }
@@ -620,7 +625,7 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
   }
   TORCH_CHECK(total == n, "layers_rows: counts sum to ", total, ", x has ", n, " rows");
   std::vector<std::vector<sd::KeyView>> views(layers.size());
-  int64_t width = 0, kv_width = 0, hidden = 0, inter = 0;
+  int64_t width = 0, hidden = 0, inter = 0;
   for (size_t l = 0; l < layers.size(); ++l) {
     const Layer& L = *layers[l];
     const torch::Tensor &kbuf = kbufs[l], &vbuf = vbufs[l];
@@ -647,14 +652,12 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
       views[l].push_back(kv);
     }
     width = std::max(width, L.qkv.n_out);
-    kv_width = std::max(kv_width, L.kv_heads * L.head_dim);
     hidden = std::max(hidden, std::max(L.hidden, L.heads * L.head_dim));
     inter = std::max(inter, L.inter);
   }
   auto current = x.clone(), next = torch::empty_like(x);
   std::vector<float> proj(n * width), q(n * hidden), attn(n * hidden);
   std::vector<float> o(n * hidden), gu(n * 2 * inter), down(n * hidden);
-  std::vector<uint16_t> k(n * kv_width), v(n * kv_width);
   for (const Layer* L : layers)  // one attention plan serves every layer
     TORCH_CHECK(L->heads == layers[0]->heads && L->kv_heads == layers[0]->kv_heads && L->head_dim == layers[0]->head_dim,
                 "layers_rows: layers of different attention shapes");
@@ -672,20 +675,18 @@ inline torch::Tensor layers_rows(const std::vector<const Layer*>& layers, const 
       const int64_t d = L.head_dim;
       const float* xin = (l % 2 ? next : current).data_ptr<float>();
       float* xout = (l % 2 ? current : next).data_ptr<float>();
-      sd::qkv_part(L, xin, n, cos[l].data_ptr<float>(), sin[l].data_ptr<float>(), pos.data_ptr<int64_t>(), proj.data(),
-                   q.data(), k.data(), v.data(), tb, shared, tid, nt);
-#pragma omp barrier
-      int64_t a, b;
-      sd::share(n * L.kv_heads, tid, nt, a, b);
-      for (int64_t u = a; u < b; ++u) {  // the new keys/values into their slots' buffers
-        const int64_t kh = u / n, r = u % n;
+      // RoPE writes the new keys/values straight into their slots' buffers (copied there in a pass of their own,
+      // they cost each layer one more barrier).
+      const auto kv_at = [&](bool is_key, int64_t kh, int64_t r) {
         const size_t j = std::upper_bound(first_row.begin(), first_row.end(), r) - first_row.begin() - 1;
         const sd::KeyView& kv = views[l][j];
-        const int64_t at = kh * kv.head_stride_k + (starts[j] + r - first_row[j]) * d;
-        std::memcpy(const_cast<uint16_t*>(kv.keys) + at, k.data() + (kh * n + r) * d, sizeof(uint16_t) * d);
-        std::memcpy(const_cast<uint16_t*>(kv.values) + at, v.data() + (kh * n + r) * d, sizeof(uint16_t) * d);
-      }
+        const int64_t at = (starts[j] + r - first_row[j]) * d;
+        return const_cast<uint16_t*>(is_key ? kv.keys + kh * kv.head_stride_k : kv.values + kh * kv.head_stride_v) + at;
+      };
+      sd::qkv_part(L, xin, n, cos[l].data_ptr<float>(), sin[l].data_ptr<float>(), pos.data_ptr<int64_t>(), proj.data(),
+                   q.data(), kv_at, tb, shared, tid, nt);
 #pragma omp barrier
+      int64_t a, b;
       attention.share(tid, nt, a, b);
       for (int64_t u = a; u < b; ++u) {
         const sd::AttendUnit& unit = attention.units[u];
