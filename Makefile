@@ -17,8 +17,10 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/specdecode generate --chat --max-new-tokens 96 "$(PROMPT)"
 
 # Unit tests on tiny random models + integration tests on the real SmolLM2 (fetched once, cached), on two
-# pytest-xdist workers (most tests run one thread; the tests that start a Ray cluster share one worker).
+# pytest-xdist workers (most tests run one thread; the tests that start a Ray cluster share one worker). The
+# kernels' builds compile first, at once (about 100 s on a fresh machine, a few seconds once compiled).
 test: $(VENV)/.installed
+	$(PY) -m specdecode.models.native
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
 
 # The Qwen pair (0.5B drafting for 1.5B, 1.6 GB download) and other long checks.

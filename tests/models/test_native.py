@@ -36,6 +36,15 @@ def test_reasons_name_what_is_missing(monkeypatch):
         native.kernel("sse")
 
 
+def test_prebuild_compiles_what_this_cpu_runs_and_names_why_not_the_rest(monkeypatch):
+    # Run in processes of their own: a build this CPU cannot run is not started there, its reason comes back.
+    real = native._static_reason
+    monkeypatch.setattr(native, "_static_reason",
+                        lambda name: "the CPU lacks a flag" if name == "avx512" else real(name))
+    reasons = native.prebuild(("avx2", "avx512"))
+    assert reasons == {"avx2": native.unavailable_reason("avx2"), "avx512": "the CPU lacks a flag"}
+
+
 def test_pack_layout_pads_and_interleaves_pairs():
     weight = torch.arange(70 * 5, dtype=torch.float32).view(70, 5).to(torch.bfloat16)  # N = 70, K = 5 (odd)
     packed = native.pack(weight)

@@ -1,7 +1,7 @@
 """Builds and loads our compiled CPU kernels on first use, one build per instruction set.
 
 One source, ``kernels/cpu_kernels.cpp`` (with its headers), compiled three ways as torch C++ extensions
-with the system's C++ compiler and ninja (about 30-60 s each, once per source version; torch caches them
+with the system's C++ compiler and ninja (about 60 s each, once per source version; torch caches them
 under ``~/.cache/torch_extensions``):
 
 - ``tiled``: AVX512-BF16 dot products for bf16 weights, AVX512-VNNI for quantized ones.
@@ -13,20 +13,23 @@ and the fused decoder layer (``layer.h``). Where a build cannot run, ``unavailab
 missing CPU feature or tool and callers fall back. An AVX512 CPU without VNNI (Skylake-SP) runs ``avx2``.
 
 ``compile_extension`` builds any of our other torch C++ extensions the same way (the suffix trie,
-``drafters/suffix_trie.cpp``). This module does not choose between paths (``backends.resolve_backend`` does)
-and never compiles anything at import time.
+``drafters/suffix_trie.cpp``); ``prebuild`` compiles every build this CPU runs at once, one process each (``make
+test`` does, before its workers start). This module does not choose between paths (``backends.resolve_backend``
+does) and never compiles anything at import time.
 """
 
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import platform
 import shutil
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -140,7 +143,7 @@ def _build(name: str, log: Callable[[str], None] | None) -> tuple[ModuleType | N
         return _built[name]
     build = BUILDS[name]
     if log is not None:
-        log(f"loading the {name} kernels (their first use compiles them: about 30 s)")
+        log(f"loading the {name} kernels (their first use compiles them: about a minute)")
     _built[name] = compile_extension(f"specdecode_{name}_{source_digest()}", build.source, name,
                                      (*COMMON_FLAGS, *build.cflags), ("-fopenmp",))
     return _built[name]
@@ -159,6 +162,18 @@ def kernel(name: str, log: Callable[[str], None] | None = None) -> ModuleType | 
 def unavailable_reason(name: str, log: Callable[[str], None] | None = None) -> str | None:
     """Why build ``name`` cannot be used here, or None when it can (builds it if needed)."""
     return _build(name, log)[1]
+
+
+def prebuild(names: Sequence[str] = tuple(BUILDS)) -> dict[str, str | None]:
+    """Compiles the builds ``names`` that this CPU can run at once, each in a process of its own (one core each),
+    so that their first uses load them ready: a test run's workers otherwise wait on each other's compiles, one core
+    idle. Returns each build's reason where it is unavailable (None: ready)."""
+    reasons = {name: _static_reason(name) for name in names}
+    todo = [name for name, reason in reasons.items() if reason is None]
+    if todo:  # spawned: a fresh interpreter per build, no OpenMP team forked from this one
+        with ProcessPoolExecutor(len(todo), mp_context=multiprocessing.get_context("spawn")) as pool:
+            reasons.update(zip(todo, pool.map(unavailable_reason, todo)))
+    return reasons
 
 
 def set_prefetch_level(level: int) -> None:
@@ -184,3 +199,9 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The ``[N, K]`` weight that ``pack`` turned into ``packed`` (padding dropped)."""
     tiles, pairs, tile, _ = packed.shape
     return packed.transpose(1, 2).reshape(tiles * tile, pairs * 2)[:n, :k]
+
+
+if __name__ == "__main__":  # `python -m specdecode.models.native`: `make test` compiles the builds before its workers start
+    print("the kernels' builds: compiling those this CPU runs, at once (about 100 s the first time) ...", flush=True)
+    for build, why in prebuild().items():
+        print(f"  {build}: {why or 'ready'}")
