@@ -33,8 +33,8 @@ def test_tests_of_one_group_run_on_one_worker(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")} | {"OUT": str(out)}  # not this worker's
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
-                           "--rootdir", str(tmp_path), str(tmp_path / "test_grouped.py")],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                           "--dist", "loadgroup", "--rootdir", str(tmp_path), str(tmp_path / "test_grouped.py")],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     workers = {p.read_text() for p in out.iterdir()}

@@ -201,7 +201,8 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(tiles * tile, pairs * 2)[:n, :k]
 
 
-if __name__ == "__main__":  # `python -m specdecode.models.native`: `make test` compiles the builds before its workers start
+# `python -m specdecode.models.native`: `make test` compiles the builds before its workers start.
+if __name__ == "__main__":
     print("the kernels' builds: compiling those this CPU runs, at once (about 100 s the first time) ...", flush=True)
     for build, why in prebuild().items():
         print(f"  {build}: {why or 'ready'}")
