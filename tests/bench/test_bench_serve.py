@@ -106,3 +106,19 @@ def test_a_learning_drafter_gets_a_cold_and_a_warm_row_outside_a_workload():
     assert serve_command._rows(config) == ["none", "ngram:adaptive", "suffix:adaptive cold", "suffix:adaptive warm",
                                            "auto:adaptive cold", "auto:adaptive warm"]
     assert serve_command._rows(replace(config, workload="agentic")) == methods  # each run afresh: cold only
+
+
+def test_the_paired_ratio_is_the_median_of_each_repeats_own_ratio():
+    # Three repeats where the machine ran slow in the second: the medians' ratio is 100/110 = 0.91, while auto was
+    # ahead in two of three repeats (1.1, 0.5, 1.05 -> 1.05 paired).
+    def run(tps: float) -> dict:
+        return {"tokens_per_s": tps, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "itl_p50_s": 0.01, "itl_p99_s": 0.02,
+                "errors": 0}
+    plain, auto = [run(100.0), run(220.0), run(120.0)], [run(110.0), run(110.0), run(126.0)]
+    config = BenchServeConfig(model="m", methods=["none", "ngram:adaptive"], repeats=3)
+    runs = {("none", 1): plain, ("ngram:adaptive", 1): auto}
+    texts = {key: [["a"]] * 3 for key in runs}
+    rows = {r["method"]: r for r in serve_command._report(config, [1], runs, texts)["summary"]["rows"]}
+    assert rows["ngram:adaptive"]["vs_plain"] == pytest.approx(110.0 / 120.0, abs=1e-4)
+    assert rows["ngram:adaptive"]["vs_plain_paired"] == pytest.approx(1.05)
+    assert rows["none"]["vs_plain_paired"] == 1.0

@@ -5,11 +5,12 @@ One ``specdecode serve`` process per method (``none`` = plain decoding, ``ngram:
 OpenAI-compatible server on the same GGUF as a peer (it serves one request at a time); ``rayN:METHOD``
 serves METHOD through Ray Serve by N replicas sharing the cores (``serve --ray``). All are started
 before the first measurement and measured in turns: for each concurrency level and repeat, every method
-in order, so that drift on a noisy machine touches them alike. Each run sends the same greedy chat
+in order (reversed every other repeat), so that drift on a noisy machine touches them alike. Each run sends the same greedy chat
 requests (the packaged suites, or ``--prompts``) from ``concurrency`` closed-loop clients on loopback.
 Reported per method and level (medians over repeats): aggregate tokens/s, TTFT and inter-chunk latency
 p50/p99, and every ratio to plain decoding and to the library (the same requests through ``BatchEngine.run``
-in this process, ``library.py``); plus whether every answer equals plain decoding's. Prints a table and one
+in this process, ``library.py``); the ratio to plain decoding also as the median of each repeat's own ratio
+(paired rounds); plus whether every answer equals plain decoding's. Prints a table and one
 JSON line; ``--out`` writes the JSON, a Markdown report and plots.
 
 It does not define the load (``load.py``) or the server (``serve/``).
@@ -315,7 +316,9 @@ def run_command(config: BenchServeConfig, log: Callable[[str], None]) -> int:
                     run_level("127.0.0.1", s.port, _given(s.name, bodies)[:level], level)
                     _store_prompts(s, bodies, level)
             for r in range(config.repeats):
-                for i, s in enumerate(servers):
+                # Every other repeat in reverse: a machine's drift over a repeat then favours no method.
+                for i in range(len(servers)) if r % 2 == 0 else reversed(range(len(servers))):
+                    s = servers[i]
                     passes = [s.name]
                     if _learns(s.name):  # afresh: it learns this run's requests, none of another's
                         s.stop()
@@ -405,6 +408,13 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+def _paired(runs: list[dict[str, Any]], plain: list[dict[str, Any]]) -> float | None:
+    """The median over repeats of each repeat's tokens/s over plain decoding's in the same repeat (paired rounds:
+    a repeat's runs follow one another, so a slow minute of the machine slows both sides of its ratio)."""
+    ratios = [r["tokens_per_s"] / p["tokens_per_s"] for r, p in zip(runs, plain) if p["tokens_per_s"]]
+    return statistics.median(ratios) if ratios else None
+
+
 def _rows(config: BenchServeConfig) -> list[str]:
     """The report's rows: one per method, two for a learner outside ``--workload`` (its cold and warm pass)."""
     return [row for m in config.methods
@@ -421,6 +431,7 @@ def _report(config: BenchServeConfig, levels: list[int], runs: dict, texts: dict
                    "errors": sum(r["errors"] for r in runs[(method, level)]),
                    "identical": all(t == texts[(PLAIN, level)][0] for t in texts[(method, level)])}
             row["vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+            row["vs_plain_paired"] = _paired(runs[(method, level)], runs[(PLAIN, level)])
             library = _median([r.get("library_tokens_per_s") for r in runs[(method, level)]])
             row["library_tokens_per_s"] = library
             row["vs_library"] = row["tokens_per_s"] / library if library else None
@@ -439,12 +450,13 @@ def _report(config: BenchServeConfig, levels: list[int], runs: dict, texts: dict
 
 
 def _print_table(report: dict[str, Any], log: Callable[[str], None]) -> None:
-    log(f"{'method':<22}{'conc':>5}{'tok/s':>9}{'vs plain':>10}{'vs library':>11}{'vs 1-stream':>12}{'TTFT p50':>10}"
-        f"{'ITL p50':>9}{'ITL p99':>9}{'p99/step':>9}  identical")
+    log(f"{'method':<22}{'conc':>5}{'tok/s':>9}{'vs plain':>10}{'paired':>8}{'vs library':>11}{'vs 1-stream':>12}"
+        f"{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'p99/step':>9}  identical")
     for r in report["summary"]["rows"]:
         ms = lambda v: f"{1e3 * v:.0f}ms" if v is not None else "-"  # noqa: E731
         library = f"{r['vs_library']:.2f}" if r["vs_library"] else "-"
-        log(f"{r['method']:<22}{r['concurrency']:>5}{r['tokens_per_s']:>9.1f}{r['vs_plain'] or 0:>10.2f}{library:>11}"
+        log(f"{r['method']:<22}{r['concurrency']:>5}{r['tokens_per_s']:>9.1f}{r['vs_plain'] or 0:>10.2f}"
+            f"{r['vs_plain_paired'] or 0:>8.2f}{library:>11}"
             f"{r['vs_single_stream_plain']:>12.2f}{ms(r['ttft_p50_s']):>10}{ms(r['itl_p50_s']):>9}"
             f"{ms(r['itl_p99_s']):>9}{r['itl_p99_vs_step'] or 0:>9.2f}  {r['identical']}")
 
@@ -455,17 +467,20 @@ def _write(report: dict[str, Any], out: Path, log: Callable[[str], None]) -> Non
     s = report["summary"]
     lines = [f"# bench-serve: {s['model']}", "", f"`{report['command']}`", "",
              f"CPU: {s['cpu']}, flags {', '.join(s['flags'])}; {os.cpu_count()} cores; {s['max_tokens']} tokens per "
-             f"request, greedy, {s['repeats']} repeat(s) (medians). Single-stream plain decoding: "
+             f"request, greedy, {s['repeats']} repeat(s) (medians; \"paired\": the median of each repeat's own ratio). "
+             "Single-stream plain decoding: "
              f"{s['single_stream_tokens_per_s']:.1f} tok/s, step (ITL p50) {1e3 * s['single_stream_step_s']:.1f} ms."
              + (" Peer rows: llamacpp is llama-cpp-python's server (one request at a time), llamacpp-server "
                 "llama.cpp's own with --max-running slots, both on the same GGUF; their answers may differ from ours "
                 "at near-ties, so their identity is informational." if any(
                     _peer(r["method"]) for r in s["rows"]) else ""), "",
-             "| method | concurrency | tok/s | library tok/s | vs library | vs plain | vs single-stream plain | TTFT p50 | "
-             "ITL p50 | ITL p99 | ITL p99 / step | identical to plain |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | concurrency | tok/s | library tok/s | vs library | vs plain | vs plain, paired | "
+             "vs single-stream plain | TTFT p50 | ITL p50 | ITL p99 | ITL p99 / step | identical to plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
         lib = (f"{r['library_tokens_per_s']:.1f} | {r['vs_library']:.2f}" if r["vs_library"] else "- | -")
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {lib} | {r['vs_plain']:.2f} | "
+                     f"{r['vs_plain_paired']:.2f} | "
                      f"{r['vs_single_stream_plain']:.2f} | {1e3 * r['ttft_p50_s']:.0f} ms | {1e3 * r['itl_p50_s']:.0f} ms"
                      f" | {1e3 * r['itl_p99_s']:.0f} ms | {r['itl_p99_vs_step']:.2f} | {r['identical']} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
