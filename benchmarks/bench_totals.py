@@ -1,12 +1,16 @@
-"""Speedups of a `specdecode bench` run as totals: each method's generated tokens over its seconds, summed over the
+"""Speedups of `specdecode bench` runs as totals: each method's generated tokens over its seconds, summed over the
 prompts (overall and per category), against plain decoding's over the same prompts, and the geometric mean of the
 per-prompt ratios. The report's own figure is the median of per-prompt ratios, which moves with a few prompts'
 timing; totals weigh every prompt by its time. With ``--against M``, also M's total over the best other method's in
-each column (methods named M's drafter left out, and plain): issue 51's per-suite check of ``auto``. Reads
-results.json; prints a table, then one JSON line. It does not run anything.
+each column (methods named M's drafter left out, and plain): issue 51's per-suite check of ``auto``. Given several
+runs of the same methods and prompts (rounds, each a fresh process: a learning drafter starts cold in each), every
+figure is the median over rounds of that round's own ratio (paired rounds), and the best other method is the one
+M is the furthest behind by that median. Reads results.json files; prints a table, then one JSON line. It does not
+run anything.
 
     python benchmarks/bench_totals.py docs/benchmarks/i51-suites-zen5/qwen-suites/results.json
     python benchmarks/bench_totals.py docs/benchmarks/zen4-dec07/smol-l8/results.json --against auto:adaptive
+    python benchmarks/bench_totals.py run1/results.json run2/results.json run3/results.json --against auto:adaptive
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from collections import defaultdict
 
 PLAIN = "none"
@@ -41,39 +46,53 @@ def totals(samples: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
-def against(rows: dict[str, dict[str, float]], method: str) -> dict[str, tuple[float, str]]:
-    """Per column: ``method``'s total over the best single method's (not plain, not ``method``'s own drafter), and
-    that method's name."""
-    if method not in rows:
-        raise SystemExit(f"--against {method}: the run has no such method (it has {', '.join(rows)})")
+def medians(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per method and column, the median over rounds of the round's figure."""
+    return {m: {k: statistics.median(r[m][k] for r in rounds) for k in row} for m, row in rounds[0].items()}
+
+
+def against(rounds: list[dict[str, dict[str, float]]], method: str) -> dict[str, tuple[float, str]]:
+    """Per column: ``method``'s total over the best single method's (not plain, not ``method``'s own drafter) as the
+    median over rounds of each round's ratio, and that method's name (the one whose median ratio is the lowest)."""
+    if method not in rounds[0]:
+        raise SystemExit(f"--against {method}: the run has no such method (it has {', '.join(rounds[0])})")
     drafter = method.split(":")[0]
-    others = {m: row for m, row in rows.items() if m != PLAIN and m.split(":")[0] != drafter}
+    others = [m for m in rounds[0] if m != PLAIN and m.split(":")[0] != drafter]
     if not others:
         raise SystemExit(f"--against {method}: the run has no other drafter to compare with")
     out = {}
-    for key in rows[method]:
-        best = max(others, key=lambda m: others[m][key])
-        out[key] = (rows[method][key] / others[best][key], best)
+    for key in rounds[0][method]:
+        paired = {m: statistics.median(r[method][key] / r[m][key] for r in rounds) for m in others}
+        best = min(others, key=paired.__getitem__)
+        out[key] = (paired[best], best)
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("results", help="a bench run's results.json")
+    p.add_argument("results", nargs="+", help="bench runs' results.json (several: rounds of the same methods, prompts)")
     p.add_argument("--against", metavar="METHOD", help="also METHOD over the best other method, per column")
     args = p.parse_args()
-    with open(args.results) as f:
-        run = json.load(f)
-    if run["config"].get("repeats", 1) != 1:
-        raise SystemExit("totals need a one-repeat run (a repeat's samples would count twice)")
-    rows = totals(run["samples"])
+    runs = []
+    for path in args.results:
+        with open(path) as f:
+            runs.append(json.load(f))
+        if runs[-1]["config"].get("repeats", 1) != 1:
+            raise SystemExit(f"{path}: totals need one-repeat runs (a repeat's samples would count twice)")
+    rounds = [totals(run["samples"]) for run in runs]
+    if any(set(r) != set(rounds[0]) or set(r[PLAIN]) != set(rounds[0][PLAIN]) for r in rounds):
+        raise SystemExit("the rounds differ in their methods or categories: pair only runs of one command")
+    rows = medians(rounds)
     keys = ["overall", "geomean", *sorted(k for k in rows[PLAIN] if k not in ("overall", "geomean"))]
+    if len(rounds) > 1:
+        print(f"medians over {len(rounds)} rounds of each round's ratio")
     print(f"{'method':24s}" + "".join(f"{k[:9]:>10s}" for k in keys))
     for method, row in rows.items():
         print(f"{method:24s}" + "".join(f"{row[k]:10.3f}" for k in keys))
-    line = {"model": run["config"]["model"], "cpu": run["environment"].get("cpu_model"), "rows": rows}
+    line = {"model": runs[0]["config"]["model"], "cpu": runs[0]["environment"].get("cpu_model"),
+            "rounds": len(rounds), "rows": rows}
     if args.against:
-        ratios = against(rows, args.against)
+        ratios = against(rounds, args.against)
         categories = keys[2:]  # (after overall and geomean)
         met = sum(ratios[k][0] >= 0.98 for k in categories)
         print(f"\n{args.against} over the best other method (at least 0.98: {met} of {len(categories)} categories)")

@@ -27,3 +27,15 @@ def test_the_library_serves_each_request_as_a_solo_engine_would(tiny_model_dirs)
     engine = library._engines[("none", 1)]
     library.tokens_per_s("none", 1, requests, max_tokens=12, fresh=True)
     assert library._engines[("none", 1)] is not engine  # a fresh engine: nothing learned from earlier runs
+
+
+def test_stored_prompts_come_from_the_prefix_cache_as_on_a_server(tiny_model_dirs):
+    # bench-serve sends every server each request for one token before its timed runs (the prompts then in the
+    # server's prefix cache, which serve keeps by default); the library's reference reads them alike.
+    library = Library(TargetConfig(str(tiny_model_dirs[0]), dtype="float32", device="cpu"), lambda line: None)
+    long = Prompt("d", "chat", "rivers and lakes " * 100)  # (the cache keeps whole blocks of a prompt: 256 tokens here)
+    requests = library.requests([*PROMPTS, long], 4)
+    _, cold = library.tokens_per_s("ngram:adaptive", 2, requests, max_tokens=12, fresh=True)
+    _, stored = library.tokens_per_s("ngram:adaptive", 2, requests, max_tokens=12, fresh=True, stored_prompts=True)
+    engine = library._engines[("ngram:adaptive", 2)]
+    assert engine.memory.prefix_bytes > 0 and stored == cold

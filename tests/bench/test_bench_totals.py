@@ -40,8 +40,18 @@ def test_against_takes_the_best_other_drafter_per_column_and_leaves_out_its_own(
     rows = {"none": {"overall": 1.0, "chat": 1.0}, "auto:adaptive": {"overall": 1.2, "chat": 1.5},
             "auto:agreement": {"overall": 2.0, "chat": 2.0},  # auto's own: not a single pair to beat
             "ngram:adaptive": {"overall": 1.5, "chat": 1.0}, "suffix:adaptive": {"overall": 1.0, "chat": 1.2}}
-    ratios = bench_totals.against(rows, "auto:adaptive")
+    ratios = bench_totals.against([rows], "auto:adaptive")
     assert ratios["overall"] == (pytest.approx(1.2 / 1.5), "ngram:adaptive")
     assert ratios["chat"] == (pytest.approx(1.5 / 1.2), "suffix:adaptive")
     with pytest.raises(SystemExit, match="no such method"):
-        bench_totals.against(rows, "eagle:adaptive")
+        bench_totals.against([rows], "eagle:adaptive")
+
+
+def test_rounds_are_paired_each_ratio_taken_within_its_round(bench_totals):
+    # Three rounds, the second on a slow machine for ngram's turn: by medians of the methods' own figures auto would
+    # read 1.2 / 1.5 = 0.8x ngram, but paired within each round it is ahead in two of three (1.1, 0.5, 1.05 -> 1.05).
+    def rnd(auto, ngram):
+        return {"none": {"overall": 1.0}, "auto:adaptive": {"overall": auto}, "ngram:adaptive": {"overall": ngram}}
+    rounds = [rnd(1.1, 1.0), rnd(1.0, 2.0), rnd(1.26, 1.2)]
+    assert bench_totals.medians(rounds)["ngram:adaptive"]["overall"] == pytest.approx(1.2)
+    assert bench_totals.against(rounds, "auto:adaptive")["overall"] == (pytest.approx(1.05), "ngram:adaptive")

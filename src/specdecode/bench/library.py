@@ -2,7 +2,9 @@
 process, no HTTP, so that a server's tokens/s can be read against the engine's own.
 
 One engine per method and concurrency level: a level of c closed-loop clients keeps at most c sequences
-running, so the library's engine decodes at most c at a time. It does not start servers or send requests
+running, so the library's engine decodes at most c at a time. Its cache shares prompt prefixes, as a server's
+does by default, and a run may first serve every request for one token (as bench-serve does to each server), so
+that its prompts come from that cache. It does not start servers or send requests
 (``serve_command.py``, ``load.py``).
 """
 
@@ -44,13 +46,16 @@ class Library:
                 for p in (prompts[i % len(prompts)] for i in range(count))]
 
     def tokens_per_s(self, method: str, level: int, requests: list[dict[str, Any]], max_tokens: int,
-                     fresh: bool = False) -> tuple[float, list[str]]:
+                     fresh: bool = False, stored_prompts: bool = False) -> tuple[float, list[str]]:
         """Aggregate tokens/s of ``requests`` served at most ``level`` at a time by ``method`` (``none`` or
         ``DRAFTER:GAMMA``), greedy, and each request's text; ``fresh``: on a new engine (a drafter that learns
-        across requests then knows none of an earlier run's)."""
+        across requests then knows none of an earlier run's); ``stored_prompts``: each request served for one
+        token first, untimed (its prompt then in the prefix cache; one token teaches a learner nothing)."""
         if fresh:
             self._engines.pop((method, level), None)
         engine = self._engine(method, level)
+        if stored_prompts:
+            engine.run([dict(r, max_new_tokens=1) for r in requests])
         start = time.perf_counter()
         results = engine.run([dict(r, max_new_tokens=max_tokens) for r in requests])
         seconds = time.perf_counter() - start
@@ -59,9 +64,10 @@ class Library:
     def _engine(self, method: str, level: int) -> BatchEngine:
         if (method, level) not in self._engines:
             kind, _, g = method.partition(":")
-            new = drafter_factory(DrafterConfig(kind=kind), self.target_config, self.target, CacheConfig(), self.log)
+            cache = CacheConfig(prefix_cache=True)  # (a server's default)
+            new = drafter_factory(DrafterConfig(kind=kind), self.target_config, self.target, cache, self.log)
             spec = SpeculativeConfig(gamma=gamma(g) if g else 0)
-            engine = BatchEngine(self.target.model, self.target.tokenizer, new, spec,
+            engine = BatchEngine(self.target.model, self.target.tokenizer, new, spec, cache=cache,
                                  scheduler=SchedulerConfig(max_running=level))
             engine.warmup()
             self._engines[(method, level)] = engine

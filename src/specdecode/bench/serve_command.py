@@ -5,8 +5,9 @@ One ``specdecode serve`` process per method (``none`` = plain decoding, ``ngram:
 OpenAI-compatible server on the same GGUF as a peer (it serves one request at a time); ``rayN:METHOD``
 serves METHOD through Ray Serve by N replicas sharing the cores (``serve --ray``). All are started
 before the first measurement and measured in turns: for each concurrency level and repeat, every method
-in order (reversed every other repeat), so that drift on a noisy machine touches them alike. Each run sends the same greedy chat
-requests (the packaged suites, or ``--prompts``) from ``concurrency`` closed-loop clients on loopback.
+in order (reversed every other repeat), so that drift on a noisy machine touches them alike. Each run sends
+the same greedy chat requests (the packaged suites, or ``--prompts``) from ``concurrency`` closed-loop clients
+on loopback.
 Reported per method and level (medians over repeats): aggregate tokens/s, TTFT and inter-chunk latency
 p50/p99, and every ratio to plain decoding and to the library (the same requests through ``BatchEngine.run``
 in this process, ``library.py``); the ratio to plain decoding also as the median of each repeat's own ratio
@@ -385,7 +386,7 @@ def _timed_pass(server: Server, row: str, level: int, bodies: list[dict[str, Any
     if library is not None and _in_library(server.name):
         summary["library_tokens_per_s"], _ = library.tokens_per_s(
             server.name, level, _given(server.name, requests), config.max_tokens,
-            fresh=_learns(server.name) and not row.endswith(WARM))
+            fresh=_learns(server.name) and not row.endswith(WARM), stored_prompts=True)
     log(f"c={level} {row}: {summary['tokens_per_s']:.1f} tok/s"
         + (f" (library {summary['library_tokens_per_s']:.1f})" if "library_tokens_per_s" in summary else "")
         + f", ITL p99 {1e3 * (summary['itl_p99_s'] or 0):.0f} ms, errors {summary['errors']}")
@@ -480,9 +481,9 @@ def _write(report: dict[str, Any], out: Path, log: Callable[[str], None]) -> Non
     for r in s["rows"]:
         lib = (f"{r['library_tokens_per_s']:.1f} | {r['vs_library']:.2f}" if r["vs_library"] else "- | -")
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {lib} | {r['vs_plain']:.2f} | "
-                     f"{r['vs_plain_paired']:.2f} | "
-                     f"{r['vs_single_stream_plain']:.2f} | {1e3 * r['ttft_p50_s']:.0f} ms | {1e3 * r['itl_p50_s']:.0f} ms"
-                     f" | {1e3 * r['itl_p99_s']:.0f} ms | {r['itl_p99_vs_step']:.2f} | {r['identical']} |")
+                     f"{r['vs_plain_paired']:.2f} | {r['vs_single_stream_plain']:.2f} | "
+                     f"{1e3 * r['ttft_p50_s']:.0f} ms | {1e3 * r['itl_p50_s']:.0f} ms | "
+                     f"{1e3 * r['itl_p99_s']:.0f} ms | {r['itl_p99_vs_step']:.2f} | {r['identical']} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

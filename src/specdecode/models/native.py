@@ -143,7 +143,7 @@ def _build(name: str, log: Callable[[str], None] | None) -> tuple[ModuleType | N
         return _built[name]
     build = BUILDS[name]
     if log is not None:
-        log(f"loading the {name} kernels (their first use compiles them: about a minute)")
+        log(f"loading the {name} kernels (compiled at their first use on this machine: about a minute; then cached)")
     _built[name] = compile_extension(f"specdecode_{name}_{source_digest()}", build.source, name,
                                      (*COMMON_FLAGS, *build.cflags), ("-fopenmp",))
     return _built[name]
