@@ -16,7 +16,7 @@ drafters that learn across requests (``suffix``, ``auto``) start cold each round
     python benchmarks/library_ngram_load.py --threads 2 --level 8 --rounds 7 --limit 10 --fresh \
         --methods none,ngram:adaptive,auto:adaptive
     python benchmarks/library_ngram_load.py --threads 2 --level 8 --rounds 3 --limit 10 --fresh --modeled \
-        --methods none,auto:adaptive
+        --stored-prompts --methods none,auto:adaptive
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ def main() -> None:
         for m in methods:  # interleaved: each round's ratios share the machine's state of that moment
             fresh = args.fresh
             if args.stored_prompts:
-                lib.tokens_per_s(m, args.level, requests, 1, fresh=fresh)
-                fresh = False  # (one token each taught a learner nothing)
-                log.take()
+                lib.store_prompts(m, args.level, requests, fresh=fresh)
+                fresh = False
+                log.take()  # (untimed)
             speeds[m].append(lib.tokens_per_s(m, args.level, requests, args.max_tokens, fresh=fresh)[0])
             steps[m].append(log.take())
     seconds = modeled(steps) if args.modeled else {}

@@ -36,6 +36,7 @@ def test_stored_prompts_come_from_the_prefix_cache_as_on_a_server(tiny_model_dir
     long = Prompt("d", "chat", "rivers and lakes " * 100)  # (the cache keeps whole blocks of a prompt: 256 tokens here)
     requests = library.requests([*PROMPTS, long], 4)
     _, cold = library.tokens_per_s("ngram:adaptive", 2, requests, max_tokens=12, fresh=True)
-    _, stored = library.tokens_per_s("ngram:adaptive", 2, requests, max_tokens=12, fresh=True, stored_prompts=True)
+    library.store_prompts("ngram:adaptive", 2, requests, fresh=True)
+    _, stored = library.tokens_per_s("ngram:adaptive", 2, requests, max_tokens=12)
     engine = library._engines[("ngram:adaptive", 2)]
     assert engine.memory.prefix_bytes > 0 and stored == cold

@@ -45,17 +45,21 @@ class Library:
         return [dict(prompt=render(p, self.target.tokenizer), prediction=p.prediction)
                 for p in (prompts[i % len(prompts)] for i in range(count))]
 
+    def store_prompts(self, method: str, level: int, requests: list[dict[str, Any]], fresh: bool = False) -> None:
+        """Serves each of ``requests`` for one token, untimed, on ``method``'s engine at ``level`` (a new one with
+        ``fresh``): their prompts are then in its prefix cache, and one token taught a learner nothing."""
+        if fresh:
+            self._engines.pop((method, level), None)
+        self._engine(method, level).run([dict(r, max_new_tokens=1) for r in requests])
+
     def tokens_per_s(self, method: str, level: int, requests: list[dict[str, Any]], max_tokens: int,
-                     fresh: bool = False, stored_prompts: bool = False) -> tuple[float, list[str]]:
+                     fresh: bool = False) -> tuple[float, list[str]]:
         """Aggregate tokens/s of ``requests`` served at most ``level`` at a time by ``method`` (``none`` or
         ``DRAFTER:GAMMA``), greedy, and each request's text; ``fresh``: on a new engine (a drafter that learns
-        across requests then knows none of an earlier run's); ``stored_prompts``: each request served for one
-        token first, untimed (its prompt then in the prefix cache; one token teaches a learner nothing)."""
+        across requests then knows none of an earlier run's)."""
         if fresh:
             self._engines.pop((method, level), None)
         engine = self._engine(method, level)
-        if stored_prompts:
-            engine.run([dict(r, max_new_tokens=1) for r in requests])
         start = time.perf_counter()
         results = engine.run([dict(r, max_new_tokens=max_tokens) for r in requests])
         seconds = time.perf_counter() - start

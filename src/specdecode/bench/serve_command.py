@@ -384,9 +384,9 @@ def _timed_pass(server: Server, row: str, level: int, bodies: list[dict[str, Any
     results, wall = run_level("127.0.0.1", server.port, _given(server.name, bodies), level)
     summary = summarize(results, wall)
     if library is not None and _in_library(server.name):
-        summary["library_tokens_per_s"], _ = library.tokens_per_s(
-            server.name, level, _given(server.name, requests), config.max_tokens,
-            fresh=_learns(server.name) and not row.endswith(WARM), stored_prompts=True)
+        given = _given(server.name, requests)
+        library.store_prompts(server.name, level, given, fresh=_learns(server.name) and not row.endswith(WARM))
+        summary["library_tokens_per_s"], _ = library.tokens_per_s(server.name, level, given, config.max_tokens)
     log(f"c={level} {row}: {summary['tokens_per_s']:.1f} tok/s"
         + (f" (library {summary['library_tokens_per_s']:.1f})" if "library_tokens_per_s" in summary else "")
         + f", ITL p99 {1e3 * (summary['itl_p99_s'] or 0):.0f} ms, errors {summary['errors']}")
