@@ -46,6 +46,19 @@ def totals(samples: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+def check_rounds(runs: list[dict], paths: list[str]) -> None:
+    """Refuses runs that are not rounds of one command: other methods or other prompts than the first run's."""
+    def shape(run: dict) -> tuple[set[str], set[str]]:
+        return {s["method"] for s in run["samples"]}, {s["prompt_id"] for s in run["samples"]}
+    first = shape(runs[0])
+    for run, path in zip(runs[1:], paths[1:]):
+        methods, prompts = shape(run)
+        if methods != first[0]:
+            raise SystemExit(f"{path}: its methods differ from {paths[0]}'s (pair only runs of one command)")
+        if prompts != first[1]:
+            raise SystemExit(f"{path}: its prompts differ from {paths[0]}'s (pair only runs of one command)")
+
+
 def medians(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Per method and column, the median over rounds of the round's figure."""
     return {m: {k: statistics.median(r[m][k] for r in rounds) for k in row} for m, row in rounds[0].items()}
@@ -79,9 +92,8 @@ def main() -> None:
             runs.append(json.load(f))
         if runs[-1]["config"].get("repeats", 1) != 1:
             raise SystemExit(f"{path}: totals need one-repeat runs (a repeat's samples would count twice)")
+    check_rounds(runs, args.results)
     rounds = [totals(run["samples"]) for run in runs]
-    if any(set(r) != set(rounds[0]) or set(r[PLAIN]) != set(rounds[0][PLAIN]) for r in rounds):
-        raise SystemExit("the rounds differ in their methods or categories: pair only runs of one command")
     rows = medians(rounds)
     keys = ["overall", "geomean", *sorted(k for k in rows[PLAIN] if k not in ("overall", "geomean"))]
     if len(rounds) > 1:

@@ -48,10 +48,20 @@ def test_against_takes_the_best_other_drafter_per_column_and_leaves_out_its_own(
 
 
 def test_rounds_are_paired_each_ratio_taken_within_its_round(bench_totals):
-    # Three rounds, the second on a slow machine for ngram's turn: by medians of the methods' own figures auto would
-    # read 1.2 / 1.5 = 0.8x ngram, but paired within each round it is ahead in two of three (1.1, 0.5, 1.05 -> 1.05).
+    # Three rounds, the second on a slow machine for auto's turn: by the medians of the methods' own figures auto reads
+    # 1.1 / 1.2 = 0.92x ngram, but paired within each round it is ahead in two of three (1.1, 0.5, 1.05 -> 1.05).
     def rnd(auto, ngram):
         return {"none": {"overall": 1.0}, "auto:adaptive": {"overall": auto}, "ngram:adaptive": {"overall": ngram}}
     rounds = [rnd(1.1, 1.0), rnd(1.0, 2.0), rnd(1.26, 1.2)]
     assert bench_totals.medians(rounds)["ngram:adaptive"]["overall"] == pytest.approx(1.2)
     assert bench_totals.against(rounds, "auto:adaptive")["overall"] == (pytest.approx(1.05), "ngram:adaptive")
+
+
+def test_runs_of_other_methods_or_prompts_are_not_paired(bench_totals):
+    run = {"samples": [_sample("none", "a", "chat", 10, 1.0), _sample("x", "a", "chat", 10, 0.5)]}
+    bench_totals.check_rounds([run, run], ["r1", "r2"])  # rounds of one command
+    other_prompt = {"samples": [_sample("none", "b", "chat", 10, 1.0), _sample("x", "b", "chat", 10, 0.5)]}
+    with pytest.raises(SystemExit, match="r2: its prompts differ from r1's"):
+        bench_totals.check_rounds([run, other_prompt], ["r1", "r2"])
+    with pytest.raises(SystemExit, match="r3: its methods differ"):
+        bench_totals.check_rounds([run, run, {"samples": run["samples"][:1]}], ["r1", "r2", "r3"])
