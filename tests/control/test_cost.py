@@ -291,3 +291,23 @@ def test_kept_step_curves_and_acceptance_follow_every_change_of_what_they_are_ma
     assert after[0] > before[0] and after[1] < before[1]  # the first drafted token kept, the second not
     acceptance.forget(0.0)  # no evidence left: back to the priors
     assert acceptance.cumulative(6) == pytest.approx(before)
+
+
+def test_a_batch_step_teaches_the_curve_its_level_not_its_shape():
+    # Drift fixed: at c = 8 every step runs 8 rows and seldom 9 or 10, and no one-row step pins base against the
+    # shape; the 8-row point took up the contexts' growth and the 9th row came to look free (a one-token draft then
+    # "paid" where it cost 9% of the step). A batch's steps now move base alone; a lone sequence's still shape it.
+    seeded = [0.0033 * s for s in (1.0, 1.066, 1.111, 1.169, 1.332, 1.434, 1.614, 1.781, 2.016, 2.115)]
+    costs = StepCosts(gamma_max=8, max_rows=10)
+    costs.seed(seeded)
+    costs.draft_per_token = 1e-5
+    shape = list(costs.shape)
+    for step in range(200):  # contexts grow: each step slower than at warm-up, and every sequence learns it
+        rows = 9 if step % 10 == 0 else 8
+        for _ in range(8):
+            costs.update(drafted=0, draft_s=0.0, verify_s=seeded[rows - 1] * (1.6 + step / 400), others=rows - 1)
+    assert costs.shape == shape
+    assert costs.verify_s(7) == pytest.approx(seeded[7] * (1.6 + 199 / 400), rel=0.05)  # the level follows
+    assert costs.step_s(1, 7) / costs.step_s(0, 7) > 1.1  # the 9th row's price stays the kernel's
+    costs.update(drafted=3, draft_s=3e-5, verify_s=3 * seeded[3], others=0)  # alone: the shape learns
+    assert costs.shape[3] > shape[3]

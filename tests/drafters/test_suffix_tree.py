@@ -3,6 +3,7 @@ removal, matching, continuations, and the two giving the same answers to the sam
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -220,6 +221,37 @@ def test_the_compiled_trie_answers_as_the_python_one(seed):
                 base = rng.choice([None, python.node_count(node) + 1])
                 assert compiled.chain(node, budget, min_prob, base) == python.chain(node, budget, min_prob, base)
                 assert compiled.tree(node, budget, min_prob, base) == python.tree(node, budget, min_prob, base)
+            for tree in (False, True):
+                args = (path, rng.randrange(2), rng.randrange(1, 9), rng.randrange(1, 4), rng.choice([0.5, 1.0, 2.0]),
+                        rng.choice([0.0, 0.2]), tree, rng.choice([-math.inf, 0.5, 1.5]))
+                assert compiled.pick(*args) == python.pick(*args)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_pick_is_the_top_scoring_tail_of_all_longest_first(make, seed):
+    """``pick`` skips tails that cannot score more; it must still find what scoring every tail finds: the highest sum
+    of path probabilities, the longer tail on ties, and nothing unless it beats the floor."""
+    rng = random.Random(seed)
+    trie = make(6)
+    for seq in _random_seqs(rng, 5):
+        trie.insert(seq)
+    for _ in range(10):
+        path = _grow(trie, [rng.randrange(3) for _ in range(rng.randrange(1, 8))])  # (the sequence's own: own = 1)
+        budget, shortest, alpha, floor = rng.randrange(1, 6), rng.randrange(1, 3), rng.choice([0.5, 1.0]), \
+            rng.choice([-math.inf, 0.9])
+        scored = []
+        for d in range(shortest, len(path)):
+            count = trie.node_count(path[d]) - 1
+            room = min(budget, math.ceil(alpha * d), trie.max_depth - d)
+            if count >= 1 and room >= 1:
+                tokens, probs = trie.chain(path[d], room, 0.0, count)
+                scored.append((sum(probs), d, tokens, probs, count))
+        top = max(scored, key=lambda s: s[:2], default=None)
+        found = trie.pick(path, 1, budget, shortest, alpha, 0.0, False, floor)
+        if top is None or top[0] <= floor:
+            assert found is None
+        else:
+            assert found == (top[2], [], top[3], top[1], top[4], pytest.approx(top[0]))
 
 
 def test_where_nothing_compiles_tries_are_the_python_class_and_the_log_says_why(monkeypatch):

@@ -64,7 +64,7 @@ class LongDrafts:
 
     def next_gamma(self, ctx: StepContext) -> int:
         run = self.drafter.long_run()
-        k = min(run, self.budget, memory_cap(ctx, self.long_max))
+        k = min(run, self.budget, memory_cap(ctx, self.long_max)) if run else 0  # (most steps have no long run)
         if k > 0 and ctx.others_rows and self.costs is not None and self.costs.ready:  # priced at the whole step
             p = self.acceptance
             k = best_gamma([p ** i for i in range(1, k + 1)], self.costs, self.margin, ctx.others_rows,

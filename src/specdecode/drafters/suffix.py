@@ -94,17 +94,14 @@ class SuffixCache:
 @dataclass
 class _Pick:
     """A continuation of one matched tail: its tokens (parents for a tree), their path probabilities, the
-    tail's length and earlier occurrences."""
+    tail's length and earlier occurrences, and its score."""
 
     tokens: list[int]
     parents: list[int] | None
     probs: list[float]
     match_len: int
     count: int
-
-    @property
-    def score(self) -> float:
-        return sum(self.probs)
+    score: float  # the sum of the path probabilities (the tokens expected accepted)
 
 
 @dataclass
@@ -240,25 +237,14 @@ class SuffixDrafter(DrafterBase):
         """The best-scoring continuation of at most ``budget`` tokens over both tries' tails of at least ``shortest``
         tokens; None if none."""
         best: _Pick | None = None
-        # The sequence's own occurrence of its tails has no continuation yet: it counts 1 less there.
+        # The sequence's own occurrence of its tails has no continuation yet: it counts 1 less there. The own trie goes
+        # first and wins ties (a pick must beat the best so far).
         for trie, path, own in ((self._trie, self._path, 1), (self.cache.trie, self._global, 0)):
-            top = trie.deepest(path, own)  # the longest tail that occurred before (a long run's check, each step)
-            if top < shortest:
-                continue
-            counts = trie.counts_along(path)
-            for d in range(top, shortest - 1, -1):  # longest first: it wins ties, as the own trie does
-                count = counts[d] - own
-                room = min(budget, math.ceil(self.alpha * d), trie.max_depth - d)
-                if count < 1 or room < 1 or (best is not None and room <= best.score):
-                    continue  # (a token's probability is at most 1: this tail cannot score more)
-                if self.tree:
-                    tokens, parents, probs = trie.tree(path[d], room, self.min_prob, count)
-                else:
-                    tokens, probs = trie.chain(path[d], room, self.min_prob, count)
-                    parents = None
-                pick = _Pick(tokens, parents, probs, d, count)
-                if best is None or pick.score > best.score:
-                    best = pick
+            found = trie.pick(path, own, budget, shortest, self.alpha, self.min_prob, self.tree,
+                              -math.inf if best is None else best.score)
+            if found is not None:
+                tokens, parents, probs, match_len, count, score = found
+                best = _Pick(tokens, parents if self.tree else None, probs, match_len, count, score)
         return best if best is not None and best.tokens else None
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
@@ -233,6 +234,34 @@ class SuffixTrie:
             probs.append(prob)
             node, total = child, counts[child]
         return tokens, probs
+
+    def pick(self, path: list[int], own: int, budget: int, shortest: int, alpha: float, min_prob: float, tree: bool,
+             floor: float) -> tuple[list[int], list[int], list[float], int, int, float] | None:
+        """The best-scoring continuation of ``path``'s tails of at least ``shortest`` tokens whose score is above
+        ``floor``; None if none is. A tail of d tokens that occurred ``count`` times before (``own`` of them the
+        sequence's own, with nothing after them yet) offers its ``chain`` (or ``tree``) of at most
+        ``min(budget, ceil(alpha * d), max_depth - d)`` tokens; its score is the sum of their path probabilities
+        (the tokens expected accepted, were the counts the odds). Longer tails go first and win ties.
+
+        Returns:
+            (tokens, parents (empty for a chain), path probabilities, the tail's length, its count, the score).
+        """
+        out = None
+        for d in range(self.deepest(path, own), shortest - 1, -1):
+            count = self.counts[path[d]] - own
+            room = min(budget, math.ceil(alpha * d), self.max_depth - d)
+            if count < 1 or room < 1 or room <= floor:
+                continue  # (a token's probability is at most 1: this tail cannot score more)
+            if tree:
+                tokens, parents, probs = self.tree(path[d], room, min_prob, count)
+            else:
+                (tokens, probs), parents = self.chain(path[d], room, min_prob, count), []
+            score = 0.0
+            for p in probs:  # (left to right, as the compiled trie adds them)
+                score += p
+            if score > floor:
+                floor, out = score, (tokens, parents, probs, d, count, score)
+        return out
 
     def tree(self, node: int, budget: int, min_prob: float = 0.0,
              base: int | None = None) -> tuple[list[int], list[int], list[float]]:

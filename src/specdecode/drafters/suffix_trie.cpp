@@ -13,6 +13,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -259,6 +260,35 @@ class SuffixTrie {
     return {tokens, parents, probs};
   }
 
+  // The best-scoring continuation of path's tails of at least `shortest` tokens that scores above `floor`, or none
+  // (suffix_tree.py's ``pick``: the same loop, in one call instead of a Python call per tail).
+  using Pick = std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>, int64_t, int64_t, double>;
+  std::optional<Pick> pick(const std::vector<int32_t>& path, int64_t own, int64_t budget, int64_t shortest,
+                           double alpha, double min_prob, bool as_tree, double floor) {
+    for (int32_t node : path) check(node);
+    std::optional<Pick> out;
+    for (int64_t d = deepest(path, own); d >= shortest; --d) {
+      const int64_t count = counts_[path[d]] - own;
+      const int64_t room = std::min({budget, static_cast<int64_t>(std::ceil(alpha * static_cast<double>(d))),
+                                     static_cast<int64_t>(max_depth_) - d});
+      if (count < 1 || room < 1 || room <= floor) continue;  // (a token's probability is at most 1)
+      std::vector<int32_t> tokens, parents;
+      std::vector<double> probs;
+      if (as_tree) {
+        std::tie(tokens, parents, probs) = tree(path[d], room, min_prob, count);
+      } else {
+        std::tie(tokens, probs) = chain(path[d], room, min_prob, count);
+      }
+      double score = 0.0;
+      for (double p : probs) score += p;  // (left to right, as the Python class adds them)
+      if (score > floor) {
+        floor = score;
+        out = Pick{std::move(tokens), std::move(parents), std::move(probs), d, count, score};
+      }
+    }
+    return out;
+  }
+
  private:
   [[noreturn]] static void zero_total() {  // where Python divides by a count of 0
     PyErr_SetString(PyExc_ZeroDivisionError, "division by zero: no occurrences to divide by");
@@ -406,6 +436,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("count", &SuffixTrie::count)
       .def("chain", &SuffixTrie::chain, py::arg("node"), py::arg("budget"), py::arg("min_prob") = 0.0,
            py::arg("base") = py::none())
+      .def("pick", &SuffixTrie::pick, py::arg("path"), py::arg("own"), py::arg("budget"), py::arg("shortest"),
+           py::arg("alpha"), py::arg("min_prob"), py::arg("tree"), py::arg("floor"))
       .def("tree", &SuffixTrie::tree, py::arg("node"), py::arg("budget"), py::arg("min_prob") = 0.0,
            py::arg("base") = py::none());
 }
