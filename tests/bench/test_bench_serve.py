@@ -122,3 +122,23 @@ def test_the_paired_ratio_is_the_median_of_each_repeats_own_ratio():
     assert rows["ngram:adaptive"]["vs_plain"] == pytest.approx(110.0 / 120.0, abs=1e-4)
     assert rows["ngram:adaptive"]["vs_plain_paired"] == pytest.approx(1.05)
     assert rows["none"]["vs_plain_paired"] == 1.0
+
+
+def test_a_level_where_every_request_failed_is_reported_with_dashes(tmp_path):
+    # Drift fixed: plain decoding that gave 0 tokens/s (every request an error) left vs_plain None, and report.md's
+    # table formatted None as a number: the whole report was lost at its last step.
+    failed = {"tokens_per_s": 0.0, "ttft_p50_s": None, "ttft_p99_s": None, "itl_p50_s": None, "itl_p99_s": None,
+              "errors": 4}
+    ok = {"tokens_per_s": 90.0, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "itl_p50_s": 0.01, "itl_p99_s": 0.02, "errors": 0}
+    config = BenchServeConfig(model="m", methods=["none", "ngram:adaptive"])
+    runs = {("none", 1): [failed], ("ngram:adaptive", 1): [ok]}
+    texts = {key: [["a"]] for key in runs}
+    report = serve_command._report(config, [1], runs, texts)
+    lines = []
+    serve_command._print_table(report, lines.append)
+    serve_command._write(report, tmp_path, lambda _line: None)
+    table = (tmp_path / "report.md").read_text()
+    ngram = next(line for line in table.splitlines() if line.startswith("| ngram:adaptive |"))
+    assert ngram.startswith("| ngram:adaptive | 1 | 90.0 | - | - | - | - | - | 100 ms | 10 ms | 20 ms |")
+    assert "- | - | - | - |" in next(line for line in table.splitlines() if line.startswith("| none |"))
+    assert lines[1].split()[:4] == ["none", "1", "0.0", "-"]

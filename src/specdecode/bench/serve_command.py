@@ -445,7 +445,8 @@ def _report(config: BenchServeConfig, levels: list[int], runs: dict, texts: dict
                "single_stream_tokens_per_s": single["tokens_per_s"], "single_stream_step_s": step_s,
                "rows": [{k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]}
     for r in summary["rows"]:
-        r["vs_single_stream_plain"] = round(r["tokens_per_s"] / single["tokens_per_s"], 3)
+        r["vs_single_stream_plain"] = (round(r["tokens_per_s"] / single["tokens_per_s"], 3)
+                                       if single["tokens_per_s"] else None)
         r["itl_p99_vs_step"] = round(r["itl_p99_s"] / step_s, 3) if r["itl_p99_s"] and step_s else None
     return {"summary": summary, "command": "specdecode bench-serve " + " ".join(sys.argv[2:])}
 
@@ -454,12 +455,18 @@ def _print_table(report: dict[str, Any], log: Callable[[str], None]) -> None:
     log(f"{'method':<22}{'conc':>5}{'tok/s':>9}{'vs plain':>10}{'paired':>8}{'vs library':>11}{'vs 1-stream':>12}"
         f"{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'p99/step':>9}  identical")
     for r in report["summary"]["rows"]:
-        ms = lambda v: f"{1e3 * v:.0f}ms" if v is not None else "-"  # noqa: E731
-        library = f"{r['vs_library']:.2f}" if r["vs_library"] else "-"
-        log(f"{r['method']:<22}{r['concurrency']:>5}{r['tokens_per_s']:>9.1f}{r['vs_plain'] or 0:>10.2f}"
-            f"{r['vs_plain_paired'] or 0:>8.2f}{library:>11}"
-            f"{r['vs_single_stream_plain']:>12.2f}{ms(r['ttft_p50_s']):>10}{ms(r['itl_p50_s']):>9}"
-            f"{ms(r['itl_p99_s']):>9}{r['itl_p99_vs_step'] or 0:>9.2f}  {r['identical']}")
+        log(f"{r['method']:<22}{r['concurrency']:>5}{r['tokens_per_s']:>9.1f}{_shown(r['vs_plain']):>10}"
+            f"{_shown(r['vs_plain_paired']):>8}{_shown(r['vs_library']):>11}{_shown(r['vs_single_stream_plain']):>12}"
+            f"{_shown(r['ttft_p50_s'], ' ms'):>10}{_shown(r['itl_p50_s'], ' ms'):>9}{_shown(r['itl_p99_s'], ' ms'):>9}"
+            f"{_shown(r['itl_p99_vs_step']):>9}  {r['identical']}")
+
+
+def _shown(value: float | None, unit: str = "") -> str:
+    """A ratio to two decimals, or seconds as whole milliseconds (``unit`` " ms"); "-" where a level gave none
+    (no request of it succeeded, or its reference decoded nothing)."""
+    if value is None:
+        return "-"
+    return f"{1e3 * value:.0f}{unit}" if unit else f"{value:.2f}"
 
 
 def _write(report: dict[str, Any], out: Path, log: Callable[[str], None]) -> None:
@@ -470,7 +477,7 @@ def _write(report: dict[str, Any], out: Path, log: Callable[[str], None]) -> Non
              f"CPU: {s['cpu']}, flags {', '.join(s['flags'])}; {os.cpu_count()} cores; {s['max_tokens']} tokens per "
              f"request, greedy, {s['repeats']} repeat(s) (medians; \"paired\": the median of each repeat's own ratio). "
              "Single-stream plain decoding: "
-             f"{s['single_stream_tokens_per_s']:.1f} tok/s, step (ITL p50) {1e3 * s['single_stream_step_s']:.1f} ms."
+             f"{s['single_stream_tokens_per_s']:.1f} tok/s, step (ITL p50) {_shown(s['single_stream_step_s'], ' ms')}."
              + (" Peer rows: llamacpp is llama-cpp-python's server (one request at a time), llamacpp-server "
                 "llama.cpp's own with --max-running slots, both on the same GGUF; their answers may differ from ours "
                 "at near-ties, so their identity is informational." if any(
@@ -479,11 +486,12 @@ def _write(report: dict[str, Any], out: Path, log: Callable[[str], None]) -> Non
              "vs single-stream plain | TTFT p50 | ITL p50 | ITL p99 | ITL p99 / step | identical to plain |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
-        lib = (f"{r['library_tokens_per_s']:.1f} | {r['vs_library']:.2f}" if r["vs_library"] else "- | -")
-        lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {lib} | {r['vs_plain']:.2f} | "
-                     f"{r['vs_plain_paired']:.2f} | {r['vs_single_stream_plain']:.2f} | "
-                     f"{1e3 * r['ttft_p50_s']:.0f} ms | {1e3 * r['itl_p50_s']:.0f} ms | "
-                     f"{1e3 * r['itl_p99_s']:.0f} ms | {r['itl_p99_vs_step']:.2f} | {r['identical']} |")
+        library = f"{r['library_tokens_per_s']:.1f}" if r["library_tokens_per_s"] else "-"
+        lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {library} | "
+                     f"{_shown(r['vs_library'])} | {_shown(r['vs_plain'])} | {_shown(r['vs_plain_paired'])} | "
+                     f"{_shown(r['vs_single_stream_plain'])} | {_shown(r['ttft_p50_s'], ' ms')} | "
+                     f"{_shown(r['itl_p50_s'], ' ms')} | {_shown(r['itl_p99_s'], ' ms')} | "
+                     f"{_shown(r['itl_p99_vs_step'])} | {r['identical']} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -496,7 +504,8 @@ def _write(report: dict[str, Any], out: Path, log: Callable[[str], None]) -> Non
     for method in dict.fromkeys(r["method"] for r in s["rows"]):
         rows = [r for r in s["rows"] if r["method"] == method]
         axes[0].plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=method)
-        axes[1].plot([r["concurrency"] for r in rows], [1e3 * r["itl_p99_s"] for r in rows], marker="o", label=method)
+        timed = [r for r in rows if r["itl_p99_s"] is not None]  # (a level where every request failed has no latency)
+        axes[1].plot([r["concurrency"] for r in timed], [1e3 * r["itl_p99_s"] for r in timed], marker="o", label=method)
     axes[0].set(xlabel="concurrent clients", ylabel="aggregate tokens/s", title="throughput")
     axes[1].set(xlabel="concurrent clients", ylabel="ms", title="inter-chunk latency p99")
     for ax in axes:
