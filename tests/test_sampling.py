@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specdecode.sampling import Penalties, SamplingParams, penalize, probs_from_logits, sample
+from specdecode.sampling import Penalties, SamplingParams, argmax_ids, penalize, probs_from_logits, sample
 
 
 def _logits(probs: list[float]) -> torch.Tensor:
@@ -26,6 +26,20 @@ def test_greedy_is_one_hot_on_argmax():
     assert torch.equal(probs.sum(-1), torch.ones(3, 4))
     assert torch.equal((probs == 1).sum(-1), torch.ones(3, 4, dtype=torch.long))
     assert SamplingParams().greedy and not SamplingParams(temperature=0.1).greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_ids_pick_what_argmax_picks_among_ties_infinities_and_nan(dtype):
+    # greedy decoding's pick: the first of tied maxima, NaN counting as the largest, in every row and layout
+    g = torch.Generator().manual_seed(0)
+    for vocab in (1, 7, 49152, 151937):
+        logits = torch.randint(-2, 2, (9, vocab), generator=g).to(dtype)  # few values: ties everywhere
+        logits[1] = float("-inf")
+        logits[2, vocab // 2] = float("nan")
+        logits[3, :] = 1.0
+        for x in (logits, logits[:, : (vocab + 1) // 2], logits.T.contiguous().T, logits[4]):
+            assert torch.equal(argmax_ids(x), x.argmax(-1))
+
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from specdecode import tree
-from specdecode.sampling import SamplingParams, position_generator, probs_from_logits, sample
+from specdecode.sampling import SamplingParams, argmax_ids, position_generator, probs_from_logits, sample
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> Verdict:
         target_logits: ``[k + 1, V]`` target logits at the positions of [last token, d_1..d_k].
         draft: the k drafted tokens.
     """
-    return _accept_greedy(target_logits.argmax(-1).tolist(), draft)  # one host sync for the whole draft
+    return _accept_greedy(argmax_ids(target_logits).tolist(), draft)  # one host sync for the whole draft
 
 
 def _accept_greedy(best: Sequence[int], draft: list[int]) -> Verdict:
@@ -237,18 +237,20 @@ def verify_batch(logits: torch.Tensor, counts: Sequence[int], pending: Sequence[
     """
     if len(counts) != len(pending):
         raise ValueError(f"verify_batch needs one row count per sequence: {len(counts)} counts, {len(pending)} drafts")
-    best = logits.argmax(-1).tolist() if any(x.sampling.greedy for x in pending) else []  # one host sync
+    best = argmax_ids(logits).tolist() if any(x.sampling.greedy for x in pending) else []  # one host sync
     verdicts, start = [], 0
     for n, x in zip(counts, pending):
-        rows = logits[start:start + len(x.tokens) + 1]
+        end = start + len(x.tokens) + 1
         if x.parents is not None and not tree.is_chain(x.parents):
-            verdicts.append(_verify_tree(best[start:start + len(x.tokens) + 1], rows, x))
-        elif x.sampling.greedy:
-            verdicts.append(_accept_greedy(best[start:start + len(x.tokens) + 1], x.tokens))
+            verdicts.append(_verify_tree(best[start:end], logits[start:end], x))
+        elif x.sampling.greedy:  # (no slice of the logits: a view costs a few us, a greedy row needs none)
+            verdicts.append(_accept_greedy(best[start:end], x.tokens))
         elif x.q is None:
-            verdicts.append(verify_coupled(probs_from_logits(rows, x.sampling), x.tokens, x.seed, x.position))
+            verdicts.append(verify_coupled(probs_from_logits(logits[start:end], x.sampling), x.tokens, x.seed,
+                                           x.position))
         else:
-            verdicts.append(verify_stochastic(probs_from_logits(rows, x.sampling), x.q, x.tokens, x.generator))
+            verdicts.append(verify_stochastic(probs_from_logits(logits[start:end], x.sampling), x.q, x.tokens,
+                                              x.generator))
         start += n
     return verdicts
 

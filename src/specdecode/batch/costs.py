@@ -29,6 +29,7 @@ from specdecode.models.native import cpu_model, source_digest
 from specdecode.models.prefill import prefill
 from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
+from specdecode.sampling import argmax_ids
 from specdecode.timing import interleaved_timings
 
 # Row counts tried when tuning a forward's padding.
@@ -184,7 +185,7 @@ class StepTimer:
         tokens = torch.zeros(n, dtype=torch.long, device=self.target.device)
         start = time.perf_counter()
         out = self.target.forward_rows(tokens, cache, (slot,), (n,), logits=LogitRows.at(torch.arange(rows)))
-        out.logits.argmax(-1)
+        argmax_ids(out.logits)
         self.target.synchronize()
         seconds = time.perf_counter() - start
         cache.trim(slot, held)

@@ -16,7 +16,7 @@ from specdecode import tree
 from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.models.rows import LogitRows
-from specdecode.sampling import SamplingParams, probs_from_logits, sample
+from specdecode.sampling import SamplingParams, argmax_ids, probs_from_logits, sample
 
 if TYPE_CHECKING:
     from specdecode.heads.vocab import DraftVocab
@@ -293,7 +293,7 @@ def draw(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Genera
     whole row (over a ``VocabHead``'s sorted ids the first maximum is the same token), a sample does.
     """
     if sampling.greedy:
-        i = int(logits.argmax())
+        i = int(argmax_ids(logits))
         return (i if subset is None else int(subset.ids[i])), None
     q = probs_from_logits(logits if subset is None else subset.full(logits), sampling)
     return int(sample(q[None], generator)), q

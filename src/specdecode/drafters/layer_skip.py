@@ -20,7 +20,7 @@ from specdecode.kv.cache import Cache, CacheConfig
 from specdecode.kv.memory import KVMemory
 from specdecode.models.rows import LogitRows
 from specdecode.models.transformer import Transformer
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, argmax_ids
 from specdecode.stats import predicted_speedup
 
 
@@ -153,7 +153,7 @@ def calibrate_skip_set(model: Transformer, prompts: Sequence[list[int]], new_tok
             cache = model.new_cache(CacheConfig(max_len=len(full)))
             out = model(torch.tensor([full[:-1]], device=model.device), cache, layers=layers)
             logits = out.logits[0, len(prompt) - 1:]
-            hits += int((logits.argmax(-1) == torch.tensor(full[len(prompt):], device=model.device)).sum())
+            hits += int((argmax_ids(logits) == torch.tensor(full[len(prompt):], device=model.device)).sum())
             total += len(full) - len(prompt)
         return hits / total
 
@@ -181,7 +181,7 @@ def _greedy_continuation(model: Transformer, prompt: list[int], new_tokens: int)
     seq = list(prompt)
     logits = model(torch.tensor([seq], device=model.device), cache, logits=LogitRows.LAST).logits[0, -1]
     for _ in range(new_tokens):
-        seq.append(int(logits.argmax()))
+        seq.append(int(argmax_ids(logits)))
         logits = model(torch.tensor([[seq[-1]]], device=model.device), cache, logits=LogitRows.LAST).logits[0, -1]
     return prompt, seq
 

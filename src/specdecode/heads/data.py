@@ -26,6 +26,7 @@ from specdecode.heads.file import atomic_write
 from specdecode.kv.cache import CacheConfig
 from specdecode.models.rows import LogitRows
 from specdecode.prompts import Prompt, load_prompts, render
+from specdecode.sampling import argmax_ids
 
 Log = Callable[[str], None]
 DISTILLED, TEXT = 0, 1  # kinds of sequence
@@ -148,7 +149,7 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: froz
 
     def pick(logits: torch.Tensor) -> list[int]:  # [B, V] -> B tokens
         if temperature == 0.0:
-            return logits.argmax(-1).tolist()
+            return argmax_ids(logits).tolist()
         probs = (logits.float() / temperature).softmax(-1)
         return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
 
@@ -214,7 +215,7 @@ def target_features(model, ids: list[int],
     out = model(torch.tensor([ids], device=model.device), cache, features=(model.config.num_layers, *layers))
     logits, hidden = out.logits, out.features[0].to("cpu", torch.bfloat16)
     h = model.config.hidden_size
-    return logits[0].argmax(-1).cpu(), hidden[:, :h], (hidden[:, h:] if layers else None)
+    return argmax_ids(logits[0]).cpu(), hidden[:, :h], (hidden[:, h:] if layers else None)
 
 
 def features_file(folder: Path, layers: Sequence[int] = ()) -> Path:

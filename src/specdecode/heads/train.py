@@ -35,6 +35,7 @@ from specdecode.heads.file import atomic_write
 from specdecode.heads.medusa import MedusaConfig, MedusaHeads
 from specdecode.heads.vocab import draft_ids, frequency_ranking
 from specdecode.kv.cache import CacheConfig
+from specdecode.sampling import argmax_ids
 
 Log = Callable[[str], None]
 IGNORE = -100
@@ -285,7 +286,7 @@ class Trainer:
         if c.kind == "medusa":
             for n in points:
                 states = self.head(feats[n - 2])[:k]  # [k, h]
-                guesses = self.vocab[(states @ self.rows.T).argmax(-1)]
+                guesses = self.vocab[argmax_ids(states @ self.rows.T)]
                 yield _leading_matches(guesses, labels[n - 1:n - 1 + k])
             return
         from specdecode.kv.factory import make_cache
@@ -298,7 +299,7 @@ class Trainer:
                                    cache)[:, -1:]
             guesses = []
             for i in range(k):
-                token = int(self.vocab[(state[0, -1] @ self.rows.T).argmax()])
+                token = int(self.vocab[argmax_ids(state[0, -1] @ self.rows.T)])
                 guesses.append(token)
                 if i + 1 < k:
                     state = self.head.step(self.embed[[token]][None], state, cache)
