@@ -48,6 +48,9 @@ class PartTimer:
     """Seconds spent in each of a step's parts while installed, and the steps' count and forward rows."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self.seconds = dict.fromkeys(PARTS, 0.0)
         self.steps = self.rows = 0
 
@@ -80,7 +83,7 @@ class PartTimer:
 
     def take(self) -> dict[str, float]:
         out = {**self.seconds, "steps": self.steps, "rows": self.rows}
-        self.__init__()
+        self._reset()
         return out
 
 

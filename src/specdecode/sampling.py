@@ -129,8 +129,8 @@ class SamplingParams:
 def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)``: each row's index of its largest logit, the first of tied ones (NaN counts as the
     largest), as a greedy step picks it. The same indices in a third of the time on CPU: torch vectorises a max over a
-    dimension but not its argmax (torch 2.13, 2 threads: 8 rows of SmolLM2's 49152 logits 91 against 282 us, one row
-    of Qwen's 151936 69 against 219 us; at c = 8 the argmax was 3% of a step)."""
+    dimension but not its argmax (torch 2.13, 2 threads: 8 rows of SmolLM2's 49152 logits 86 against 252 us, one row
+    of Qwen's 151936 62 against 192 us; BENCHMARKS.md X-17))."""
     return logits.max(-1).indices
 
 

@@ -241,16 +241,15 @@ def verify_batch(logits: torch.Tensor, counts: Sequence[int], pending: Sequence[
     verdicts, start = [], 0
     for n, x in zip(counts, pending):
         end = start + len(x.tokens) + 1
+        rows = logits[start:end]
         if x.parents is not None and not tree.is_chain(x.parents):
-            verdicts.append(_verify_tree(best[start:end], logits[start:end], x))
-        elif x.sampling.greedy:  # (no slice of the logits: a view costs a few us, a greedy row needs none)
+            verdicts.append(_verify_tree(best[start:end], rows, x))
+        elif x.sampling.greedy:
             verdicts.append(_accept_greedy(best[start:end], x.tokens))
         elif x.q is None:
-            verdicts.append(verify_coupled(probs_from_logits(logits[start:end], x.sampling), x.tokens, x.seed,
-                                           x.position))
+            verdicts.append(verify_coupled(probs_from_logits(rows, x.sampling), x.tokens, x.seed, x.position))
         else:
-            verdicts.append(verify_stochastic(probs_from_logits(logits[start:end], x.sampling), x.q, x.tokens,
-                                              x.generator))
+            verdicts.append(verify_stochastic(probs_from_logits(rows, x.sampling), x.q, x.tokens, x.generator))
         start += n
     return verdicts
 
